@@ -1,0 +1,3 @@
+from ddptune.cli import main
+
+raise SystemExit(main())

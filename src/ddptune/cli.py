@@ -1,0 +1,90 @@
+"""The `ddptune` command line: parse, then hand over to one command module.
+
+    ddptune train CONFIG.yaml [key=value ...] [--nproc N] [--resume]
+    ddptune eval RUN_DIR|CONFIG.yaml [key=value ...] [--nproc N] [--base]
+    ddptune compare RUN_DIR ... [--json PATH]
+    ddptune scale CONFIG.yaml --nproc 1,2,4 [--mode same-per-device|same-global]
+    ddptune env
+
+With --nproc the command re-runs itself in N processes through torchrun (a free port on this
+host); under `accelerate launch` or `torchrun` leave --nproc out: the launcher has set the group.
+A bad config fails here, before any process starts, with one line naming each field and its fix.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ddptune import config as config_lib, launch
+from ddptune.config import ConfigError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ddptune", description="Data-parallel LoRA/QLoRA/full fine-tuning for dialogue summarization.")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="fine-tune as a YAML config says")
+    t.add_argument("config")
+    t.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.lr=1e-4")
+    t.add_argument("--nproc", type=int, default=None, help="start N processes (one per GPU; CPU processes without GPUs)")
+    t.add_argument("--resume", action="store_true", help="continue the run in output_dir from its newest checkpoint")
+    e = sub.add_parser("eval", help="generate summaries and score ROUGE")
+    e.add_argument("target", help="a run folder (from train) or a YAML config")
+    e.add_argument("overrides", nargs="*")
+    e.add_argument("--nproc", type=int, default=None)
+    e.add_argument("--base", action="store_true", help="the base model without adapter (zero-shot)")
+    e.add_argument("--out", default=None, help="folder for predictions.jsonl and metrics.json")
+    c = sub.add_parser("compare", help="ROUGE and loss of several runs side by side")
+    c.add_argument("runs", nargs="+")
+    c.add_argument("--json", default=None)
+    s = sub.add_parser("scale", help="the same training at several process counts")
+    s.add_argument("config")
+    s.add_argument("overrides", nargs="*")
+    s.add_argument("--nproc", required=True, help="comma-separated process counts, e.g. 1,2,4")
+    s.add_argument("--mode", choices=["same-per-device", "same-global"], default="same-per-device")
+    s.add_argument("--out", default=None, help="output folder (default: <output_dir>-scale)")
+    s.add_argument("--bandwidth-sizes", default="1MB,4MB,16MB,64MB,256MB,1GB")
+    sub.add_parser("env", help="devices, interconnect and versions for a bug report", add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["env"]:
+        from ddptune import env
+
+        return env.main(argv[1:])
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            return _train(args)
+        if args.command == "eval":
+            from ddptune import evaluate
+
+            return evaluate.main(args, argv)
+        if args.command == "compare":
+            from ddptune import evaluate
+
+            return evaluate.compare_main(args.runs, args.json)
+        if args.command == "scale":
+            from ddptune import scale
+
+            return scale.main(args)
+    except ConfigError as e:
+        if launch.is_main_process():
+            print(f"ddptune: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+def _train(args) -> int:
+    cfg = config_lib.load(args.config, args.overrides)
+    if args.nproc is not None and not launch.in_launched_process():
+        if args.nproc < 1:
+            raise ConfigError(["--nproc: must be at least 1"])
+        config_lib.validate(cfg, args.nproc, resume=args.resume)  # fail before any process starts
+        child = ["train", args.config, *args.overrides] + (["--resume"] if args.resume else [])
+        return launch.torchrun(args.nproc, ["ddptune", *child])
+    from ddptune import train
+
+    train.run(cfg, resume=args.resume)
+    return 0

@@ -1,0 +1,188 @@
+"""Dialogue-summarization data: load rows, build prompts, tokenize once, batch.
+
+A row has a dialogue and a summary. The prompt goes through the tokenizer's chat template when it
+has one (else a plain template); the loss covers the summary tokens only (labels -100 elsewhere);
+an over-long example is cut inside the dialogue, so the summary always survives. Nothing here
+knows about processes: the training loop decides which of a step's samples it computes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from ddptune.config import DataConfig, parse_rows
+
+IGNORE = -100
+PLAIN_TEMPLATE = "{instruction}\n\n### Dialogue:\n{dialogue}\n\n### Summary:\n"
+_MARK = "\x00DIALOGUE\x00"
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows
+
+
+def read_rows(source: str) -> list[dict]:
+    """All rows of `demo`, a .json list file, a .jsonl file, or `hub:ID[:SPLIT]`."""
+    if source == "demo":
+        text = resources.files("ddptune").joinpath("demo_data/demo.jsonl").read_text(encoding="utf-8")
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    if source.startswith("hub:"):
+        from datasets import load_dataset  # optional; only for hub datasets
+
+        ident, _, split = source[4:].partition(":")
+        return [dict(r) for r in load_dataset(ident, split=split or "train")]
+    path = Path(source)
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".jsonl":
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    rows = json.loads(text)
+    if not isinstance(rows, list):
+        raise ValueError(f"{source} holds a JSON {type(rows).__name__}, not a list of rows")
+    return rows
+
+
+def load_split(source: str, rows: str | None, d: DataConfig) -> list[dict]:
+    """The selected rows as {"id", "dialogue", "summary"} dicts."""
+    data = read_rows(source)
+    out = []
+    for i, r in enumerate(data):
+        out.append({"id": str(r.get("id", i)), "dialogue": r[d.dialogue_column], "summary": r[d.summary_column]})
+    return out[parse_rows(rows)]
+
+
+def check(d: DataConfig) -> list[str]:
+    """Problems with the data files and columns, for config validation (read, not tokenized)."""
+    problems = []
+    for field, source, rows in (("data.train", d.train, d.train_rows), ("data.val", d.val, d.val_rows)):
+        if source is None or source.startswith("hub:"):
+            continue
+        if source != "demo" and not Path(source).is_file():
+            problems.append(f"{field}: file {source!r} not found (give a .json/.jsonl path, `demo`, or hub:ID)")
+            continue
+        try:
+            data = read_rows(source)
+        except (ValueError, json.JSONDecodeError) as e:
+            problems.append(f"{field}: cannot read {source} ({str(e).splitlines()[0]}; expected a JSON list or JSON lines)")
+            continue
+        for col, key in ((d.dialogue_column, "dialogue_column"), (d.summary_column, "summary_column")):
+            bad = [i for i, r in enumerate(data) if not isinstance(r, dict) or not isinstance(r.get(col), str)]
+            if bad:
+                cols = sorted(data[bad[0]].keys()) if isinstance(data[bad[0]], dict) else []
+                problems.append(
+                    f"{field}: row {bad[0]} of {source} has no text column {col!r} "
+                    f"(set data.{key} to one of: {', '.join(cols) or 'none'})"
+                )
+        if not data[parse_rows(rows)]:
+            problems.append(f"{field}: rows {rows!r} select nothing from {len(data)} rows of {source}")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts and tokens
+
+
+def prompt_pieces(tokenizer, instruction: str) -> tuple[str, str, str]:
+    """(text before the dialogue, text after it up to the summary, text after the summary)."""
+    if getattr(tokenizer, "chat_template", None):
+        user = [{"role": "user", "content": f"{instruction}\n\n{_MARK}"}]
+        prompt = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(
+            user + [{"role": "assistant", "content": "S"}], tokenize=False
+        )
+        end = full[len(prompt) + 1:] if full.startswith(prompt + "S") else (tokenizer.eos_token or "")
+    else:
+        prompt = (tokenizer.bos_token or "") + PLAIN_TEMPLATE.format(instruction=instruction, dialogue=_MARK)
+        end = tokenizer.eos_token or ""
+    before, after = prompt.split(_MARK)
+    return before, after, end
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+
+def tokenize_example(tokenizer, pieces: tuple[str, str, str], dialogue: str, summary: str, max_length: int) -> dict:
+    """Prompt and summary ids; the dialogue is cut at its end if the example is too long."""
+    before, after, end = pieces
+    pre, post = _ids(tokenizer, before), _ids(tokenizer, after)
+    dia = _ids(tokenizer, dialogue)
+    target = (_ids(tokenizer, summary) + _ids(tokenizer, end))[: max_length // 2]
+    room = max_length - len(pre) - len(post) - len(target)
+    dia = dia[: max(room, 0)]
+    prompt = pre + dia + post
+    return {"input_ids": prompt + target, "labels": [IGNORE] * len(prompt) + target, "prompt_len": len(prompt)}
+
+
+def tokenize(rows: list[dict], tokenizer, d: DataConfig) -> list[dict]:
+    pieces = prompt_pieces(tokenizer, d.instruction)
+    return [tokenize_example(tokenizer, pieces, r["dialogue"], r["summary"], d.max_length) for r in rows]
+
+
+def tokenize_cached(rows: list[dict], tokenizer, d: DataConfig, cache_dir: str | os.PathLike, tok_id: str) -> list[dict]:
+    """Tokenize once and keep the result in `cache_dir`; later callers (other processes) read it.
+
+    The caller makes one process go first; the file is written atomically.
+    """
+    key = hashlib.sha256(
+        json.dumps([rows, d.instruction, d.max_length, tok_id], sort_keys=True).encode()
+    ).hexdigest()[:20]
+    path = Path(cache_dir) / f"tokenized-{key}.pt"
+    if path.exists():
+        return torch.load(path)
+    out = tokenize(rows, tokenizer, d)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    os.close(fd)
+    torch.save(out, tmp)
+    os.replace(tmp, path)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches
+
+
+def step_samples(n_rows: int, global_batch: int, step: int, seed: int) -> list[int]:
+    """Row indices of optimizer step `step` (0-based): a fresh seeded permutation every epoch,
+    the rows that do not fill a whole global batch at an epoch's end dropped."""
+    per_epoch = n_rows // global_batch
+    epoch, k = divmod(step, per_epoch)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    perm = torch.randperm(n_rows, generator=g).tolist()
+    return perm[k * global_batch:(k + 1) * global_batch]
+
+
+def split_step(indices: list[int], lengths: list[int], parts: int) -> list[list[int]]:
+    """Split one step's samples into `parts` equal micro-batches of similar lengths.
+
+    Sorted by length and dealt in order, so micro-batch j holds the j-th group of lengths:
+    less padding, and the processes of one micro-step get similar work.
+    """
+    order = sorted(indices, key=lambda i: (-lengths[i], i))
+    size = len(order) // parts
+    return [order[j * size:(j + 1) * size] for j in range(parts)]
+
+
+def collate(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad a micro-batch: input_ids, attention_mask, labels."""
+    width = max(len(e["input_ids"]) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, e in enumerate(examples):
+        n = len(e["input_ids"])
+        ids[i, :n] = torch.tensor(e["input_ids"])
+        labels[i, :n] = torch.tensor(e["labels"])
+        mask[i, :n] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def target_tokens(examples: list[dict]) -> int:
+    """Tokens the loss is computed on (summary tokens)."""
+    return sum(sum(1 for t in e["labels"] if t != IGNORE) for e in examples)

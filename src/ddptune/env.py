@@ -1,0 +1,150 @@
+"""`ddptune env`: describe this machine for a bug report (versions, GPUs, interconnect, bandwidth)."""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import platform
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ddptune import comm, report
+
+PACKAGES = ("transformers", "accelerate", "peft", "bitsandbytes", "rouge_score", "datasets")
+ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_")
+ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "TORCH_DISTRIBUTED_DEBUG",
+             "PYTORCH_CUDA_ALLOC_CONF")
+QUICK_SIZES = [1 * comm.MiB, 64 * comm.MiB, 256 * comm.MiB]
+
+
+def _version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        # distribution names sometimes differ from import names (rouge_score -> rouge-score)
+        try:
+            return importlib.metadata.version(name.replace("_", "-"))
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+
+def _ram_gib() -> float | None:
+    """Total RAM from /proc/meminfo (Linux); None where unreadable."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return round(int(line.split()[1]) * 1024 / 2**30, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _gpus() -> list[dict[str, Any]]:
+    gpus = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        gpus.append({"index": i, "name": p.name, "memory_GiB": round(p.total_memory / 2**30, 1),
+                     "compute_capability": f"{p.major}.{p.minor}"})
+    return gpus
+
+
+def collect(bandwidth: bool = True, nproc: int | None = None) -> dict[str, Any]:
+    """Gather the environment report as a plain dict (runs the quick all-reduce if asked)."""
+    cuda = torch.cuda.is_available()
+    nccl = None
+    if cuda:
+        try:
+            v = torch.cuda.nccl.version()
+            nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except Exception:  # noqa: BLE001 - best effort
+            nccl = "unknown"
+    topo = comm.topology()
+    info: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "ram_GiB": _ram_gib(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if cuda else None,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "nccl": nccl,
+        "gpus": _gpus() if cuda else [],
+        "interconnect": comm.interconnect(topo),
+        "topology": topo,
+        "packages": {name: _version(name) for name in PACKAGES},
+        "env_vars": {k: v for k, v in sorted(os.environ.items())
+                     if k in ENV_NAMES or k.startswith(ENV_PREFIXES)},
+    }
+    n = nproc if nproc is not None else (torch.cuda.device_count() if cuda else 2)
+    bw: dict[str, Any] = {"nproc": n, "status": "skipped (--no-bandwidth)"}
+    if bandwidth:
+        if n < 2:
+            bw["status"] = "single device: no all-reduce to measure"
+        elif cuda and n > torch.cuda.device_count():
+            bw["status"] = f"skipped: {n} processes but only {torch.cuda.device_count()} GPUs"
+        else:
+            try:
+                result = comm.measure_bandwidth(n, sizes=QUICK_SIZES, iters=5, warmup=2, quiet=True)
+                busbws = [r["busbw_GBps"] for r in result["rows"] if r["busbw_GBps"] is not None]
+                bw.update(status="measured", backend=result["backend"], rows=result["rows"],
+                          peak_busbw_GBps=max(busbws) if busbws else None)
+            except RuntimeError as exc:
+                bw["status"] = f"failed: {exc}"
+    info["bandwidth"] = bw
+    return info
+
+
+def format_report(info: dict[str, Any]) -> str:
+    """Markdown block to paste into a bug report."""
+    gpus = info["gpus"]
+    lines = [
+        "## ddptune env", "",
+        f"- Python: {info['python']}",
+        f"- Platform: {info['platform']}",
+        f"- CPUs: {info['cpu_count']}, RAM: "
+        + (f"{info['ram_GiB']} GiB" if info["ram_GiB"] is not None else "unknown"),
+        f"- torch: {info['torch']}, CUDA: {info['cuda'] or 'none'}, cuDNN: {info['cudnn'] or 'none'}, "
+        f"NCCL: {info['nccl'] or 'none'}",
+        f"- GPUs: {len(gpus)}, interconnect: {info['interconnect']}",
+    ]
+    lines += [f"  - GPU {g['index']}: {g['name']}, {g['memory_GiB']} GiB, "
+              f"compute capability {g['compute_capability']}" for g in gpus]
+    lines += ["- packages: " + ", ".join(f"{k} {v}" for k, v in info["packages"].items())]
+    env_vars = info["env_vars"]
+    lines += ["- env: " + (", ".join(f"{k}={v}" for k, v in env_vars.items()) or "(none set)")]
+    lines += ["", "### Topology (nvidia-smi topo -m)", "", "```", info["topology"], "```", ""]
+    bw = info["bandwidth"]
+    lines.append(f"### All-reduce bandwidth ({bw['nproc']} processes)")
+    lines.append("")
+    if bw["status"] == "measured":
+        lines.append(comm.format_rows(bw["rows"]).rstrip())
+        peak = bw["peak_busbw_GBps"]
+        lines += ["", f"peak busbw: {peak:.3g} GB/s ({bw['backend']})" if peak is not None
+                  else "peak busbw: n/a"]
+    else:
+        lines.append(bw["status"])
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`ddptune env [--no-bandwidth] [--nproc N] [--json PATH]`; prints the report, returns 0."""
+    p = argparse.ArgumentParser(prog="ddptune env", description=__doc__)
+    p.add_argument("--bandwidth", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure all-reduce bandwidth across --nproc processes (default: on)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes for the bandwidth test (default: CUDA devices, or 2 on CPU)")
+    p.add_argument("--json", metavar="PATH", help="also write the report as JSON here")
+    args = p.parse_args(argv)
+    info = collect(bandwidth=args.bandwidth, nproc=args.nproc)
+    print(format_report(info), flush=True)
+    if args.json:
+        report.write_json(args.json, info)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

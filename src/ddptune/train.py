@@ -1,0 +1,259 @@
+"""`ddptune train`: data-parallel fine-tuning, one process per device, the same code for 1 and N.
+
+Read top to bottom: validate → set up processes → data → model → loop → save.
+Each optimizer step takes a fixed global batch of samples (per-device batch × processes ×
+accumulation). Every process computes its share; gradients are all-reduced once, on the last
+micro-step only. The loss is the sum over summary tokens divided by the number of summary tokens
+in the whole global batch (all processes, all micro-steps), so N processes take exactly the step
+that one process would take with N times the accumulation.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+import warnings
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import transformers
+from accelerate import Accelerator
+from accelerate.utils import gather_object, set_seed
+from tqdm.auto import tqdm
+
+from ddptune import checkpoint, config as config_lib, data, metrics, model as model_lib
+from ddptune.config import Config, ConfigError
+
+
+def setup(cfg: Config) -> Accelerator:
+    """Join the process group the launcher described (a group of one without a launcher).
+
+    Accelerator sets this process's CUDA device (cuda:LOCAL_RANK) before any CUDA work.
+    """
+    cuda = torch.cuda.is_available()
+    dtype = model_lib.compute_dtype(cfg.train.precision, torch.device("cuda" if cuda else "cpu"))
+    accelerator = Accelerator(cpu=not cuda, mixed_precision="bf16" if dtype == torch.bfloat16 else "no")
+    if not accelerator.is_main_process:  # only rank 0 writes to the console
+        transformers.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+        logging.disable(logging.WARNING)
+        warnings.filterwarnings("ignore")
+    return accelerator
+
+
+def load_data(cfg: Config, tokenizer, accelerator: Accelerator) -> tuple[list[dict], list[dict]]:
+    """Tokenized train and validation examples; the main process tokenizes, the others read its cache."""
+    cache = Path(cfg.output_dir) / "cache"
+    tok_id = model_lib.fingerprint(tokenizer)
+    with accelerator.main_process_first():
+        train_rows = data.load_split(cfg.data.train, cfg.data.train_rows, cfg.data)
+        train = data.tokenize_cached(train_rows, tokenizer, cfg.data, cache, tok_id)
+        val = []
+        if cfg.data.val:
+            val_rows = data.load_split(cfg.data.val, cfg.data.val_rows, cfg.data)
+            val = data.tokenize_cached(val_rows, tokenizer, cfg.data, cache, tok_id)
+    return train, val
+
+
+def build_model(cfg: Config, accelerator: Accelerator):
+    with accelerator.main_process_first():  # a preset checkpoint or hub download is made once
+        base = model_lib.load_model(cfg.model, cfg.train.method, accelerator.device, cfg.train.precision, cfg.train.seed)
+    set_seed(cfg.train.seed)  # adapters start equal on every process
+    return model_lib.add_adapters(base, cfg.train.method, cfg.lora, cfg.train.gradient_checkpointing)
+
+
+def build_optimizer(cfg: Config, model, total_steps: int):
+    t = cfg.train
+    params = [p for p in model.parameters() if p.requires_grad]
+    if t.optimizer == "adamw":
+        fused = params[0].is_cuda
+        opt = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, fused=fused)
+    else:
+        import bitsandbytes as bnb
+
+        cls = bnb.optim.PagedAdamW8bit if t.optimizer == "paged_adamw_8bit" else bnb.optim.AdamW8bit
+        opt = cls(params, lr=t.lr, weight_decay=t.weight_decay)
+    sched = transformers.get_scheduler(t.lr_schedule, opt, num_warmup_steps=t.warmup_steps, num_training_steps=total_steps)
+    return opt, sched
+
+
+@torch.no_grad()
+def validation_loss(model, examples: list[dict], micro: int, pad_id: int, accelerator: Accelerator) -> float:
+    """Token-weighted loss over all validation examples: each process sums its share's token
+    losses and counts, the sums are reduced, then divided (never an average of averages)."""
+    net = accelerator.unwrap_model(model)  # no DDP hooks: processes may run different batch counts
+    was_training = net.training
+    net.eval()
+    mine = examples[accelerator.process_index::accelerator.num_processes]
+    sums = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
+    for i in range(0, len(mine), micro):
+        chunk = mine[i:i + micro]
+        batch = {k: v.to(accelerator.device) for k, v in data.collate(chunk, pad_id).items()}
+        with accelerator.autocast():
+            out = net(**batch, num_items_in_batch=1)  # the sum over tokens
+        sums += torch.stack([out.loss.double(), torch.tensor(data.target_tokens(chunk), device=sums.device, dtype=torch.float64)])
+    net.train(was_training)
+    sums = accelerator.reduce(sums, "sum")
+    return (sums[0] / sums[1]).item()
+
+
+def save_final(cfg: Config, model, tokenizer, accelerator: Accelerator) -> Path:
+    """The adapter (PEFT format) or full model, with tokenizer and resolved config, renamed into place."""
+    name = "model" if cfg.train.method == "full" else "adapter"
+    final = Path(cfg.output_dir) / name
+    if accelerator.is_main_process:
+        tmp = checkpoint.atomic_dir(final)
+        accelerator.unwrap_model(model).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "ddptune.yaml").write_text(config_lib.dump(cfg))
+        checkpoint.commit(tmp, final)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def run(cfg: Config, resume: bool = False) -> dict:
+    """Train as configured; every process calls this. Returns the run summary."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    plan = config_lib.validate(cfg, world, resume=resume)
+    accelerator = setup(cfg)
+    accelerator.wait_for_everyone()  # every process has validated before anything is written
+    out = Path(cfg.output_dir)
+    say = accelerator.print
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(config_lib.dump(cfg))
+    t0 = time.perf_counter()
+
+    tokenizer = model_lib.load_tokenizer(cfg.model)
+    train_set, val_set = load_data(cfg, tokenizer, accelerator)
+    if len(train_set) < plan.global_batch:
+        raise ConfigError([f"data.train: {len(train_set)} rows are fewer than one global batch of {plan.global_batch} (lower train.micro_batch_size or the accumulation)"])
+    steps_per_epoch = len(train_set) // plan.global_batch
+    total_steps = cfg.train.max_steps or max(1, math.floor(cfg.train.epochs * steps_per_epoch))
+
+    model = build_model(cfg, accelerator)
+    optimizer, scheduler = build_optimizer(cfg, model, total_steps)
+    trainable, total = model_lib.count_params(model)
+    n_matrix = metrics.matrix_weights(model)
+    n_adapter = trainable if cfg.train.method != "full" else 0
+    n_layers, hidden = model_lib.shape(model)
+    model, optimizer = accelerator.prepare(model, optimizer)
+
+    start = 0
+    if resume:
+        last = checkpoint.list_checkpoints(out / "checkpoints")[-1]
+        state = checkpoint.load(last, accelerator.unwrap_model(model), optimizer, scheduler, accelerator.process_index)
+        if state["world_size"] != accelerator.num_processes:
+            raise ConfigError([f"--resume: {last} was written by {state['world_size']} processes; resume with --nproc {state['world_size']}"])
+        start = state["step"]
+    load_s = time.perf_counter() - t0
+
+    say(f"ddptune: {cfg.model.source} | {cfg.train.method} | {trainable:,} of {total:,} parameters trained")
+    say(f"ddptune: {accelerator.num_processes} process(es) on {accelerator.device.type} "
+        f"({accelerator.distributed_type.value}, mixed precision {accelerator.mixed_precision})")
+    say(f"ddptune: {plan.describe()}")
+    say(f"ddptune: {len(train_set)} training examples, {steps_per_epoch} steps per epoch, "
+        f"{total_steps} steps" + (f", resuming after step {start}" if start else ""))
+
+    log = metrics.JsonlWriter(out / "metrics.jsonl", keep_until_step=start) if accelerator.is_main_process else None
+    lengths = [len(e["input_ids"]) for e in train_set]
+    parts = accelerator.num_processes * plan.grad_accum
+    peak = metrics.peak_tflops(accelerator.device)
+    pad_id = tokenizer.pad_token_id
+    bar = tqdm(total=total_steps, initial=start, desc="train", disable=not accelerator.is_main_process, dynamic_ncols=True)
+    model.train()
+    last_loss = val_loss = float("nan")
+    history = []
+    for step in range(start, total_steps):
+        t_step = time.perf_counter()
+        idx = data.step_samples(len(train_set), plan.global_batch, step, cfg.train.seed)
+        micro = data.split_step(idx, lengths, parts)
+        mine = [[train_set[i] for i in m] for m in micro[accelerator.process_index::accelerator.num_processes]]
+        # All summary tokens of the global batch: every micro-step divides its token-loss sum by it.
+        n_target = accelerator.reduce(torch.tensor(sum(data.target_tokens(m) for m in mine), device=accelerator.device), "sum")
+        loss_sum = torch.zeros((), device=accelerator.device)
+        real = padded = 0
+        for k, examples in enumerate(mine):
+            batch = {key: v.to(accelerator.device) for key, v in data.collate(examples, pad_id).items()}
+            real += int(batch["attention_mask"].sum())
+            padded += batch["attention_mask"].numel()
+            sync = k == len(mine) - 1  # all-reduce gradients on the last micro-step only
+            with (nullcontext() if sync else accelerator.no_sync(model)), accelerator.autocast():
+                loss = model(**batch, num_items_in_batch=n_target).loss
+            # DDP averages gradients over processes; scaling by their number makes it a sum.
+            accelerator.backward(loss * accelerator.num_processes)
+            loss_sum += loss.detach().float()
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm or float("inf"))
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        stats = accelerator.reduce(torch.tensor([loss_sum.item(), real, padded, float(n_target)], device=accelerator.device, dtype=torch.float64), "sum")
+        loss_v, real_g, padded_g = stats[0].item(), int(stats[1]), int(stats[2])
+        n_target_v = int(n_target)
+        dt = time.perf_counter() - t_step
+        row = {
+            "step": step + 1, "loss": loss_v, "lr": lr, "grad_norm": float(grad_norm),
+            "samples": plan.global_batch, "tokens": real_g, "target_tokens": n_target_v, "padded_tokens": padded_g,
+            "step_time_s": dt, "tokens_per_s": real_g / dt, "tokens_per_s_per_gpu": real_g / dt / accelerator.num_processes,
+        }
+        if peak:
+            mean_context = real_g / plan.global_batch / 2  # a token attends to half its sample on average
+            fpt = metrics.flops_per_token(n_matrix, n_adapter, n_layers, hidden, mean_context, cfg.train.method)
+            row["mfu"] = fpt * row["tokens_per_s_per_gpu"] / (peak * 1e12)
+            row["peak_mem_gib"] = metrics.peak_memory_gib(accelerator.device)
+        last_loss = loss_v
+        history.append(row)
+        if log:
+            log.write(row)
+        bar.set_postfix(loss=f"{loss_v:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", lr=f"{lr:.2e}")
+        bar.update(1)
+        done = step + 1
+        if cfg.train.val_every and val_set and done % cfg.train.val_every == 0 and done < total_steps:
+            val_loss = validation_loss(model, val_set, cfg.train.micro_batch_size, pad_id, accelerator)
+            if log:
+                log.write({"step": done, "val_loss": val_loss})
+            bar.write(f"step {done}: val_loss {val_loss:.4f}") if accelerator.is_main_process else None
+        if cfg.train.save_every and done % cfg.train.save_every == 0:
+            save_checkpoint(cfg, model, optimizer, scheduler, accelerator, done)
+    bar.close()
+    if val_set:
+        val_loss = validation_loss(model, val_set, cfg.train.micro_batch_size, pad_id, accelerator)
+        if log:
+            log.write({"step": total_steps, "val_loss": val_loss})
+    final = save_final(cfg, model, tokenizer, accelerator)
+    if log:
+        log.close()
+    steady = [r["step_time_s"] for r in history[min(2, len(history) - 1):]] or [0.0]
+    summary = {
+        "steps": total_steps, "world_size": accelerator.num_processes, "global_batch": plan.global_batch,
+        "grad_accum": plan.grad_accum, "micro_batch_size": plan.micro_batch_size,
+        "final_loss": last_loss, "val_loss": val_loss, "load_time_s": load_s,
+        "train_time_s": time.perf_counter() - t0 - load_s,
+        "median_step_time_s": sorted(steady)[len(steady) // 2],
+        "tokens_per_s_per_gpu": (sum(r["tokens"] for r in history) / max(sum(r["step_time_s"] for r in history), 1e-9)
+                                 / accelerator.num_processes) if history else 0.0,
+        "peak_mem_gib": metrics.peak_memory_gib(accelerator.device),
+        "trainable_params": trainable, "output": str(final),
+    }
+    if accelerator.is_main_process:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        say(f"ddptune: done in {summary['train_time_s']:.1f}s: final loss {last_loss:.4f}"
+            + (f", val loss {val_loss:.4f}" if val_set else "")
+            + f", {summary['tokens_per_s_per_gpu']:.0f} tokens/s per process; saved {final}")
+    accelerator.wait_for_everyone()
+    return summary
+
+
+def save_checkpoint(cfg: Config, model, optimizer, scheduler, accelerator: Accelerator, step: int) -> None:
+    rngs = gather_object([checkpoint.rng_state()])  # every process's RNG, in rank order
+    if accelerator.is_main_process:
+        folder = Path(cfg.output_dir) / "checkpoints"
+        weights = model_lib.trainable_state(accelerator.unwrap_model(model))
+        checkpoint.save(folder, step, weights, optimizer, scheduler, rngs, {"world_size": accelerator.num_processes})
+        checkpoint.prune(folder, cfg.train.keep_checkpoints)
+    accelerator.wait_for_everyone()
+

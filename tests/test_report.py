@@ -1,0 +1,55 @@
+"""Markdown tables, atomic CSV/JSON/text writers and the scaling plot."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from ddptune import report
+
+ROWS = [
+    {"nproc": 1, "speedup": 1.0, "compute_s": 0.50, "comm_s": 0.0, "predicted_speedup": 1.0},
+    {"nproc": 2, "speedup": 1.9, "compute_s": 0.50, "comm_s": 0.03, "predicted_speedup": 1.95},
+    {"nproc": 4, "speedup": 3.5, "compute_s": 0.50, "comm_s": 0.07, "predicted_speedup": 3.7},
+]
+
+
+def test_markdown_table() -> None:
+    rows = [{"name": "a|b", "x": 1.23456, "n": 3}, {"name": "c", "x": None, "n": 10}]
+    text = report.markdown_table(rows, [("name", "Name"), ("x", "X value"), ("n", "N")])
+    assert text == (
+        "| Name | X value | N |\n"
+        "| --- | ---: | ---: |\n"
+        "| a\\|b | 1.235 | 3 |\n"
+        "| c |  | 10 |\n"
+    )
+    default = report.markdown_table(rows, floatfmt=".2f")
+    assert default.splitlines()[0] == "| name | x | n |"
+    assert "1.23" in default
+
+
+def test_csv_round_trip(tmp_path: Path) -> None:
+    path = report.write_csv(tmp_path / "sub" / "rows.csv", ROWS, [("nproc", "N"), ("speedup", "S")])
+    with open(path, newline="") as f:
+        back = list(csv.DictReader(f))
+    assert back == [{"nproc": str(r["nproc"]), "speedup": str(r["speedup"])} for r in ROWS]
+    assert [p.name for p in path.parent.iterdir()] == ["rows.csv"]  # no temp file left behind
+
+
+def test_json_and_text(tmp_path: Path) -> None:
+    report.write_json(tmp_path / "a.json", {"rows": ROWS})
+    assert json.loads((tmp_path / "a.json").read_text()) == {"rows": ROWS}
+    report.write_text(tmp_path / "a.md", "hello\n")
+    report.write_text(tmp_path / "a.md", "again\n")  # replaces
+    assert (tmp_path / "a.md").read_text() == "again\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "a.md"]
+
+
+def test_plot_scaling_png(tmp_path: Path) -> None:
+    path = report.plot_scaling(tmp_path / "scaling.png", ROWS)
+    data = Path(path).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 1024
+    # without predictions or timings it still draws
+    bare = report.plot_scaling(tmp_path / "bare.png", [{"nproc": 2, "speedup": 1.5}, {"nproc": 1, "speedup": 1.0}])
+    assert Path(bare).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
