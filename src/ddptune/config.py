@@ -365,14 +365,36 @@ def validate(cfg: Config, world_size: int, resume: bool = False) -> BatchPlan:
         )
     if resume and not (out / "checkpoints").is_dir():
         problems.append(f"output_dir: --resume found no checkpoints in {out} (train with train.save_every > 0 first)")
+    elif resume and (out / "config.yaml").exists():
+        saved = _flatten(yaml.safe_load((out / "config.yaml").read_text()))
+        for key, value in _flatten(to_dict(cfg)).items():
+            if saved.get(key) != value:
+                problems.append(f"{key}: is {value!r} but the run being resumed used {saved.get(key)!r} (resume with the same config)")
     plan = None
     try:
         plan = batch_plan(t, world_size)
     except ConfigError as e:
         problems += e.problems
+    if plan and not problems and not cfg.data.train.startswith("hub:"):
+        n = len(data_lib.load_split(cfg.data.train, cfg.data.train_rows, cfg.data))
+        if n < plan.global_batch:
+            problems.append(
+                f"data.train: {n} rows are fewer than one global batch of {plan.global_batch} "
+                "(select more rows, or lower train.micro_batch_size or the accumulation)"
+            )
     if problems:
         raise ConfigError(problems)
     return plan
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def _check_model_source(m: ModelConfig) -> list[str]:

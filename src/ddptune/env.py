@@ -118,7 +118,7 @@ def format_report(info: dict[str, Any]) -> str:
     lines += ["- env: " + (", ".join(f"{k}={v}" for k, v in env_vars.items()) or "(none set)")]
     lines += ["", "### Topology (nvidia-smi topo -m)", "", "```", info["topology"], "```", ""]
     bw = info["bandwidth"]
-    lines.append(f"### All-reduce bandwidth ({bw['nproc']} processes)")
+    lines.append(f"### All-reduce bandwidth ({bw['nproc']} process{'es' if bw['nproc'] != 1 else ''})")
     lines.append("")
     if bw["status"] == "measured":
         lines.append(comm.format_rows(bw["rows"]).rstrip())

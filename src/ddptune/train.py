@@ -9,6 +9,7 @@ that one process would take with N times the accumulation.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -114,8 +115,18 @@ def save_final(cfg: Config, model, tokenizer, accelerator: Accelerator) -> Path:
     return final
 
 
-def run(cfg: Config, resume: bool = False) -> dict:
-    """Train as configured; every process calls this. Returns the run summary."""
+def replica_fingerprints(model, accelerator: Accelerator) -> list[str]:
+    """A hash of this process's trained weights, gathered from every process: all equal when
+    the replicas took identical steps (checked at the end of every run)."""
+    h = hashlib.sha256()
+    for name, p in sorted(model_lib.trainable_state(accelerator.unwrap_model(model)).items()):
+        h.update(name.encode())
+        h.update(p.float().cpu().numpy().tobytes())
+    return gather_object([h.hexdigest()[:16]])
+
+
+def run(cfg: Config, resume: bool = False):
+    """Train as configured; every process calls this. Returns (summary, trained model)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     plan = config_lib.validate(cfg, world, resume=resume)
     accelerator = setup(cfg)
@@ -224,6 +235,9 @@ def run(cfg: Config, resume: bool = False) -> dict:
         val_loss = validation_loss(model, val_set, cfg.train.micro_batch_size, pad_id, accelerator)
         if log:
             log.write({"step": total_steps, "val_loss": val_loss})
+    fingerprints = replica_fingerprints(model, accelerator)
+    if len(set(fingerprints)) != 1:
+        raise RuntimeError(f"replicas diverged: weight hashes per process {fingerprints}")
     final = save_final(cfg, model, tokenizer, accelerator)
     if log:
         log.close()
@@ -237,7 +251,7 @@ def run(cfg: Config, resume: bool = False) -> dict:
         "tokens_per_s_per_gpu": (sum(r["tokens"] for r in history) / max(sum(r["step_time_s"] for r in history), 1e-9)
                                  / accelerator.num_processes) if history else 0.0,
         "peak_mem_gib": metrics.peak_memory_gib(accelerator.device),
-        "trainable_params": trainable, "output": str(final),
+        "trainable_params": trainable, "output": str(final), "replica_fingerprints": fingerprints,
     }
     if accelerator.is_main_process:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -245,7 +259,7 @@ def run(cfg: Config, resume: bool = False) -> dict:
             + (f", val loss {val_loss:.4f}" if val_set else "")
             + f", {summary['tokens_per_s_per_gpu']:.0f} tokens/s per process; saved {final}")
     accelerator.wait_for_everyone()
-    return summary
+    return summary, accelerator.unwrap_model(model)
 
 
 def save_checkpoint(cfg: Config, model, optimizer, scheduler, accelerator: Accelerator, step: int) -> None:

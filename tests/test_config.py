@@ -1,0 +1,96 @@
+"""Config loading and validation: every shipped YAML loads; bad input fails before any process starts."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import ROOT, SHARED_DATA, ddptune
+from ddptune import config
+from ddptune.config import ConfigError
+
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def test_configs_exist():
+    names = {p.name for p in CONFIGS}
+    assert {"tiny.yaml", "demo.yaml", "samsum_qlora_llama31_8b.yaml"} <= names
+    for n in (1, 2, 4, 8):
+        text = (ROOT / "configs" / "accelerate" / f"{n}gpu.yaml").read_text()
+        assert f"num_processes: {n}" in text and "mixed_precision: bf16" in text
+        assert ("distributed_type: MULTI_GPU" in text) == (n > 1)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_validates(path, tmp_path):
+    assert path.read_text().startswith("# ddptune "), "each config starts with the command that runs it"
+    cfg = config.load(path, [f"output_dir={tmp_path / 'out'}"])
+    if "shared/data" in (cfg.data.train or "") and not SHARED_DATA.is_dir():
+        pytest.skip("../shared/data is not beside this checkout")
+    plan = config.validate(cfg, world_size=1)
+    assert plan.global_batch >= 1
+
+
+def test_effective_batch_fixes_the_global_batch_across_process_counts():
+    t = config.from_dict({"train": {"micro_batch_size": 4, "effective_batch_size": 16}}).train
+    plans = [config.batch_plan(t, n) for n in (1, 2, 4)]
+    assert [p.grad_accum for p in plans] == [4, 2, 1]
+    assert {p.global_batch for p in plans} == {16}
+    assert config.batch_plan(config.from_dict({"train": {"micro_batch_size": 4, "grad_accum": 4}}).train, 2).global_batch == 32
+    with pytest.raises(ConfigError, match="not a multiple of micro_batch_size x processes = 4 x 8 = 32"):
+        config.batch_plan(t, 8)
+
+
+def test_all_problems_are_reported_together():
+    with pytest.raises(ConfigError) as e:
+        config.from_dict({"train": {"lr": "fast", "methd": "lora", "method": "qlora4"}, "modle": {}})
+    msg = str(e.value)
+    assert "\n" not in msg
+    for part in ("train.lr: expected a number", "train.methd: unknown key", "train.method: 'qlora4' is not allowed", "modle: unknown key"):
+        assert part in msg
+
+
+def _bad_column_file(tmp_path):
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([{"text": "A: hi\nB: hello", "summary": "They greet."}] * 10))
+    return path
+
+
+BAD = {
+    "unknown key": (["train.learning_rate=1e-4"], "train.learning_rate: unknown key"),
+    "wrong type": (["train.micro_batch_size=four"], "train.micro_batch_size: expected a whole number, got 'four'"),
+    "missing data file": (["data.train=no/such/file.json"], "data.train: file 'no/such/file.json' not found"),
+    "missing column": (["data.train={bad}"], "has no text column 'dialogue' (set data.dialogue_column to one of: summary, text)"),
+    "accumulation does not divide": (["train.effective_batch_size=6"], "train.effective_batch_size: 6 is not a multiple"),
+    "bad method": (["train.method=lora2"], "train.method: 'lora2' is not allowed"),
+    "unknown preset": (["model.source=preset:gpt-9"], "model.source: unknown preset 'gpt-9'"),
+}
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_config_fails_with_one_line_before_any_process_starts(name, tmp_path):
+    overrides, expected = BAD[name]
+    overrides = [o.format(bad=_bad_column_file(tmp_path)) for o in overrides]
+    out = tmp_path / "out"
+    proc = ddptune("train", str(ROOT / "configs" / "tiny.yaml"), f"output_dir={out}", *overrides, "--nproc", "2", timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ddptune: invalid config: "), proc.stderr
+    assert expected in lines[0]
+    assert not out.exists()  # nothing written
+    assert "OMP_NUM_THREADS" not in proc.stderr and proc.stdout == ""  # torchrun never started
+
+
+def test_an_existing_run_is_never_overwritten(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("precious\n")
+    proc = ddptune("train", str(ROOT / "configs" / "tiny.yaml"), f"output_dir={out}", timeout=120)
+    assert proc.returncode == 2 and "output_dir: " in proc.stderr and "--resume" in proc.stderr
+    assert (out / "metrics.jsonl").read_text() == "precious\n"
+
+
+def test_missing_config_file_is_one_line():
+    proc = ddptune("train", "configs/nope.yaml", timeout=60)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "configs/nope.yaml" in proc.stderr
