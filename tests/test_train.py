@@ -59,12 +59,12 @@ def test_cli_two_processes_end_to_end(tmp_path):
 
 
 def test_two_processes_take_the_same_steps_as_one_with_accumulation(tmp_path):
-    common = ["train.max_steps=4", "train.micro_batch_size=2", "train.lr=1e-2", "lora.dropout=0.0", "data.val=null"]
+    common = ["train.max_steps=4", "train.micro_batch_size=2", "train.lr=1e-2", "lora.dropout=0.0", "train.val_every=2"]
     one, two = tmp_path / "one", tmp_path / "two"
     check(ddptune("train", TINY, f"output_dir={one}", "train.grad_accum=2", *common))
     check(ddptune("train", TINY, f"output_dir={two}", "train.grad_accum=1", *common, "--nproc", "2"))
 
-    rows = metrics(one)
+    rows = [r for r in metrics(one) if "loss" in r]
     assert all(r["padded_tokens"] > r["tokens"] for r in rows)  # samples of unequal lengths
     assert len(losses(one)) == 4
     for a, b in zip(losses(one), losses(two), strict=True):
@@ -75,6 +75,9 @@ def test_two_processes_take_the_same_steps_as_one_with_accumulation(tmp_path):
     for k in wa:
         assert torch.allclose(wa[k], wb[k], atol=1e-5, rtol=0), k
     assert any(wa[k].abs().sum() > 0 for k in wa if "lora_B" in k)
+    # validation loss: token-weighted sums reduced over processes, then divided
+    val = lambda run: [r["val_loss"] for r in metrics(run) if "val_loss" in r]
+    assert len(val(one)) == 2 and val(one) == pytest.approx(val(two), abs=1e-5)
     fps = json.loads((two / "summary.json").read_text())["replica_fingerprints"]
     assert len(fps) == 2 and fps[0] == fps[1]
 

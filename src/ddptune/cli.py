@@ -53,7 +53,14 @@ def main(argv: list[str] | None = None) -> int:
         from ddptune import env
 
         return env.main(argv[1:])
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides may also follow the flags (argparse stops collecting them at a flag)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides += extra
     try:
         if args.command == "train":
             return _train(args)

@@ -110,6 +110,8 @@ class TrainConfig:
 class EvalConfig:
     enabled: bool = False
     """Generate summaries for data.val after training and score them with ROUGE."""
+    zero_shot: bool = True
+    """Also score the base model without adapter (before training), for a before/after table."""
     max_new_tokens: int = 64
     batch_size: int = 8
     """Prompts per generate call per process."""

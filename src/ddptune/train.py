@@ -25,7 +25,7 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
 from tqdm.auto import tqdm
 
-from ddptune import checkpoint, config as config_lib, data, metrics, model as model_lib
+from ddptune import checkpoint, config as config_lib, data, evaluate, metrics, model as model_lib
 from ddptune.config import Config, ConfigError
 
 
@@ -168,6 +168,9 @@ def run(cfg: Config, resume: bool = False):
     say(f"ddptune: {plan.describe()}")
     say(f"ddptune: {len(train_set)} training examples, {steps_per_epoch} steps per epoch, "
         f"{total_steps} steps" + (f", resuming after step {start}" if start else ""))
+    if cfg.eval.enabled and cfg.eval.zero_shot and cfg.train.method != "full" and not resume:
+        with accelerator.unwrap_model(model).disable_adapter():  # the base model, before any step
+            evaluate.evaluate(model, tokenizer, evaluate.eval_rows(cfg), cfg, accelerator, out / "eval-base", "zero-shot")
 
     log = metrics.JsonlWriter(out / "metrics.jsonl", keep_until_step=start) if accelerator.is_main_process else None
     lengths = [len(e["input_ids"]) for e in train_set]
@@ -176,6 +179,7 @@ def run(cfg: Config, resume: bool = False):
     pad_id = tokenizer.pad_token_id
     bar = tqdm(total=total_steps, initial=start, desc="train", disable=not accelerator.is_main_process, dynamic_ncols=True)
     model.train()
+    t_train = time.perf_counter()
     last_loss = val_loss = float("nan")
     history = []
     for step in range(start, total_steps):
@@ -231,6 +235,7 @@ def run(cfg: Config, resume: bool = False):
         if cfg.train.save_every and done % cfg.train.save_every == 0:
             save_checkpoint(cfg, model, optimizer, scheduler, accelerator, done)
     bar.close()
+    train_s = time.perf_counter() - t_train
     if val_set:
         val_loss = validation_loss(model, val_set, cfg.train.micro_batch_size, pad_id, accelerator)
         if log:
@@ -239,6 +244,8 @@ def run(cfg: Config, resume: bool = False):
     if len(set(fingerprints)) != 1:
         raise RuntimeError(f"replicas diverged: weight hashes per process {fingerprints}")
     final = save_final(cfg, model, tokenizer, accelerator)
+    if cfg.eval.enabled:
+        scores = evaluate.evaluate(model, tokenizer, evaluate.eval_rows(cfg), cfg, accelerator, out / "eval", "fine-tuned")
     if log:
         log.close()
     steady = [r["step_time_s"] for r in history[min(2, len(history) - 1):]] or [0.0]
@@ -246,13 +253,15 @@ def run(cfg: Config, resume: bool = False):
         "steps": total_steps, "world_size": accelerator.num_processes, "global_batch": plan.global_batch,
         "grad_accum": plan.grad_accum, "micro_batch_size": plan.micro_batch_size,
         "final_loss": last_loss, "val_loss": val_loss, "load_time_s": load_s,
-        "train_time_s": time.perf_counter() - t0 - load_s,
+        "train_time_s": train_s,
         "median_step_time_s": sorted(steady)[len(steady) // 2],
         "tokens_per_s_per_gpu": (sum(r["tokens"] for r in history) / max(sum(r["step_time_s"] for r in history), 1e-9)
                                  / accelerator.num_processes) if history else 0.0,
         "peak_mem_gib": metrics.peak_memory_gib(accelerator.device),
         "trainable_params": trainable, "output": str(final), "replica_fingerprints": fingerprints,
     }
+    if cfg.eval.enabled and accelerator.is_main_process:
+        summary["rouge"] = {k: scores[k] for k in evaluate.ROUGE_KEYS}
     if accelerator.is_main_process:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         say(f"ddptune: done in {summary['train_time_s']:.1f}s: final loss {last_loss:.4f}"

@@ -1,0 +1,81 @@
+"""Evaluation: ROUGE against hand-computed cases; the same predictions from 1 and 2 processes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import ROOT, check, ddptune
+from ddptune import evaluate
+
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+def test_rouge_matches_hand_computed_scores():
+    # pred unigrams 3, ref 6, overlap 3: P=1, R=1/2, F=2/3. Bigrams: 2 vs 5, overlap 2: F=2*1*0.4/1.4.
+    s = evaluate.rouge(["the cat sat"], ["the cat sat on the mat"])
+    assert s["rouge1"] == pytest.approx(100 * 2 / 3)
+    assert s["rouge2"] == pytest.approx(100 * 0.8 / 1.4)
+    assert s["rougeL"] == pytest.approx(100 * 2 / 3)
+    # stemming: "cats"/"cat" and "sitting"/"sit" match; nothing in common scores 0; mean over pairs
+    s = evaluate.rouge(["cats sitting", "dog"], ["cat sit", "bird"])
+    assert s["rouge1"] == pytest.approx(50.0) and s["rouge2"] == pytest.approx(50.0)
+
+
+def test_rouge_lsum_uses_sentences():
+    assert evaluate.sentences("Anna is late. Tom waits! OK?") == "Anna is late.\nTom waits!\nOK?"
+    # two sentences in swapped order: ROUGE-L (one sequence) punishes the swap, ROUGE-Lsum does not
+    s = evaluate.rouge(["tom waits. anna is late."], ["anna is late. tom waits."])
+    assert s["rougeLsum"] == pytest.approx(100.0)
+    assert s["rougeL"] < 100.0
+
+
+def test_batches_are_the_same_for_any_process_count():
+    prompts = [[1] * n for n in (5, 3, 9, 3, 1)]
+    assert evaluate.fixed_batches(prompts, 2) == [[4, 1], [3, 0], [2]]
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval") / "run"
+    check(ddptune("train", TINY, f"output_dir={out}", "train.max_steps=4"))
+    return out
+
+
+def test_one_and_two_processes_give_the_same_predictions(trained_run, tmp_path):
+    # 5 rows in batches of 2: 3 batches over 2 processes (uneven); every process makes 2 generate calls
+    args = ["eval", str(trained_run), "data.val_rows=560:565", "eval.batch_size=2", "eval.max_new_tokens=12"]
+    check(ddptune(*args, "--out", str(tmp_path / "one")))
+    proc = check(ddptune(*args, "--out", str(tmp_path / "two"), "--nproc", "2"))
+    assert proc.stdout.count("ROUGE-1") == 1  # rank 0 reports once
+    one = [json.loads(l) for l in (tmp_path / "one" / "predictions.jsonl").read_text().splitlines()]
+    two = [json.loads(l) for l in (tmp_path / "two" / "predictions.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in one] == [f"demo-{i:05d}" for i in range(561, 566)]  # all rows, in order, no repeats
+    assert one == two
+    m1 = json.loads((tmp_path / "one" / "metrics.json").read_text())
+    m2 = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    assert (m1["world_size"], m2["world_size"]) == (1, 2) and m1["n"] == m2["n"] == 5
+    for k in evaluate.ROUGE_KEYS:
+        assert m1[k] == m2[k]
+
+
+def test_zero_shot_base_and_compare_table(trained_run, tmp_path):
+    check(ddptune("eval", str(trained_run), "--base", "data.val_rows=560:563", "eval.max_new_tokens=8"))
+    check(ddptune("eval", str(trained_run), "data.val_rows=560:563", "eval.max_new_tokens=8"))
+    assert json.loads((trained_run / "eval-base" / "metrics.json").read_text())["label"] == "zero-shot"
+    out = tmp_path / "cmp.json"
+    proc = check(ddptune("compare", str(trained_run), "--json", str(out)))
+    assert "| ROUGE-1 |" in proc.stdout and "zero-shot" in proc.stdout and "fine-tuned" in proc.stdout
+    rows = json.loads(out.read_text())
+    assert {r["model"] for r in rows} == {"zero-shot", "fine-tuned"}
+    assert all(r["processes"] == 1 and r["steps"] == 4 for r in rows)
+
+
+def test_train_runs_evaluation_before_and_after(tmp_path):
+    out = tmp_path / "run"
+    proc = check(ddptune("train", TINY, f"output_dir={out}", "train.max_steps=3", "eval.enabled=true",
+                         "eval.max_samples=4", "eval.max_new_tokens=8", "--nproc", "2"))
+    assert "zero-shot: ROUGE-1" in proc.stdout and "fine-tuned: ROUGE-1" in proc.stdout
+    for sub in ("eval", "eval-base"):
+        assert len((out / sub / "predictions.jsonl").read_text().splitlines()) == 4
+    assert set(json.loads((out / "summary.json").read_text())["rouge"]) == set(evaluate.ROUGE_KEYS)
