@@ -43,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--mode", choices=["same-per-device", "same-global"], default="same-per-device")
     s.add_argument("--out", default=None, help="output folder (default: <output_dir>-scale)")
     s.add_argument("--bandwidth-sizes", default="1MB,4MB,16MB,64MB,256MB,1GB")
+    s.add_argument("--warmup", type=int, default=None, help="steps left out of the steady-state median (default 2)")
     sub.add_parser("env", help="devices, interconnect and versions for a bug report", add_help=False)
     return p
 

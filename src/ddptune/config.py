@@ -93,8 +93,16 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping (the norm is still logged)."""
     optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = "adamw"
-    gradient_checkpointing: bool = False
-    """Recompute activations in backward (non-reentrant): less memory, about 30% more compute."""
+    gradient_checkpointing: bool | Literal["auto"] = "auto"
+    """Recompute activations in backward (non-reentrant): less memory, about 30% more compute.
+    auto: on only when the activations would not fit in the GPU's free memory (off on CPU)."""
+    packing: bool = False
+    """Pack each process's samples of a step into few long rows without padding; every sample
+    keeps its own positions and attends only to itself. Same samples, same loss, less waste."""
+    pack_length: int = 2048
+    """Tokens per packed row (at least data.max_length). Longer: fewer rows, more masked attention."""
+    tokens_per_forward: int = 8192
+    """With packing: tokens per forward/backward pass; bounds activation memory."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """auto: bf16 compute on GPU, fp32 on CPU."""
     seed: int = 0
@@ -104,6 +112,9 @@ class TrainConfig:
     """How many of the newest checkpoints to keep."""
     val_every: int = 0
     """Validation loss every N optimizer steps (needs data.val); 0: only at the end."""
+    grad_sync: bool = True
+    """False skips the gradient all-reduce, so replicas drift apart: a measurement switch that
+    `ddptune scale` uses to time a step without communication. Never for real training."""
 
 
 @dataclass
@@ -138,9 +149,15 @@ def _convert(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
+        if value is None and len(args) < len(typing.get_args(tp)):
             return None
-        return _convert(value, args[0], where, problems)
+        for alt in args:  # the first alternative that takes the value
+            trial: list[str] = []
+            out = _convert(value, alt, where, trial)
+            if not trial:
+                return out
+        problems.append(f"{where}: {value!r} is not allowed (expected {' or '.join(_describe(a) for a in args)})")
+        return value
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
@@ -179,6 +196,12 @@ def _convert(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
             problems.append(f"{where}: expected text, got {value!r} (quote it)")
         return value
     raise TypeError(f"unsupported config type {tp} at {where}")
+
+
+def _describe(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " or ".join(map(repr, typing.get_args(tp)))
+    return {bool: "true/false", int: "a whole number", float: "a number", str: "text"}.get(tp, str(tp))
 
 
 def _build(cls: type, data: Any, where: str, problems: list[str]) -> Any:
@@ -338,6 +361,10 @@ def validate(cfg: Config, world_size: int, resume: bool = False) -> BatchPlan:
             problems.append(f"train.{name}: must be 0 or more")
     if t.keep_checkpoints < 1:
         problems.append("train.keep_checkpoints: must be at least 1")
+    if t.packing and t.pack_length < cfg.data.max_length:
+        problems.append(f"train.pack_length: {t.pack_length} is shorter than data.max_length {cfg.data.max_length} (raise it)")
+    if t.packing and t.tokens_per_forward < t.pack_length:
+        problems.append(f"train.tokens_per_forward: must be at least train.pack_length ({t.pack_length})")
     if t.max_grad_norm < 0:
         problems.append("train.max_grad_norm: must be 0 (off) or positive")
     if cfg.lora.r < 1:

@@ -183,6 +183,47 @@ def collate(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def pack(examples: list[dict], row_length: int, tokens_per_forward: int) -> list[list[list[dict]]]:
+    """Pack examples into rows of at most `row_length` tokens (first fit, longest first), and the
+    rows into forward passes of at most `tokens_per_forward` tokens."""
+    rows: list[list[dict]] = []
+    room: list[int] = []
+    for e in sorted(examples, key=lambda e: -len(e["input_ids"])):
+        n = len(e["input_ids"])
+        j = next((j for j, r in enumerate(room) if r >= n), None)
+        if j is None:
+            rows.append([])
+            room.append(row_length)
+            j = len(rows) - 1
+        rows[j].append(e)
+        room[j] -= n
+    per_forward = max(1, tokens_per_forward // row_length)
+    return [rows[i:i + per_forward] for i in range(0, len(rows), per_forward)]
+
+
+def collate_packed(rows: list[list[dict]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Packed rows: input_ids, labels and position_ids that restart at 0 for every sample.
+
+    With no attention mask, transformers reads sample boundaries from the position restarts and
+    masks attention block-diagonally, so no sample sees another. Padding at a row's end forms a
+    block of its own, with no targets.
+    """
+    width = max(sum(len(e["input_ids"]) for e in row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    pos = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        at = 0
+        for e in row:
+            n = len(e["input_ids"])
+            ids[i, at:at + n] = torch.tensor(e["input_ids"])
+            labels[i, at:at + n] = torch.tensor(e["labels"])
+            pos[i, at:at + n] = torch.arange(n)
+            at += n
+        pos[i, at:] = torch.arange(width - at)
+    return {"input_ids": ids, "labels": labels, "position_ids": pos}
+
+
 def target_tokens(examples: list[dict]) -> int:
     """Tokens the loss is computed on (summary tokens)."""
     return sum(sum(1 for t in e["labels"] if t != IGNORE) for e in examples)

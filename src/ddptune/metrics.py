@@ -1,11 +1,14 @@
 """Throughput, memory and model-FLOP figures from plain numbers (no collectives here).
 
 FLOPs per real token (what MFU counts; activation recomputation is not counted):
-- matrix weights N (every linear layer, the output head included), attention over a context of
-  length s with hidden size h and L layers: 2·s·h per layer forward (QK^T and AV, causal half of 4·s·h).
-- full fine-tuning: forward 2N + backward 4N (input and weight gradients) = 6N, attention ×3.
-- LoRA / QLoRA: the frozen weights need forward 2N and input gradients 2N = 4N; the adapters
-  (r·(d_in+d_out) each) cost 6 per weight; attention ×3.
+- N: weights of the decoder's linear layers; H: the output head's. Attention over a context of
+  length s with hidden size h and L layers costs 2·s·h per layer forward (QK^T and AV over the
+  causal half of an s×s score matrix).
+- The head runs only at summary positions (the loss needs no other logits), so it counts for
+  the fraction f of real tokens that are loss targets: H·f instead of H.
+- full fine-tuning: forward 2 + backward 4 (input and weight gradients) = 6 per weight, attention ×3.
+- LoRA / QLoRA: frozen weights need forward 2 and input gradients 2 = 4 per weight; the adapters
+  (r·(d_in+d_out) each) 6 per weight; attention ×3.
 """
 from __future__ import annotations
 
@@ -20,20 +23,22 @@ import torch
 MEASURED_PEAK_TFLOPS = {"NVIDIA H200": 780.0, "NVIDIA H100 80GB HBM3": 780.0}
 
 
-def matrix_weights(model) -> int:
-    """Weights of the base model's linear layers (incl. the output head), 4-bit ones unpacked."""
+def matrix_weights(model) -> tuple[int, int]:
+    """(decoder linear weights, output head weights) of the base model; 4-bit ones unpacked."""
+    head = model.get_output_embeddings()
+    n_head = head.in_features * head.out_features
     n = 0
     for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.Linear) and "lora_" not in name:
+        if isinstance(mod, torch.nn.Linear) and "lora_" not in name and mod is not head:
             n += mod.in_features * mod.out_features
-    return n
+    return n, n_head
 
 
-def flops_per_token(n_matrix: int, n_adapter: int, n_layers: int, hidden: int, mean_context: float, method: str) -> float:
+def flops_per_token(n_matrix: int, n_head: int, n_adapter: int, n_layers: int, hidden: int, mean_context: float,
+                    method: str, head_fraction: float = 1.0) -> float:
     attn_fwd = 2.0 * mean_context * hidden * n_layers
-    if method == "full":
-        return 6.0 * n_matrix + 3 * attn_fwd
-    return 4.0 * n_matrix + 6.0 * n_adapter + 3 * attn_fwd
+    per_weight = 6.0 if method == "full" else 4.0
+    return per_weight * (n_matrix + n_head * head_fraction) + 6.0 * n_adapter + 3 * attn_fwd
 
 
 def peak_tflops(device: torch.device) -> float | None:

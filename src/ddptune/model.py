@@ -165,7 +165,8 @@ def load_model(m: ModelConfig, method: str, device: torch.device, precision: str
     if method == "full":
         dtype = torch.float32  # fp32 master weights; bf16 compute comes from autocast
     # Each process puts the whole model on its own device: {"": local index} on CUDA.
-    device_map = {"": device.index if device.type == "cuda" else "cpu"}
+    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else None)
+    device_map = {"": index if device.type == "cuda" else "cpu"}
     kwargs = dict(dtype=dtype, device_map=device_map, attn_implementation=m.attn_implementation,
                   trust_remote_code=m.trust_remote_code)
     if method == "qlora":
@@ -190,17 +191,37 @@ def load_model(m: ModelConfig, method: str, device: torch.device, precision: str
     return model
 
 
-def add_adapters(model, method: str, lora: LoraConfig, gradient_checkpointing: bool):
-    """Freeze the base and add LoRA (lora, qlora), or train every weight (full)."""
-    gc_kwargs = {"use_reentrant": False}  # reentrant checkpointing breaks DDP ("marked ready twice")
-    if method == "qlora":
-        from peft import prepare_model_for_kbit_training
+def activation_bytes(model, tokens: int) -> float:
+    """A rough upper estimate of the activations one forward keeps for backward (bf16):
+    per token and layer about 14 hidden-sized and 5 MLP-sized tensors, LoRA input copies included."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return 2.0 * tokens * cfg.num_hidden_layers * (14 * cfg.hidden_size + 5 * cfg.intermediate_size)
 
-        model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=gradient_checkpointing, gradient_checkpointing_kwargs=gc_kwargs
-        )
-    elif gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
+
+def use_checkpointing(setting: bool | str, model, tokens_per_forward: int, device: torch.device) -> bool:
+    """Resolve gradient_checkpointing: auto turns it on only when activations would not fit in
+    60% of the GPU memory still free after loading the model (never on CPU)."""
+    if setting != "auto":
+        return bool(setting)
+    if device.type != "cuda":
+        return False
+    free, _ = torch.cuda.mem_get_info(device)
+    return activation_bytes(model, tokens_per_forward) > 0.6 * free
+
+
+def add_adapters(model, method: str, lora: LoraConfig, gradient_checkpointing: bool):
+    """Freeze the base and add LoRA (lora, qlora), or train every weight (full).
+
+    QLoRA keeps the frozen non-quantized weights (embeddings, norms, head) in bf16 like LoRA does,
+    rather than peft's prepare_model_for_kbit_training, which copies them to fp32: they receive no
+    gradient, and compute runs in bf16 under autocast either way; fp32 copies only cost memory
+    and a slower output head.
+    """
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if gradient_checkpointing:
+        # reentrant checkpointing breaks DDP ("marked ready twice"); non-reentrant needs no input grads
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if method == "full":
         for p in model.parameters():
             p.requires_grad_(True)
@@ -214,6 +235,34 @@ def add_adapters(model, method: str, lora: LoraConfig, gradient_checkpointing: b
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, peft_cfg)
+
+
+class CausalLMLoss(torch.nn.Module):
+    """The training objective around a causal LM: summed token cross-entropy / `num_items`.
+
+    It runs the decoder, then applies the output head only at positions that have a target
+    (summary tokens): the logits of prompt positions would be thrown away, and for a 128k
+    vocabulary they are the largest tensor of the step. This module is what DDP wraps; the
+    model inside is what gets saved and evaluated. Assumes a plain linear head (Llama, Qwen,
+    Mistral, SmolLM...); models with logit soft-capping need their own forward.
+    """
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.decoder = base.get_decoder()
+        self.head = base.get_output_embeddings()
+
+    def forward(self, input_ids, labels, num_items, attention_mask=None, position_ids=None):
+        hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=False).last_hidden_state
+        # position t predicts token t+1; the last position of a row has no target
+        targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100).reshape(-1)
+        keep = (targets != -100).nonzero().squeeze(1)
+        logits = self.head(hidden.reshape(-1, hidden.size(-1)).index_select(0, keep))
+        loss = torch.nn.functional.cross_entropy(logits.float(), targets.index_select(0, keep), reduction="sum")
+        return loss / num_items
 
 
 def count_params(model) -> tuple[int, int]:

@@ -29,6 +29,9 @@ from ddptune import checkpoint, config as config_lib, data, evaluate, metrics, m
 from ddptune.config import Config, ConfigError
 
 
+WARMUP_STEPS = 2  # steps left out of steady-state speed figures (allocator, kernel selection)
+
+
 def setup(cfg: Config) -> Accelerator:
     """Join the process group the launcher described (a group of one without a launcher).
 
@@ -60,10 +63,14 @@ def load_data(cfg: Config, tokenizer, accelerator: Accelerator) -> tuple[list[di
 
 
 def build_model(cfg: Config, accelerator: Accelerator):
+    """The model with adapters, and whether gradient checkpointing is on."""
+    t = cfg.train
     with accelerator.main_process_first():  # a preset checkpoint or hub download is made once
-        base = model_lib.load_model(cfg.model, cfg.train.method, accelerator.device, cfg.train.precision, cfg.train.seed)
-    set_seed(cfg.train.seed)  # adapters start equal on every process
-    return model_lib.add_adapters(base, cfg.train.method, cfg.lora, cfg.train.gradient_checkpointing)
+        base = model_lib.load_model(cfg.model, t.method, accelerator.device, t.precision, t.seed)
+    tokens = t.tokens_per_forward if t.packing else t.micro_batch_size * cfg.data.max_length
+    checkpointing = model_lib.use_checkpointing(t.gradient_checkpointing, base, tokens, accelerator.device)
+    set_seed(t.seed)  # adapters start equal on every process
+    return model_lib.add_adapters(base, t.method, cfg.lora, checkpointing), checkpointing
 
 
 def build_optimizer(cfg: Config, model, total_steps: int):
@@ -82,21 +89,21 @@ def build_optimizer(cfg: Config, model, total_steps: int):
 
 
 @torch.no_grad()
-def validation_loss(model, examples: list[dict], micro: int, pad_id: int, accelerator: Accelerator) -> float:
+def validation_loss(loss_model, examples: list[dict], micro: int, pad_id: int, accelerator: Accelerator) -> float:
     """Token-weighted loss over all validation examples: each process sums its share's token
-    losses and counts, the sums are reduced, then divided (never an average of averages)."""
-    net = accelerator.unwrap_model(model)  # no DDP hooks: processes may run different batch counts
-    was_training = net.training
-    net.eval()
+    losses and counts, the sums are reduced, then divided (never an average of averages).
+    `loss_model` is not the DDP wrapper: processes may run different numbers of batches."""
+    was_training = loss_model.training
+    loss_model.eval()
     mine = examples[accelerator.process_index::accelerator.num_processes]
     sums = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
     for i in range(0, len(mine), micro):
         chunk = mine[i:i + micro]
         batch = {k: v.to(accelerator.device) for k, v in data.collate(chunk, pad_id).items()}
         with accelerator.autocast():
-            out = net(**batch, num_items_in_batch=1)  # the sum over tokens
-        sums += torch.stack([out.loss.double(), torch.tensor(data.target_tokens(chunk), device=sums.device, dtype=torch.float64)])
-    net.train(was_training)
+            loss_sum = loss_model(**batch, num_items=1)
+        sums += torch.stack([loss_sum.double(), torch.tensor(data.target_tokens(chunk), device=sums.device, dtype=torch.float64)])
+    loss_model.train(was_training)
     sums = accelerator.reduce(sums, "sum")
     return (sums[0] / sums[1]).item()
 
@@ -107,7 +114,7 @@ def save_final(cfg: Config, model, tokenizer, accelerator: Accelerator) -> Path:
     final = Path(cfg.output_dir) / name
     if accelerator.is_main_process:
         tmp = checkpoint.atomic_dir(final)
-        accelerator.unwrap_model(model).save_pretrained(tmp)
+        model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "ddptune.yaml").write_text(config_lib.dump(cfg))
         checkpoint.commit(tmp, final)
@@ -119,7 +126,7 @@ def replica_fingerprints(model, accelerator: Accelerator) -> list[str]:
     """A hash of this process's trained weights, gathered from every process: all equal when
     the replicas took identical steps (checked at the end of every run)."""
     h = hashlib.sha256()
-    for name, p in sorted(model_lib.trainable_state(accelerator.unwrap_model(model)).items()):
+    for name, p in sorted(model_lib.trainable_state(model).items()):
         h.update(name.encode())
         h.update(p.float().cpu().numpy().tobytes())
     return gather_object([h.hexdigest()[:16]])
@@ -145,79 +152,81 @@ def run(cfg: Config, resume: bool = False):
     steps_per_epoch = len(train_set) // plan.global_batch
     total_steps = cfg.train.max_steps or max(1, math.floor(cfg.train.epochs * steps_per_epoch))
 
-    model = build_model(cfg, accelerator)
+    model, checkpointing = build_model(cfg, accelerator)
     optimizer, scheduler = build_optimizer(cfg, model, total_steps)
     trainable, total = model_lib.count_params(model)
-    n_matrix = metrics.matrix_weights(model)
+    n_matrix, n_head = metrics.matrix_weights(model)
     n_adapter = trainable if cfg.train.method != "full" else 0
     n_layers, hidden = model_lib.shape(model)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    # DDP wraps the loss module; `model` inside it is what is saved, checkpointed and evaluated.
+    loss_model = model_lib.CausalLMLoss(model)
+    engine, optimizer = accelerator.prepare(loss_model, optimizer)
 
     start = 0
     if resume:
         last = checkpoint.list_checkpoints(out / "checkpoints")[-1]
-        state = checkpoint.load(last, accelerator.unwrap_model(model), optimizer, scheduler, accelerator.process_index)
+        state = checkpoint.load(last, model, optimizer, scheduler, accelerator.process_index)
         if state["world_size"] != accelerator.num_processes:
             raise ConfigError([f"--resume: {last} was written by {state['world_size']} processes; resume with --nproc {state['world_size']}"])
         start = state["step"]
     load_s = time.perf_counter() - t0
 
-    say(f"ddptune: {cfg.model.source} | {cfg.train.method} | {trainable:,} of {total:,} parameters trained")
+    say(f"ddptune: {cfg.model.source} | {cfg.train.method} | {trainable:,} of {total:,} parameters trained"
+        f" | gradient checkpointing {'on' if checkpointing else 'off'}")
     say(f"ddptune: {accelerator.num_processes} process(es) on {accelerator.device.type} "
         f"({accelerator.distributed_type.value}, mixed precision {accelerator.mixed_precision})")
-    say(f"ddptune: {plan.describe()}")
+    say(f"ddptune: {plan.describe()}" + (f", packed into rows of <= {cfg.train.pack_length} tokens" if cfg.train.packing else ""))
     say(f"ddptune: {len(train_set)} training examples, {steps_per_epoch} steps per epoch, "
         f"{total_steps} steps" + (f", resuming after step {start}" if start else ""))
     if cfg.eval.enabled and cfg.eval.zero_shot and cfg.train.method != "full" and not resume:
-        with accelerator.unwrap_model(model).disable_adapter():  # the base model, before any step
+        with model.disable_adapter():  # the base model, before any step
             evaluate.evaluate(model, tokenizer, evaluate.eval_rows(cfg), cfg, accelerator, out / "eval-base", "zero-shot")
 
     log = metrics.JsonlWriter(out / "metrics.jsonl", keep_until_step=start) if accelerator.is_main_process else None
     lengths = [len(e["input_ids"]) for e in train_set]
-    parts = accelerator.num_processes * plan.grad_accum
     peak = metrics.peak_tflops(accelerator.device)
     pad_id = tokenizer.pad_token_id
     bar = tqdm(total=total_steps, initial=start, desc="train", disable=not accelerator.is_main_process, dynamic_ncols=True)
-    model.train()
+    engine.train()
     t_train = time.perf_counter()
     last_loss = val_loss = float("nan")
     history = []
     for step in range(start, total_steps):
         t_step = time.perf_counter()
-        idx = data.step_samples(len(train_set), plan.global_batch, step, cfg.train.seed)
-        micro = data.split_step(idx, lengths, parts)
-        mine = [[train_set[i] for i in m] for m in micro[accelerator.process_index::accelerator.num_processes]]
-        # All summary tokens of the global batch: every micro-step divides its token-loss sum by it.
-        n_target = accelerator.reduce(torch.tensor(sum(data.target_tokens(m) for m in mine), device=accelerator.device), "sum")
+        mine = my_share(cfg, plan, train_set, lengths, step, accelerator)
+        batches = forward_batches(cfg, mine, pad_id)
+        # All summary tokens of the global batch: every forward divides its token-loss sum by it.
+        n_target = accelerator.reduce(torch.tensor(data.target_tokens(mine), device=accelerator.device), "sum")
         loss_sum = torch.zeros((), device=accelerator.device)
-        real = padded = 0
-        for k, examples in enumerate(mine):
-            batch = {key: v.to(accelerator.device) for key, v in data.collate(examples, pad_id).items()}
-            real += int(batch["attention_mask"].sum())
-            padded += batch["attention_mask"].numel()
-            sync = k == len(mine) - 1  # all-reduce gradients on the last micro-step only
-            with (nullcontext() if sync else accelerator.no_sync(model)), accelerator.autocast():
-                loss = model(**batch, num_items_in_batch=n_target).loss
+        for k, batch in enumerate(batches):
+            batch = {key: v.to(accelerator.device, non_blocking=True) for key, v in batch.items()}
+            sync = k == len(batches) - 1 and cfg.train.grad_sync  # all-reduce on the last forward only
+            with (nullcontext() if sync else accelerator.no_sync(engine)), accelerator.autocast():
+                loss = engine(**batch, num_items=n_target)
             # DDP averages gradients over processes; scaling by their number makes it a sum.
             accelerator.backward(loss * accelerator.num_processes)
             loss_sum += loss.detach().float()
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm or float("inf"))
+        grad_norm = accelerator.clip_grad_norm_(engine.parameters(), cfg.train.max_grad_norm or float("inf"))
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        stats = accelerator.reduce(torch.tensor([loss_sum.item(), real, padded, float(n_target)], device=accelerator.device, dtype=torch.float64), "sum")
+        real = sum(len(e["input_ids"]) for e in mine)
+        computed = sum(b["input_ids"].numel() for b in batches)
+        counts = torch.tensor([real, computed], device=accelerator.device, dtype=torch.float64)
+        stats = accelerator.reduce(torch.cat([loss_sum.double().reshape(1), counts]), "sum")
         loss_v, real_g, padded_g = stats[0].item(), int(stats[1]), int(stats[2])
-        n_target_v = int(n_target)
         dt = time.perf_counter() - t_step
         row = {
             "step": step + 1, "loss": loss_v, "lr": lr, "grad_norm": float(grad_norm),
-            "samples": plan.global_batch, "tokens": real_g, "target_tokens": n_target_v, "padded_tokens": padded_g,
-            "step_time_s": dt, "tokens_per_s": real_g / dt, "tokens_per_s_per_gpu": real_g / dt / accelerator.num_processes,
+            "samples": plan.global_batch, "tokens": real_g, "target_tokens": int(n_target), "padded_tokens": padded_g,
+            "forwards": len(batches), "step_time_s": dt, "tokens_per_s": real_g / dt,
+            "tokens_per_s_per_gpu": real_g / dt / accelerator.num_processes,
         }
         if peak:
             mean_context = real_g / plan.global_batch / 2  # a token attends to half its sample on average
-            fpt = metrics.flops_per_token(n_matrix, n_adapter, n_layers, hidden, mean_context, cfg.train.method)
+            fpt = metrics.flops_per_token(n_matrix, n_head, n_adapter, n_layers, hidden, mean_context,
+                                          cfg.train.method, head_fraction=row["target_tokens"] / real_g)
             row["mfu"] = fpt * row["tokens_per_s_per_gpu"] / (peak * 1e12)
             row["peak_mem_gib"] = metrics.peak_memory_gib(accelerator.device)
         last_loss = loss_v
@@ -228,37 +237,42 @@ def run(cfg: Config, resume: bool = False):
         bar.update(1)
         done = step + 1
         if cfg.train.val_every and val_set and done % cfg.train.val_every == 0 and done < total_steps:
-            val_loss = validation_loss(model, val_set, cfg.train.micro_batch_size, pad_id, accelerator)
+            val_loss = validation_loss(loss_model, val_set, cfg.train.micro_batch_size, pad_id, accelerator)
             if log:
                 log.write({"step": done, "val_loss": val_loss})
-            bar.write(f"step {done}: val_loss {val_loss:.4f}") if accelerator.is_main_process else None
+            if accelerator.is_main_process:
+                bar.write(f"step {done}: val_loss {val_loss:.4f}")
         if cfg.train.save_every and done % cfg.train.save_every == 0:
             save_checkpoint(cfg, model, optimizer, scheduler, accelerator, done)
     bar.close()
     train_s = time.perf_counter() - t_train
     if val_set:
-        val_loss = validation_loss(model, val_set, cfg.train.micro_batch_size, pad_id, accelerator)
+        val_loss = validation_loss(loss_model, val_set, cfg.train.micro_batch_size, pad_id, accelerator)
         if log:
             log.write({"step": total_steps, "val_loss": val_loss})
     fingerprints = replica_fingerprints(model, accelerator)
-    if len(set(fingerprints)) != 1:
+    peaks = gather_object([metrics.peak_memory_gib(accelerator.device)])
+    if len(set(fingerprints)) != 1 and cfg.train.grad_sync:
         raise RuntimeError(f"replicas diverged: weight hashes per process {fingerprints}")
     final = save_final(cfg, model, tokenizer, accelerator)
     if cfg.eval.enabled:
         scores = evaluate.evaluate(model, tokenizer, evaluate.eval_rows(cfg), cfg, accelerator, out / "eval", "fine-tuned")
     if log:
         log.close()
-    steady = [r["step_time_s"] for r in history[min(2, len(history) - 1):]] or [0.0]
+    warm = min(WARMUP_STEPS, len(history) - 1)
+    steady = sorted(r["step_time_s"] for r in history[warm:]) or [0.0]
     summary = {
         "steps": total_steps, "world_size": accelerator.num_processes, "global_batch": plan.global_batch,
-        "grad_accum": plan.grad_accum, "micro_batch_size": plan.micro_batch_size,
-        "final_loss": last_loss, "val_loss": val_loss, "load_time_s": load_s,
-        "train_time_s": train_s,
-        "median_step_time_s": sorted(steady)[len(steady) // 2],
-        "tokens_per_s_per_gpu": (sum(r["tokens"] for r in history) / max(sum(r["step_time_s"] for r in history), 1e-9)
+        "grad_accum": plan.grad_accum, "micro_batch_size": plan.micro_batch_size, "packing": cfg.train.packing,
+        "final_loss": last_loss, "val_loss": val_loss, "load_time_s": load_s, "train_time_s": train_s,
+        "warmup_steps_excluded": warm, "median_step_time_s": steady[len(steady) // 2],
+        "tokens_per_s_per_gpu": (sum(r["tokens"] for r in history[warm:]) / max(sum(r["step_time_s"] for r in history[warm:]), 1e-9)
                                  / accelerator.num_processes) if history else 0.0,
-        "peak_mem_gib": metrics.peak_memory_gib(accelerator.device),
-        "trainable_params": trainable, "output": str(final), "replica_fingerprints": fingerprints,
+        "mfu": (sum(r.get("mfu", 0) for r in history[warm:]) / len(history[warm:])) if peak and history else None,
+        "peak_mem_gib": max(peaks) if None not in peaks else None, "peak_mem_gib_per_process": peaks,
+        "train_rows": len(train_set), "steps_per_epoch": steps_per_epoch, "method": cfg.train.method,
+        "gradient_checkpointing": checkpointing, "grad_sync": cfg.train.grad_sync,
+        "trainable_params": trainable, "total_params": total, "output": str(final), "replica_fingerprints": fingerprints,
     }
     if cfg.eval.enabled and accelerator.is_main_process:
         summary["rouge"] = {k: scores[k] for k in evaluate.ROUGE_KEYS}
@@ -268,14 +282,30 @@ def run(cfg: Config, resume: bool = False):
             + (f", val loss {val_loss:.4f}" if val_set else "")
             + f", {summary['tokens_per_s_per_gpu']:.0f} tokens/s per process; saved {final}")
     accelerator.wait_for_everyone()
-    return summary, accelerator.unwrap_model(model)
+    return summary, model
+
+
+def my_share(cfg: Config, plan, train_set: list[dict], lengths: list[int], step: int, accelerator: Accelerator) -> list[dict]:
+    """This process's samples of optimizer step `step`: the step's global batch is cut into
+    processes × accumulation micro-batches of similar lengths, dealt out in turn."""
+    idx = data.step_samples(len(train_set), plan.global_batch, step, cfg.train.seed)
+    micro = data.split_step(idx, lengths, accelerator.num_processes * plan.grad_accum)
+    return [train_set[i] for m in micro[accelerator.process_index::accelerator.num_processes] for i in m]
+
+
+def forward_batches(cfg: Config, examples: list[dict], pad_id: int) -> list[dict]:
+    """The tensors of each forward pass: padded micro-batches, or packed rows."""
+    t = cfg.train
+    if t.packing:
+        return [data.collate_packed(rows, pad_id) for rows in data.pack(examples, t.pack_length, t.tokens_per_forward)]
+    return [data.collate(examples[i:i + t.micro_batch_size], pad_id) for i in range(0, len(examples), t.micro_batch_size)]
 
 
 def save_checkpoint(cfg: Config, model, optimizer, scheduler, accelerator: Accelerator, step: int) -> None:
     rngs = gather_object([checkpoint.rng_state()])  # every process's RNG, in rank order
     if accelerator.is_main_process:
         folder = Path(cfg.output_dir) / "checkpoints"
-        weights = model_lib.trainable_state(accelerator.unwrap_model(model))
+        weights = model_lib.trainable_state(model)
         checkpoint.save(folder, step, weights, optimizer, scheduler, rngs, {"world_size": accelerator.num_processes})
         checkpoint.prune(folder, cfg.train.keep_checkpoints)
     accelerator.wait_for_everyone()

@@ -1,0 +1,157 @@
+"""Speed benchmark: the tutorial's recipe against ddptune on the same GPU, model shape, data and optimization.
+
+One device call runs, in order:
+  1. the GPU's bf16 matrix rate (the MFU denominator), measured on random data;
+  2. the reference recipe (HF Trainer + accelerate launch + PEFT + bitsandbytes QLoRA, gradient
+     checkpointing, dynamic padding: benchmarks/reference_recipe.py);
+  3. ddptune on the same job (same samples per optimizer step, learning rate, LoRA, 4-bit base),
+     with its defaults (packing, gradient checkpointing decided from memory), and with gradient
+     checkpointing forced on;
+  4. optionally ddptune with bf16 LoRA (no quantization) for MFU.
+It writes benchmarks/results/<name>.json (raw figures of every run) and prints a BENCHMARKS.md row.
+
+    python benchmarks/speed.py --name h200_llama31_8b_qlora --preset llama-3.1-8b \
+        --tokenizer .tok/smollm2 --data .devdata/samsum_validation.json --steps 30
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "samsum_qlora_llama31_8b.yaml"
+
+
+def sh(cmd: list[str], log: Path) -> float:
+    """Run a command, tee its output to `log`; return wall seconds. Raises on failure."""
+    print("$", " ".join(cmd), flush=True)
+    t = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+    if proc.returncode:
+        print(log.read_text()[-6000:])
+        raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}")
+    return time.perf_counter() - t
+
+
+def matmul_tflops() -> float | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    n = 8192
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(20):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        a @ b
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return 2 * n**3 / statistics.median(times) / 1e12
+
+
+def ddptune_run(args, name: str, overrides: list[str], work: Path) -> dict:
+    out = work / name
+    cmd = [sys.executable, "-m", "ddptune", "train", str(CONFIG), f"output_dir={out}",
+           f"model.source=preset:{args.preset}", f"model.tokenizer={args.tokenizer}", f"data.train={args.data}",
+           f"data.train_rows={args.rows}", "data.val=null", f"train.max_steps={args.steps}",
+           f"train.warmup_steps={args.lr_warmup}", f"train.method={args.method}", *args.override, *overrides, "--nproc", "1"]
+    wall = sh(cmd, work / f"{name}.log")
+    summary = json.loads((out / "summary.json").read_text())
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
+    measured = rows[args.warmup:]
+    real = sum(r["tokens"] for r in measured)
+    padded = sum(r["padded_tokens"] for r in measured)
+    return {
+        "tool": "ddptune", "overrides": overrides, "wall_s": wall,
+        "median_step_time_s": statistics.median(r["step_time_s"] for r in measured),
+        "real_tok_s_per_gpu": real / sum(r["step_time_s"] for r in measured),
+        "padding_fraction": 1 - real / padded,
+        "peak_mem_gib": summary["peak_mem_gib"], "mfu": summary["mfu"],
+        "gradient_checkpointing": summary["gradient_checkpointing"],
+        "losses": [r["loss"] for r in rows], "grad_norms": [r["grad_norm"] for r in rows],
+        "final_loss": rows[-1]["loss"], "load_time_s": summary["load_time_s"],
+        "samples_per_step": summary["global_batch"],
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--name", required=True)
+    p.add_argument("--preset", default="llama-3.1-8b")
+    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--rows", default="0:818")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5, help="optimizer steps left out of speed figures")
+    p.add_argument("--lr-warmup", type=int, default=1)
+    p.add_argument("--method", choices=["qlora", "lora"], default="qlora", help="lora: for a CPU smoke test")
+    p.add_argument("--override", action="append", default=[], help="extra key=value for every ddptune run")
+    p.add_argument("--skip-reference", action="store_true")
+    p.add_argument("--lora-bf16", action="store_true", help="also run bf16 LoRA (no quantization) for MFU")
+    p.add_argument("--work", default="/tmp/ddptune-bench")
+    args = p.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("DDPTUNE_CACHE", str(work / "cache"))
+
+    from ddptune import model as model_lib
+
+    result = {"name": args.name, "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
+              "preset": args.preset, "steps": args.steps, "warmup_steps_excluded": args.warmup}
+    result["matmul_tflops_bf16"] = matmul_tflops()
+    if result["matmul_tflops_bf16"]:
+        os.environ["DDPTUNE_PEAK_TFLOPS"] = f"{result['matmul_tflops_bf16']:.1f}"
+    import torch
+
+    result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    t = time.perf_counter()
+    folder = model_lib.preset_folder(args.preset, 0)
+    result["preset_save_s"] = time.perf_counter() - t
+
+    if not args.skip_reference:
+        ref_json = work / "reference.json"
+        sh(["accelerate", "launch", "--num_processes", "1", "--mixed_precision", "bf16",
+            str(ROOT / "benchmarks" / "reference_recipe.py"), "--model-dir", str(folder), "--tokenizer-dir", args.tokenizer,
+            "--data", args.data, "--method", args.method, "--max-steps", str(args.steps), "--warmup-steps-excluded", str(args.warmup),
+            "--out", str(ref_json)], work / "reference.log")
+        result["reference"] = json.loads(ref_json.read_text())
+
+    result["ddptune"] = ddptune_run(args, "ddptune", ["train.gradient_checkpointing=auto", "train.packing=true"], work)
+    result["ddptune_gc"] = ddptune_run(args, "ddptune_gc", ["train.gradient_checkpointing=true", "train.packing=true"], work)
+    if args.lora_bf16:
+        result["ddptune_lora_bf16"] = ddptune_run(
+            args, "ddptune_lora_bf16", ["train.gradient_checkpointing=auto", "train.packing=true", "train.method=lora"], work)
+
+    d = result["ddptune"]
+    result.update({"ddptune_tok_s": d["real_tok_s_per_gpu"], "mfu": d["mfu"], "peak_mem_gib": d["peak_mem_gib"]})
+    if "reference" in result:
+        r = result["reference"]
+        result.update({
+            "reference_tok_s": r["real_tok_s_per_gpu"], "reference_peak_mem_gib": r["peak_mem_gib"],
+            "speedup": d["real_tok_s_per_gpu"] / r["real_tok_s_per_gpu"],
+            "speedup_gc": result["ddptune_gc"]["real_tok_s_per_gpu"] / r["real_tok_s_per_gpu"],
+        })
+    out = ROOT / "benchmarks" / "results" / f"{args.name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], out.name).write_text(json.dumps(result, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if not isinstance(v, dict)}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
