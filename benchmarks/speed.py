@@ -133,7 +133,8 @@ def main() -> int:
     result["ddptune_gc"] = ddptune_run(args, "ddptune_gc", ["train.gradient_checkpointing=true", "train.packing=true"], work)
     if args.lora_bf16:
         result["ddptune_lora_bf16"] = ddptune_run(
-            args, "ddptune_lora_bf16", ["train.gradient_checkpointing=auto", "train.packing=true", "train.method=lora"], work)
+            args, "ddptune_lora_bf16", ["train.gradient_checkpointing=auto", "train.packing=true", "train.method=lora",
+                                        "train.grad_accum=16", "train.tokens_per_forward=8192"], work)
 
     d = result["ddptune"]
     result.update({"ddptune_tok_s": d["real_tok_s_per_gpu"], "mfu": d["mfu"], "peak_mem_gib": d["peak_mem_gib"]})

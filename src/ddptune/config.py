@@ -112,6 +112,9 @@ class TrainConfig:
     """How many of the newest checkpoints to keep."""
     val_every: int = 0
     """Validation loss every N optimizer steps (needs data.val); 0: only at the end."""
+    profile_steps: int = 0
+    """Profile N optimizer steps after the warm-up with torch.profiler; rank 0 writes the
+    busiest operations to output_dir/profile.txt. 0: off."""
     grad_sync: bool = True
     """False skips the gradient all-reduce, so replicas drift apart: a measurement switch that
     `ddptune scale` uses to time a step without communication. Never for real training."""
@@ -356,7 +359,7 @@ def validate(cfg: Config, world_size: int, resume: bool = False) -> BatchPlan:
         problems.append("train.epochs: must be positive")
     if t.lr <= 0:
         problems.append("train.lr: must be positive, e.g. 2e-4")
-    for name in ("warmup_steps", "save_every", "val_every"):
+    for name in ("warmup_steps", "save_every", "val_every", "profile_steps"):
         if getattr(t, name) < 0:
             problems.append(f"train.{name}: must be 0 or more")
     if t.keep_checkpoints < 1:
