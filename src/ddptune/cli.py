@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "eval":
             from ddptune import evaluate
 
-            return evaluate.main(args, argv)
+            return evaluate.main(args)
         if args.command == "compare":
             from ddptune import evaluate
 

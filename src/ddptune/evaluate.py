@@ -151,7 +151,7 @@ def eval_rows(cfg: Config) -> list[dict]:
 # The commands
 
 
-def main(args, argv: list[str]) -> int:
+def main(args) -> int:
     """`ddptune eval RUN_DIR|CONFIG [overrides] [--nproc N] [--base] [--out DIR]`."""
     target = Path(args.target)
     run_dir = target if target.is_dir() else None

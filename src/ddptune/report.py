@@ -59,6 +59,8 @@ def _cell(value: Any, floatfmt: str) -> str:
     if value is None:
         return ""
     if isinstance(value, float):
+        if abs(value) >= 1e4 and value == value and abs(value) != float("inf"):
+            return f"{value:,.0f}"  # 20,740 rather than 2.074e+04
         return format(value, floatfmt)
     return str(value)
 
