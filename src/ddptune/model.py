@@ -165,8 +165,10 @@ def load_model(m: ModelConfig, method: str, device: torch.device, precision: str
     if method == "full":
         dtype = torch.float32  # fp32 master weights; bf16 compute comes from autocast
     # Each process puts the whole model on its own device: {"": local index} on CUDA.
-    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else None)
-    device_map = {"": index if device.type == "cuda" else "cpu"}
+    if device.type == "cuda":
+        device_map = {"": device.index if device.index is not None else torch.cuda.current_device()}
+    else:
+        device_map = {"": "cpu"}
     kwargs = dict(dtype=dtype, device_map=device_map, attn_implementation=m.attn_implementation,
                   trust_remote_code=m.trust_remote_code)
     if method == "qlora":

@@ -39,6 +39,7 @@ import yaml
 
 from ddptune import comm, config as config_lib, env, launch, report
 from ddptune.config import BatchPlan, ConfigError
+from ddptune.train import WARMUP_STEPS
 
 SAME_PER_DEVICE, SAME_GLOBAL = "same-per-device", "same-global"
 WHAT_IF_N = (2, 4, 8)
@@ -67,7 +68,7 @@ def main(args) -> int:
     base_overrides = list(args.overrides)
     cfg = config_lib.load(args.config, base_overrides)
     out = Path(args.out or f"{cfg.output_dir}-scale")
-    warmup = 2 if getattr(args, "warmup", None) is None else args.warmup  # cli.py: --warmup, if offered
+    warmup = WARMUP_STEPS if args.warmup is None else args.warmup
     sizes = parse_sizes(args.bandwidth_sizes)
 
     # 1. Plan and validate every count before anything runs or any folder is made.
@@ -153,9 +154,9 @@ def main(args) -> int:
                          "pred_efficiency": now["efficiency"], "meas_efficiency": r["compute_s"] / r["step_s"],
                          "pred_speedup": ideal["speedup"], "meas_speedup": r["speedup"]})
     links = other_links(bandwidth, comm.interconnect(topo))
-    all_params = summary.get("total_params") or count_all_params(cfg)
+    all_params = summary["total_params"]
     cases = [(f"{method} ({comm.human_size(grad_bytes)})", compute1, frac, grad_bytes)]
-    if method != "full" and all_params:
+    if method != "full":
         full_compute = compute1 * step_flops("full", ckpt) / step_flops(method, ckpt)
         cases.append((f"full ({comm.human_size(all_params * 4)})", full_compute, backward_fraction("full", ckpt), all_params * 4))
     what_if = []
@@ -271,26 +272,6 @@ def other_links(bandwidth: dict, label: str) -> dict[str, float]:
     if label != "NVLink" or len(links) == 1:
         links[nvlink] = comm.INTERCONNECTS[nvlink]
     return links
-
-
-def count_all_params(cfg) -> int | None:
-    """All parameters of the base model, built on the meta device (no weights read); None if unknown."""
-    try:
-        from accelerate import init_empty_weights
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        from ddptune import model as model_lib
-
-        src, m = model_lib.resolve_source(cfg.model), cfg.model
-        if src.kind == "preset":
-            mc = model_lib.preset_config(src.path, "eager")
-        else:
-            mc = AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file, revision=m.revision, trust_remote_code=m.trust_remote_code)
-        with init_empty_weights():
-            net = AutoModelForCausalLM.from_config(mc, trust_remote_code=m.trust_remote_code)
-        return sum(p.numel() for p in net.parameters())
-    except Exception:  # noqa: BLE001 - the full fine-tuning comparison is optional
-        return None
 
 
 def as_yaml(path: Path) -> str:
