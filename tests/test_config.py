@@ -50,6 +50,15 @@ def test_all_problems_are_reported_together():
         assert part in msg
 
 
+def test_packing_needs_an_attention_kernel_that_takes_sample_boundaries():
+    cfg = config.from_dict({"train": {"packing": True}, "model": {"attn_implementation": "sdpa"}})
+    with pytest.raises(ConfigError, match="train.packing: needs model.attn_implementation in"):
+        config.validate(cfg, world_size=1)
+    cfg = config.from_dict({"train": {"packing": True, "tokens_per_forward": 100}, "data": {"max_length": 512}})
+    with pytest.raises(ConfigError, match="train.tokens_per_forward: 100 is shorter than data.max_length 512"):
+        config.validate(cfg, world_size=1)
+
+
 def _bad_column_file(tmp_path):
     path = tmp_path / "rows.json"
     path.write_text(json.dumps([{"text": "A: hi\nB: hello", "summary": "They greet."}] * 10))

@@ -60,24 +60,36 @@ def test_split_step_gives_equal_micro_batches_of_similar_length():
 
 def test_packing_keeps_samples_apart():
     ex = [{"input_ids": [1] * n, "labels": [data.IGNORE] * (n - 2) + [7, 7]} for n in (5, 3, 4)]
-    forwards = data.pack(ex, row_length=8, tokens_per_forward=8)
-    assert [[len(e["input_ids"]) for e in row] for f in forwards for row in f] == [[5, 3], [4]]
-    batch = data.collate_packed(forwards[0] + forwards[1], pad_id=0)
-    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2], [0, 1, 2, 3, 0, 1, 2, 3]]
-    assert (batch["labels"] != data.IGNORE).sum() == 6 == data.target_tokens(ex)
+    forwards = data.pack(ex, tokens_per_forward=8)
+    assert [[len(e["input_ids"]) for e in f] for f in forwards] == [[5, 3], [4]]
+    batch = data.collate_packed(forwards[0])
+    assert batch["input_ids"].shape == (1, 8)  # one row, no padding
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2]]
+    assert batch["cu_seq_lens_q"].tolist() == [0, 5, 8] and batch["cu_seq_lens_q"].dtype == torch.int32
+    assert batch["max_length_q"] == 5
+    assert sum((data.collate_packed(f)["labels"] != data.IGNORE).sum() for f in forwards) == 6 == data.target_tokens(ex)
 
 
 def test_packed_forward_equals_separate_forwards():
-    """No sample attends across another: the packed loss equals the per-sample losses."""
-    net = model_lib.CausalLMLoss(model_lib.build_preset("tiny", 0, torch.float32, torch.device("cpu")))
-    g = torch.Generator().manual_seed(0)
+    """No sample attends across another: the packed loss (varlen attention, one row) equals the
+    sum of the samples' own losses, and so do its gradients."""
     ex = []
+    g = torch.Generator().manual_seed(0)
     for n in (9, 14, 6):
         ids = torch.randint(0, 256, (n,), generator=g).tolist()
         ex.append({"input_ids": ids, "labels": [data.IGNORE] * 3 + ids[3:]})
-    separate = sum(net(**data.collate([e], 0), num_items=1) for e in ex)
-    packed = net(**data.collate_packed([ex], 0), num_items=1)
-    assert torch.allclose(packed, separate, atol=1e-4)
+    grads = []
+    for packed in (False, True):
+        net = model_lib.CausalLMLoss(model_lib.build_preset("tiny", 0, torch.float32, torch.device("cpu"), "varlen"))
+        if packed:
+            loss = net(**data.collate_packed(ex), num_items=1)
+        else:
+            loss = sum(net(**data.collate([e], 0), num_items=1) for e in ex)
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in net.parameters()]))
+    (separate, g_sep), (packed, g_pack) = grads
+    assert torch.allclose(packed, separate, atol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(g_sep, g_pack))
 
 
 def test_check_reports_missing_rows(tmp_path):

@@ -10,12 +10,14 @@ from ddptune import metrics, model as model_lib
 
 
 def test_flops_per_token_follows_the_written_formula():
-    # LoRA: 4 per frozen weight, the head only on the target fraction, 6 per adapter weight, attention 3 x 2sh per layer
+    # LoRA: 4 per frozen weight, the head only on the target fraction, 6 per adapter weight, attention 3 x 4ch per layer
     f = metrics.flops_per_token(n_matrix=1000, n_head=200, n_adapter=10, n_layers=2, hidden=8, mean_context=5,
                                 method="lora", head_fraction=0.25)
-    assert f == pytest.approx(4 * (1000 + 50) + 60 + 3 * 2 * 5 * 8 * 2)
+    assert f == pytest.approx(4 * (1000 + 50) + 60 + 3 * 4 * 5 * 8 * 2)
     full = metrics.flops_per_token(1000, 200, 0, 2, 8, 5, "full")
-    assert full == pytest.approx(6 * 1200 + 3 * 2 * 5 * 8 * 2)
+    assert full == pytest.approx(6 * 1200 + 3 * 4 * 5 * 8 * 2)
+    # samples of 1 and 3 tokens: keys attended 1 | 1, 2, 3 -> 7 over 4 tokens
+    assert metrics.mean_context([1, 3]) == pytest.approx(7 / 4)
 
 
 def test_matrix_weights_split_body_and_head():

@@ -58,14 +58,17 @@ def test_cli_two_processes_end_to_end(tmp_path):
     assert not torch.allclose(tuned(ids).logits, before)
 
 
-def test_two_processes_take_the_same_steps_as_one_with_accumulation(tmp_path):
-    common = ["train.max_steps=4", "train.micro_batch_size=2", "train.lr=1e-2", "lora.dropout=0.0", "train.val_every=2"]
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_two_processes_take_the_same_steps_as_one_with_accumulation(tmp_path, packing):
+    common = ["train.max_steps=4", "train.micro_batch_size=2", "train.lr=1e-2", "lora.dropout=0.0", "train.val_every=2",
+              f"train.packing={str(packing).lower()}"]
     one, two = tmp_path / "one", tmp_path / "two"
     check(ddptune("train", TINY, f"output_dir={one}", "train.grad_accum=2", *common))
     check(ddptune("train", TINY, f"output_dir={two}", "train.grad_accum=1", *common, "--nproc", "2"))
 
     rows = [r for r in metrics(one) if "loss" in r]
-    assert all(r["padded_tokens"] > r["tokens"] for r in rows)  # samples of unequal lengths
+    # samples of unequal lengths: padded batches compute padding, packed rows none
+    assert all((r["padded_tokens"] == r["tokens"]) if packing else (r["padded_tokens"] > r["tokens"]) for r in rows)
     assert len(losses(one)) == 4
     for a, b in zip(losses(one), losses(two), strict=True):
         assert abs(a - b) < 1e-5, (losses(one), losses(two))
@@ -168,12 +171,27 @@ def test_packing_gives_the_padded_losses_without_padding(tmp_path):
     args = ["train.max_steps=4", "train.micro_batch_size=2", "train.grad_accum=2", "lora.dropout=0.0", "data.val=null", "--nproc", "2"]
     padded, packed = tmp_path / "padded", tmp_path / "packed"
     check(ddptune("train", TINY, f"output_dir={padded}", "train.packing=false", *args))
-    check(ddptune("train", TINY, f"output_dir={packed}", "train.packing=true", "train.pack_length=4096", *args))
+    check(ddptune("train", TINY, f"output_dir={packed}", "train.packing=true", *args))
     assert losses(packed) == pytest.approx(losses(padded), abs=1e-5)
     a = [r for r in metrics(padded) if "loss" in r]
     b = [r for r in metrics(packed) if "loss" in r]
     assert [r["tokens"] for r in a] == [r["tokens"] for r in b]  # the same samples
     assert all(rb["forwards"] == 1 and ra["forwards"] == 2 for ra, rb in zip(a, b))
-    # each process's 4 samples fit one 4096-token row: nothing but real tokens is computed
+    # each process's 4 samples fit one 8192-token row: nothing but real tokens is computed
     assert all(r["padded_tokens"] == r["tokens"] for r in b)
     assert all(r["padded_tokens"] > r["tokens"] for r in a)
+
+
+def test_compiled_layers_give_the_eager_losses_and_still_evaluate(tmp_path):
+    """train.compile (regional torch.compile, dynamic lengths, varlen attention inside the graph)
+    changes speed, not math; validation and generation afterwards run the layers eagerly."""
+    args = ["train.max_steps=3", "train.packing=true", "eval.enabled=true", "eval.zero_shot=false",
+            "eval.max_samples=4", "eval.max_new_tokens=8", "--nproc", "1"]
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    check(ddptune("train", TINY, f"output_dir={eager}", "train.compile=false", *args))
+    check(ddptune("train", TINY, f"output_dir={compiled}", "train.compile=true", *args))
+    assert json.loads((compiled / "summary.json").read_text())["compiled"] is True
+    assert losses(compiled) == pytest.approx(losses(eager), abs=1e-5)
+    val = [[r["val_loss"] for r in metrics(d) if "val_loss" in r] for d in (eager, compiled)]
+    assert val[1] == pytest.approx(val[0], abs=1e-5) and len(val[0]) == 1
+    assert (compiled / "eval" / "predictions.jsonl").is_file()

@@ -26,6 +26,10 @@ class ConfigError(ValueError):
         super().__init__("invalid config: " + "; ".join(problems))
 
 
+# attention kernels that take packed samples' boundaries (cu_seq_lens) instead of a mask
+PACKED_ATTENTION = {"varlen", "flash_attention_2", "flash_attention_3"}
+
+
 @dataclass
 class ModelConfig:
     source: str = "preset:tiny"
@@ -39,8 +43,10 @@ class ModelConfig:
     """Hub revision (branch, tag or commit) for hub ids."""
     trust_remote_code: bool = False
     """Run code shipped with a hub model. Off unless you trust the repository."""
-    attn_implementation: str = "sdpa"
-    """Attention kernel passed to transformers: sdpa | eager | flash_attention_2 | flex_attention."""
+    attn_implementation: str = "varlen"
+    """Attention kernel: varlen (ddptune's: packed samples through torch's FlashAttention varlen
+    kernel on CUDA, one SDPA call per sample on CPU; padded batches through SDPA) | sdpa | eager |
+    flash_attention_2 (needs the flash-attn package) | flex_attention."""
 
 
 @dataclass
@@ -96,13 +102,17 @@ class TrainConfig:
     gradient_checkpointing: bool | Literal["auto"] = "auto"
     """Recompute activations in backward (non-reentrant): less memory, about 30% more compute.
     auto: on only when the activations would not fit in the GPU's free memory (off on CPU)."""
-    packing: bool = False
-    """Pack each process's samples of a step into few long rows without padding; every sample
-    keeps its own positions and attends only to itself. Same samples, same loss, less waste."""
-    pack_length: int = 2048
-    """Tokens per packed row (at least data.max_length). Longer: fewer rows, more masked attention."""
+    packing: bool = True
+    """Concatenate each process's samples of a step into few rows without any padding; every
+    sample keeps its own positions and attends only to itself (the attention kernel gets the
+    sample boundaries). Same samples, same loss, no padding. micro_batch_size then only sets
+    the global batch; tokens_per_forward bounds each forward. false: padded micro-batches."""
     tokens_per_forward: int = 8192
-    """With packing: tokens per forward/backward pass; bounds activation memory."""
+    """With packing: tokens per forward/backward pass (one packed row); bounds activation memory."""
+    compile: bool | Literal["auto"] = "auto"
+    """Compile each decoder layer with torch.compile (one graph shared by all layers, dynamic
+    lengths): far fewer kernel launches and fused element-wise work, same math. Costs one to two
+    minutes of compiling in the first step. auto: on CUDA, off on CPU (slow to compile there)."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """auto: bf16 compute on GPU, fp32 on CPU."""
     seed: int = 0
@@ -364,10 +374,11 @@ def validate(cfg: Config, world_size: int, resume: bool = False) -> BatchPlan:
             problems.append(f"train.{name}: must be 0 or more")
     if t.keep_checkpoints < 1:
         problems.append("train.keep_checkpoints: must be at least 1")
-    if t.packing and t.pack_length < cfg.data.max_length:
-        problems.append(f"train.pack_length: {t.pack_length} is shorter than data.max_length {cfg.data.max_length} (raise it)")
-    if t.packing and t.tokens_per_forward < t.pack_length:
-        problems.append(f"train.tokens_per_forward: must be at least train.pack_length ({t.pack_length})")
+    if t.packing and t.tokens_per_forward < cfg.data.max_length:
+        problems.append(f"train.tokens_per_forward: {t.tokens_per_forward} is shorter than data.max_length {cfg.data.max_length} (raise it)")
+    if t.packing and cfg.model.attn_implementation not in PACKED_ATTENTION:
+        problems.append(f"train.packing: needs model.attn_implementation in {sorted(PACKED_ATTENTION)} "
+                        f"({cfg.model.attn_implementation} would attend across the whole packed row under a mask): use varlen, or set train.packing=false")
     if t.max_grad_norm < 0:
         problems.append("train.max_grad_norm: must be 0 (off) or positive")
     if cfg.lora.r < 1:

@@ -183,45 +183,36 @@ def collate(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def pack(examples: list[dict], row_length: int, tokens_per_forward: int) -> list[list[list[dict]]]:
-    """Pack examples into rows of at most `row_length` tokens (first fit, longest first), and the
-    rows into forward passes of at most `tokens_per_forward` tokens."""
-    rows: list[list[dict]] = []
+def pack(examples: list[dict], tokens_per_forward: int) -> list[list[dict]]:
+    """Group examples into forward passes of at most `tokens_per_forward` tokens (first fit,
+    longest first); each group becomes one packed row."""
+    groups: list[list[dict]] = []
     room: list[int] = []
     for e in sorted(examples, key=lambda e: -len(e["input_ids"])):
         n = len(e["input_ids"])
         j = next((j for j, r in enumerate(room) if r >= n), None)
         if j is None:
-            rows.append([])
-            room.append(row_length)
-            j = len(rows) - 1
-        rows[j].append(e)
+            groups.append([])
+            room.append(tokens_per_forward)
+            j = len(groups) - 1
+        groups[j].append(e)
         room[j] -= n
-    per_forward = max(1, tokens_per_forward // row_length)
-    return [rows[i:i + per_forward] for i in range(0, len(rows), per_forward)]
+    return groups
 
 
-def collate_packed(rows: list[list[dict]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Packed rows: input_ids, labels and position_ids that restart at 0 for every sample.
-
-    With no attention mask, transformers reads sample boundaries from the position restarts and
-    masks attention block-diagonally, so no sample sees another. Padding at a row's end forms a
-    block of its own, with no targets.
-    """
-    width = max(sum(len(e["input_ids"]) for e in row) for row in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
-    pos = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        at = 0
-        for e in row:
-            n = len(e["input_ids"])
-            ids[i, at:at + n] = torch.tensor(e["input_ids"])
-            labels[i, at:at + n] = torch.tensor(e["labels"])
-            pos[i, at:at + n] = torch.arange(n)
-            at += n
-        pos[i, at:] = torch.arange(width - at)
-    return {"input_ids": ids, "labels": labels, "position_ids": pos}
+def collate_packed(examples: list[dict]) -> dict:
+    """One row of concatenated samples: input_ids, labels, position_ids that restart at 0 for
+    every sample, and the boundaries as transformers' varlen arguments (cu_seq_lens_q/k: int32
+    cumulative lengths; max_length_q/k). No padding and no mask: the attention kernel keeps
+    every sample to itself."""
+    lengths = [len(e["input_ids"]) for e in examples]
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return {
+        "input_ids": torch.tensor([[t for e in examples for t in e["input_ids"]]]),
+        "labels": torch.tensor([[t for e in examples for t in e["labels"]]]),
+        "position_ids": torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0),
+        "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths), "max_length_k": max(lengths),
+    }
 
 
 def target_tokens(examples: list[dict]) -> int:

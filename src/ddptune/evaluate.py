@@ -108,7 +108,8 @@ def evaluate(model, tokenizer, rows: list[dict], cfg: Config, accelerator: Accel
     accelerator.wait_for_everyone()
     t0 = time.perf_counter()
     done = []
-    with accelerator.autocast():
+    # generation runs the layers eagerly: compiled training graphs (train.compile) do not fit a KV cache
+    with accelerator.autocast(), torch.compiler.set_stance("force_eager"):
         for batch in mine:
             texts = generate(net, tokenizer, prompts, batch, cfg.eval.max_new_tokens, eos, accelerator.device)
             done += list(zip(batch, texts))

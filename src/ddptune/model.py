@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import inspect
 import os
 import shutil
 import tempfile
@@ -15,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
+from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from ddptune.config import LoraConfig, ModelConfig
 
@@ -114,6 +117,73 @@ def load_tokenizer(m: ModelConfig):
 
 
 # ---------------------------------------------------------------------------------------------
+# Attention for packed samples
+
+
+def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                     cu_seq_lens_q=None, max_length_q=None, **kwargs):
+    """`attn_implementation="varlen"`: causal attention within each packed sample and never across.
+
+    A packed forward is one row of concatenated samples (batch size 1) with the sample boundaries
+    in `cu_seq_lens_q` (cumulative lengths, int32). On CUDA, torch's FlashAttention varlen kernel
+    computes only each sample's own causal triangle: no mask tensor, no padding, no work on pairs
+    of samples. Elsewhere (CPU), each sample runs through SDPA on its own (same math). Without
+    boundaries (generation, padded batches) this is plain SDPA with transformers' mask.
+    """
+    if cu_seq_lens_q is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if query.size(0) != 1:
+        raise ValueError("varlen attention takes one packed row per forward")
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (tokens, heads, head_dim)
+    if _flash_varlen is not None and q.is_cuda:
+        out = _flash_varlen(q, k, v, cu_seq_lens_q, max_length_q, scaling)
+    else:
+        bounds = cu_seq_lens_q.tolist()
+        out = torch.cat([
+            torch.nn.functional.scaled_dot_product_attention(
+                q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
+                is_causal=True, scale=scaling, enable_gqa=True).transpose(0, 1)
+            for a, b in zip(bounds[:-1], bounds[1:])
+        ])
+    return out.unsqueeze(0), None
+
+
+def _make_flash_varlen():
+    """torch.nn.attention.varlen.varlen_attn (torch >= 2.9), adapted to its signature in the
+    installed torch: causal is `is_causal=True` in early versions, `window_size=(-1, 0)` later;
+    grouped-query attention needs `enable_gqa` where it exists, else repeated key/value heads."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    gqa = "enable_gqa" in params
+
+    def run(q, k, v, cu, max_len, scale):
+        extra = dict(causal, scale=scale)
+        if q.size(1) != k.size(1):
+            if gqa:
+                extra["enable_gqa"] = True
+            else:
+                k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, **extra)
+
+    return run
+
+
+def _varlen_mask(*args, attention_mask=None, **kwargs):
+    """Padded batches (evaluation, generation) get SDPA's mask; a packed row needs none: its
+    boundaries travel as cu_seq_lens (building a tokens x tokens block mask would be waste)."""
+    return None if attention_mask is None else sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+_flash_varlen = _make_flash_varlen()
+AttentionInterface.register("varlen", varlen_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register("varlen", _varlen_mask)
+
+
+# ---------------------------------------------------------------------------------------------
 # Models
 
 
@@ -193,6 +263,16 @@ def load_model(m: ModelConfig, method: str, device: torch.device, precision: str
     return model
 
 
+def compile_layers(model) -> int:
+    """torch.compile every decoder layer (regional compilation: the layers share one compiled
+    graph, so compile time is that of one layer). Returns the number of layers compiled."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = base.get_decoder().layers
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return len(layers)
+
+
 def activation_bytes(model, tokens: int) -> float:
     """A rough upper estimate of the activations one forward keeps for backward (bf16):
     per token and layer about 14 hidden-sized and 5 MLP-sized tensors, LoRA input copies included."""
@@ -256,9 +336,10 @@ class CausalLMLoss(torch.nn.Module):
         self.decoder = base.get_decoder()
         self.head = base.get_output_embeddings()
 
-    def forward(self, input_ids, labels, num_items, attention_mask=None, position_ids=None):
+    def forward(self, input_ids, labels, num_items, attention_mask=None, position_ids=None, **packed):
+        # packed: a packed row's sample boundaries (cu_seq_lens_q/k, max_length_q/k) for attention
         hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              use_cache=False).last_hidden_state
+                              use_cache=False, **packed).last_hidden_state
         # position t predicts token t+1; the last position of a row has no target
         targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100).reshape(-1)
         keep = (targets != -100).nonzero().squeeze(1)

@@ -68,14 +68,18 @@ def load_data(cfg: Config, tokenizer, accelerator: Accelerator) -> tuple[list[di
 
 
 def build_model(cfg: Config, accelerator: Accelerator):
-    """The model with adapters, and whether gradient checkpointing is on."""
+    """The model with adapters, whether gradient checkpointing is on, and whether layers are compiled."""
     t = cfg.train
     with accelerator.main_process_first():  # a preset checkpoint or hub download is made once
         base = model_lib.load_model(cfg.model, t.method, accelerator.device, t.precision, t.seed)
     tokens = t.tokens_per_forward if t.packing else t.micro_batch_size * cfg.data.max_length
     checkpointing = model_lib.use_checkpointing(t.gradient_checkpointing, base, tokens, accelerator.device)
     set_seed(t.seed)  # adapters start equal on every process
-    return model_lib.add_adapters(base, t.method, cfg.lora, checkpointing), checkpointing
+    model = model_lib.add_adapters(base, t.method, cfg.lora, checkpointing)
+    compiled = t.compile is True or (t.compile == "auto" and accelerator.device.type == "cuda")
+    if compiled:
+        model_lib.compile_layers(model)
+    return model, checkpointing, compiled
 
 
 def build_optimizer(cfg: Config, model, total_steps: int):
@@ -94,6 +98,7 @@ def build_optimizer(cfg: Config, model, total_steps: int):
 
 
 @torch.no_grad()
+@torch.compiler.set_stance("force_eager")  # padded batches without gradients: not what train.compile compiled
 def validation_loss(loss_model, examples: list[dict], micro: int, pad_id: int, accelerator: Accelerator) -> float:
     """Token-weighted loss over all validation examples: each process sums its share's token
     losses and counts, the sums are reduced, then divided (never an average of averages).
@@ -157,7 +162,7 @@ def run(cfg: Config, resume: bool = False):
     steps_per_epoch = len(train_set) // plan.global_batch
     total_steps = cfg.train.max_steps or max(1, math.floor(cfg.train.epochs * steps_per_epoch))
 
-    model, checkpointing = build_model(cfg, accelerator)
+    model, checkpointing, compiled = build_model(cfg, accelerator)
     optimizer, scheduler = build_optimizer(cfg, model, total_steps)
     trainable, total = model_lib.count_params(model)
     n_matrix, n_head = metrics.matrix_weights(model)
@@ -177,10 +182,11 @@ def run(cfg: Config, resume: bool = False):
     load_s = time.perf_counter() - t0
 
     say(f"ddptune: {cfg.model.source} | {cfg.train.method} | {trainable:,} of {total:,} parameters trained"
-        f" | gradient checkpointing {'on' if checkpointing else 'off'}")
+        f" | gradient checkpointing {'on' if checkpointing else 'off'} | compiled layers {'on' if compiled else 'off'}")
     say(f"ddptune: {accelerator.num_processes} process(es) on {accelerator.device.type} "
         f"({accelerator.distributed_type.value}, mixed precision {accelerator.mixed_precision})")
-    say(f"ddptune: {plan.describe()}" + (f", packed into rows of <= {cfg.train.pack_length} tokens" if cfg.train.packing else ""))
+    say(f"ddptune: {plan.describe()}" + (f", packed into rows of <= {cfg.train.tokens_per_forward} tokens"
+                                         f" ({cfg.model.attn_implementation} attention)" if cfg.train.packing else ""))
     say(f"ddptune: {len(train_set)} training examples, {steps_per_epoch} steps per epoch, "
         f"{total_steps} steps" + (f", resuming after step {start}" if start else ""))
     if cfg.eval.enabled and cfg.eval.zero_shot and cfg.train.method != "full" and not resume:
@@ -207,7 +213,7 @@ def run(cfg: Config, resume: bool = False):
         n_target = accelerator.reduce(torch.tensor(data.target_tokens(mine), device=accelerator.device), "sum")
         loss_sum = torch.zeros((), device=accelerator.device)
         for k, batch in enumerate(batches):
-            batch = {key: v.to(accelerator.device, non_blocking=True) for key, v in batch.items()}
+            batch = {key: v.to(accelerator.device, non_blocking=True) if torch.is_tensor(v) else v for key, v in batch.items()}
             sync = k == len(batches) - 1 and cfg.train.grad_sync  # all-reduce on the last forward only
             with (nullcontext() if sync else accelerator.no_sync(engine)), accelerator.autocast():
                 loss = engine(**batch, num_items=n_target)
@@ -221,9 +227,10 @@ def run(cfg: Config, resume: bool = False):
         optimizer.zero_grad(set_to_none=True)
         real = sum(len(e["input_ids"]) for e in mine)
         computed = sum(b["input_ids"].numel() for b in batches)
-        counts = torch.tensor([real, computed], device=accelerator.device, dtype=torch.float64)
-        stats = accelerator.reduce(torch.cat([loss_sum.double().reshape(1), counts]), "sum")
-        loss_v, real_g, padded_g = stats[0].item(), int(stats[1]), int(stats[2])
+        attended = metrics.mean_context([len(e["input_ids"]) for e in mine]) * real  # keys attended, summed over tokens
+        counts = torch.tensor([real, computed, attended], device=accelerator.device, dtype=torch.float64)
+        stats = accelerator.reduce(torch.cat([loss_sum.double().reshape(1), counts]), "sum").tolist()
+        loss_v, real_g, padded_g, attended_g = stats[0], int(stats[1]), int(stats[2]), stats[3]
         dt = time.perf_counter() - t_step
         row = {
             "step": step + 1, "loss": loss_v, "lr": lr, "grad_norm": float(grad_norm),
@@ -232,8 +239,7 @@ def run(cfg: Config, resume: bool = False):
             "tokens_per_s_per_gpu": real_g / dt / accelerator.num_processes,
         }
         if peak:
-            mean_context = real_g / plan.global_batch / 2  # a token attends to half its sample on average
-            fpt = metrics.flops_per_token(n_matrix, n_head, n_adapter, n_layers, hidden, mean_context,
+            fpt = metrics.flops_per_token(n_matrix, n_head, n_adapter, n_layers, hidden, attended_g / real_g,
                                           cfg.train.method, head_fraction=row["target_tokens"] / real_g)
             row["mfu"] = fpt * row["tokens_per_s_per_gpu"] / (peak * 1e12)
             row["peak_mem_gib"] = metrics.peak_memory_gib(accelerator.device)
@@ -282,7 +288,7 @@ def run(cfg: Config, resume: bool = False):
         "mfu": (sum(r.get("mfu", 0) for r in history[warm:]) / len(history[warm:])) if peak and history else None,
         "peak_mem_gib": max(peaks) if None not in peaks else None, "peak_mem_gib_per_process": peaks,
         "train_rows": len(train_set), "steps_per_epoch": steps_per_epoch, "method": cfg.train.method,
-        "gradient_checkpointing": checkpointing, "grad_sync": cfg.train.grad_sync,
+        "gradient_checkpointing": checkpointing, "compiled": compiled, "grad_sync": cfg.train.grad_sync,
         "trainable_params": trainable, "total_params": total, "output": str(final), "replica_fingerprints": fingerprints,
     }
     if cfg.eval.enabled and accelerator.is_main_process:
@@ -323,10 +329,10 @@ def my_share(cfg: Config, plan, train_set: list[dict], lengths: list[int], step:
 
 
 def forward_batches(cfg: Config, examples: list[dict], pad_id: int) -> list[dict]:
-    """The tensors of each forward pass: padded micro-batches, or packed rows."""
+    """The inputs of each forward pass: padded micro-batches, or one packed row each."""
     t = cfg.train
     if t.packing:
-        return [data.collate_packed(rows, pad_id) for rows in data.pack(examples, t.pack_length, t.tokens_per_forward)]
+        return [data.collate_packed(group) for group in data.pack(examples, t.tokens_per_forward)]
     return [data.collate(examples[i:i + t.micro_batch_size], pad_id) for i in range(0, len(examples), t.micro_batch_size)]
 
 

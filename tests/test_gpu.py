@@ -1,0 +1,49 @@
+"""GPU-only checks (skipped without CUDA; run on the device machine, see BENCHMARKS.md)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddptune import data, model as model_lib
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+def test_flash_varlen_matches_per_sample_sdpa():
+    """The FlashAttention varlen kernel gives each packed sample the attention (and gradients)
+    it would get alone, with grouped-query heads, in bf16."""
+    assert model_lib._flash_varlen is not None, "torch has no torch.nn.attention.varlen"
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lengths = [37, 200, 5, 511, 64]
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    q = torch.randn(sum(lengths), 32, 128, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
+    k, v = (torch.randn(sum(lengths), 8, 128, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True) for _ in range(2))
+    out = model_lib._flash_varlen(q, k, v, cu, max(lengths), 128 ** -0.5)
+    ref = torch.cat([
+        torch.nn.functional.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1).float(), k[a:b].transpose(0, 1).float(), v[a:b].transpose(0, 1).float(),
+            is_causal=True, enable_gqa=True).transpose(0, 1)
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
+    assert (out.float() - ref).abs().max() < 2e-2
+    w = torch.randn_like(ref)
+    grads = torch.autograd.grad((out.float() * w).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for a, b in zip(grads, ref_grads):
+        assert (a.float() - b.float()).abs().max() / b.float().abs().max() < 2e-2
+
+
+@cuda
+def test_packed_loss_equals_separate_losses_on_gpu():
+    """Through the whole model (varlen attention, bf16): packed row = sum of the samples alone."""
+    torch.manual_seed(0)
+    net = model_lib.CausalLMLoss(model_lib.build_preset("tiny", 0, torch.bfloat16, torch.device("cuda"), "varlen"))
+    ex = []
+    for n in (90, 140, 60):
+        ids = torch.randint(0, 256, (n,)).tolist()
+        ex.append({"input_ids": ids, "labels": [data.IGNORE] * 10 + ids[10:]})
+    to = lambda b: {k: v.cuda() if torch.is_tensor(v) else v for k, v in b.items()}
+    with torch.no_grad():
+        separate = sum(net(**to(data.collate([e], 0)), num_items=1).float() for e in ex)
+        packed = net(**to(data.collate_packed(ex)), num_items=1).float()
+    assert torch.allclose(packed, separate, rtol=1e-2)
