@@ -3,15 +3,16 @@
 One device call runs, in order:
   1. the GPU's bf16 matrix rate (the MFU denominator), measured on random data;
   2. the reference recipe (HF Trainer + accelerate launch + PEFT + bitsandbytes QLoRA, gradient
-     checkpointing, dynamic padding: benchmarks/reference_recipe.py);
-  3. ddptune on the same job (same samples per optimizer step, learning rate, LoRA, 4-bit base),
-     with its defaults (packing, gradient checkpointing decided from memory), and with gradient
-     checkpointing forced on;
-  4. optionally ddptune with bf16 LoRA (no quantization) for MFU.
-It writes benchmarks/results/<name>.json (raw figures of every run) and prints a BENCHMARKS.md row.
+     checkpointing, dynamic padding: benchmarks/reference_recipe.py), unless --skip-reference;
+  3. the ddptune runs named by --runs (RUNS below): the same job (same samples per optimizer step,
+     learning rate, LoRA, 4-bit base, optimizer) with ddptune's defaults (packing with varlen
+     attention, compiled layers, gradient checkpointing decided from memory); the same with
+     gradient checkpointing forced on; bf16 LoRA (no quantization) for MFU.
+It writes benchmarks/results/<name>.json (raw figures of every run) and prints the headline figures.
+An 8B run of all three plus the reference does not fit one 10-minute device call: split it with --runs.
 
-    python benchmarks/speed.py --name h200_llama31_8b_qlora --preset llama-3.1-8b \
-        --tokenizer .tok/smollm2 --data .devdata/samsum_validation.json --steps 30
+    python benchmarks/speed.py --name h200_llama31_8b_qlora_v2 --preset llama-3.1-8b \
+        --tokenizer .tok/smollm2 --data .devdata/samsum_validation.json --steps 25 --warmup 5 --runs ddptune,ddptune_gc
 """
 from __future__ import annotations
 
@@ -62,6 +63,17 @@ def matmul_tflops() -> float | None:
     return 2 * n**3 / statistics.median(times) / 1e12
 
 
+# ddptune's runs: the recipe's job with ddptune's defaults (packing, gradient checkpointing only if
+# memory needs it), the same with gradient checkpointing forced on (the recipe's memory class), and
+# bf16 LoRA without quantization (the MFU target), 64 samples per step.
+RUNS = {
+    "ddptune": ["train.gradient_checkpointing=auto", "train.packing=true"],
+    "ddptune_gc": ["train.gradient_checkpointing=true", "train.packing=true"],
+    "ddptune_lora_bf16": ["train.gradient_checkpointing=auto", "train.packing=true", "train.method=lora",
+                          "train.grad_accum=16"],
+}
+
+
 def ddptune_run(args, name: str, overrides: list[str], work: Path) -> dict:
     out = work / name
     cmd = [sys.executable, "-m", "ddptune", "train", str(CONFIG), f"output_dir={out}",
@@ -80,7 +92,7 @@ def ddptune_run(args, name: str, overrides: list[str], work: Path) -> dict:
         "real_tok_s_per_gpu": real / sum(r["step_time_s"] for r in measured),
         "padding_fraction": 1 - real / padded,
         "peak_mem_gib": summary["peak_mem_gib"], "mfu": summary["mfu"],
-        "gradient_checkpointing": summary["gradient_checkpointing"],
+        "gradient_checkpointing": summary["gradient_checkpointing"], "compiled": summary.get("compiled"),
         "losses": [r["loss"] for r in rows], "grad_norms": [r["grad_norm"] for r in rows],
         "final_loss": rows[-1]["loss"], "load_time_s": summary["load_time_s"],
         "samples_per_step": summary["global_batch"],
@@ -100,7 +112,8 @@ def main() -> int:
     p.add_argument("--method", choices=["qlora", "lora"], default="qlora", help="lora: for a CPU smoke test")
     p.add_argument("--override", action="append", default=[], help="extra key=value for every ddptune run")
     p.add_argument("--skip-reference", action="store_true")
-    p.add_argument("--lora-bf16", action="store_true", help="also run bf16 LoRA (no quantization) for MFU")
+    p.add_argument("--runs", default="ddptune,ddptune_gc,ddptune_lora_bf16",
+                   help=f"comma-separated ddptune runs, of: {', '.join(RUNS)}")
     p.add_argument("--work", default="/tmp/ddptune-bench")
     args = p.parse_args()
     work = Path(args.work)
@@ -129,16 +142,15 @@ def main() -> int:
             "--out", str(ref_json)], work / "reference.log")
         result["reference"] = json.loads(ref_json.read_text())
 
-    result["ddptune"] = ddptune_run(args, "ddptune", ["train.gradient_checkpointing=auto", "train.packing=true"], work)
-    result["ddptune_gc"] = ddptune_run(args, "ddptune_gc", ["train.gradient_checkpointing=true", "train.packing=true"], work)
-    if args.lora_bf16:
-        result["ddptune_lora_bf16"] = ddptune_run(
-            args, "ddptune_lora_bf16", ["train.gradient_checkpointing=auto", "train.packing=true", "train.method=lora",
-                                        "train.grad_accum=16", "train.tokens_per_forward=8192"], work)
+    for name in args.runs.split(","):
+        result[name] = ddptune_run(args, name, RUNS[name], work)
 
-    d = result["ddptune"]
-    result.update({"ddptune_tok_s": d["real_tok_s_per_gpu"], "mfu": d["mfu"], "peak_mem_gib": d["peak_mem_gib"]})
-    if "reference" in result:
+    d = result.get("ddptune")
+    if d:
+        result.update({"ddptune_tok_s": d["real_tok_s_per_gpu"], "mfu": d["mfu"], "peak_mem_gib": d["peak_mem_gib"]})
+    if "ddptune_lora_bf16" in result:
+        result["mfu_lora_bf16"] = result["ddptune_lora_bf16"]["mfu"]
+    if "reference" in result and d and "ddptune_gc" in result:
         r = result["reference"]
         result.update({
             "reference_tok_s": r["real_tok_s_per_gpu"], "reference_peak_mem_gib": r["peak_mem_gib"],
