@@ -16,8 +16,8 @@ def test_flops_per_token_follows_the_written_formula():
     assert f == pytest.approx(4 * (1000 + 50) + 60 + 3 * 4 * 5 * 8 * 2)
     full = metrics.flops_per_token(1000, 200, 0, 2, 8, 5, "full")
     assert full == pytest.approx(6 * 1200 + 3 * 4 * 5 * 8 * 2)
-    # samples of 1 and 3 tokens: keys attended 1 | 1, 2, 3 -> 7 over 4 tokens
-    assert metrics.mean_context([1, 3]) == pytest.approx(7 / 4)
+    # samples of 1 and 3 tokens: keys attended 1 | 1 + 2 + 3 -> 7
+    assert metrics.attended_keys([1, 3]) == 7
 
 
 def test_matrix_weights_split_body_and_head():

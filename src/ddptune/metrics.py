@@ -4,7 +4,7 @@ FLOPs per real token (what MFU counts; activation recomputation is not counted):
 - N: weights of the decoder's linear layers; H: the output head's. A token that attends to c
   keys costs 4·c·h per layer forward (QK^T: 2·c·h, AV: 2·c·h; h = heads × head dim). Within a
   causal sample of length n a token attends to (n+1)/2 keys on average, so over a step
-  c = Σ n(n+1)/2 / Σ n (`mean_context`). Attention never spans two packed samples.
+  c = Σ n(n+1)/2 / Σ n (`attended_keys` / tokens). Attention never spans two packed samples.
 - The head runs only at summary positions (the loss needs no other logits), so it counts for
   the fraction f of real tokens that are loss targets: H·f instead of H.
 - full fine-tuning: forward 2 + backward 4 (input and weight gradients) = 6 per weight, attention ×3.
@@ -42,9 +42,9 @@ def flops_per_token(n_matrix: int, n_head: int, n_adapter: int, n_layers: int, h
     return per_weight * (n_matrix + n_head * head_fraction) + 6.0 * n_adapter + 3 * attn_fwd
 
 
-def mean_context(lengths: list[int]) -> float:
-    """Keys a token attends to, averaged over the tokens of causal samples of these lengths."""
-    return sum(n * (n + 1) / 2 for n in lengths) / max(sum(lengths), 1)
+def attended_keys(lengths: list[int]) -> int:
+    """Keys attended, summed over all tokens of causal samples of these lengths (Σ n(n+1)/2)."""
+    return sum(n * (n + 1) // 2 for n in lengths)
 
 
 def peak_tflops(device: torch.device) -> float | None:

@@ -263,14 +263,12 @@ def load_model(m: ModelConfig, method: str, device: torch.device, precision: str
     return model
 
 
-def compile_layers(model) -> int:
+def compile_layers(model) -> None:
     """torch.compile every decoder layer (regional compilation: the layers share one compiled
-    graph, so compile time is that of one layer). Returns the number of layers compiled."""
+    graph, so compile time is that of one layer)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    layers = base.get_decoder().layers
-    for layer in layers:
+    for layer in base.get_decoder().layers:
         layer.compile(dynamic=True)
-    return len(layers)
 
 
 def activation_bytes(model, tokens: int) -> float:

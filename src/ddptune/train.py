@@ -227,7 +227,7 @@ def run(cfg: Config, resume: bool = False):
         optimizer.zero_grad(set_to_none=True)
         real = sum(len(e["input_ids"]) for e in mine)
         computed = sum(b["input_ids"].numel() for b in batches)
-        attended = metrics.mean_context([len(e["input_ids"]) for e in mine]) * real  # keys attended, summed over tokens
+        attended = metrics.attended_keys([len(e["input_ids"]) for e in mine])
         counts = torch.tensor([real, computed, attended], device=accelerator.device, dtype=torch.float64)
         stats = accelerator.reduce(torch.cat([loss_sum.double().reshape(1), counts]), "sum").tolist()
         loss_v, real_g, padded_g, attended_g = stats[0], int(stats[1]), int(stats[2]), stats[3]
