@@ -15,14 +15,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ddptune import config as config_lib, launch
+from ddptune import checks, config as config_lib, dist
 from ddptune.config import ConfigError
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ddptune", description="Data-parallel LoRA/QLoRA/full fine-tuning for dialogue summarization.")
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="fine-tune as a YAML config says")
+    t = sub.add_parser("train", help="fine-tune as a YAML config says", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="config keys (override any with section.key=value):\n" + config_lib.reference_text())
     t.add_argument("config")
     t.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.lr=1e-4")
     t.add_argument("--nproc", type=int, default=None, help="start N processes (one per GPU; CPU processes without GPUs)")
@@ -36,14 +37,16 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compare", help="ROUGE and loss of several runs side by side")
     c.add_argument("runs", nargs="+")
     c.add_argument("--json", default=None)
-    s = sub.add_parser("scale", help="the same training at several process counts")
+    s = sub.add_parser("scale", help="the same training at several process counts, and where the time goes")
     s.add_argument("config")
     s.add_argument("overrides", nargs="*")
     s.add_argument("--nproc", required=True, help="comma-separated process counts, e.g. 1,2,4")
-    s.add_argument("--mode", choices=["same-per-device", "same-global"], default="same-per-device")
+    s.add_argument("--mode", choices=["same-per-device", "same-global", "both"], default="same-per-device",
+                   help="same-per-device: the global batch grows with n; same-global: it stays; both: each (n = 1 shared)")
     s.add_argument("--out", default=None, help="output folder (default: <output_dir>-scale)")
-    s.add_argument("--bandwidth-sizes", default="1MB,4MB,16MB,64MB,256MB,1GB")
-    s.add_argument("--warmup", type=int, default=None, help="steps left out of the steady-state median (default 2)")
+    s.add_argument("--steps", type=int, default=None, help="measured steps of the largest batch (default 30)")
+    s.add_argument("--warmup", type=int, default=None, help="steps of the largest batch before the measured window (default 3)")
+    s.add_argument("--bandwidth-sizes", default="1MB,4MB,16MB,64MB,256MB,1GB", help="all-reduce sizes to time")
     sub.add_parser("env", help="devices, interconnect and versions for a bug report", add_help=False)
     return p
 
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return scale.main(args)
     except ConfigError as e:
-        if launch.is_main_process():
+        if dist.is_main_process():
             print(f"ddptune: {e}", file=sys.stderr)
         return 2
     return 1
@@ -86,13 +89,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _train(args) -> int:
     cfg = config_lib.load(args.config, args.overrides)
-    if args.nproc is not None and not launch.in_launched_process():
+    if args.nproc is not None and not dist.in_launched_process():
         if args.nproc < 1:
             raise ConfigError(["--nproc: must be at least 1"])
-        config_lib.validate(cfg, args.nproc, resume=args.resume)  # fail before any process starts
+        checks.validate(cfg, args.nproc, resume=args.resume)  # once, here, before any process starts
         child = ["train", args.config, *args.overrides] + (["--resume"] if args.resume else [])
-        return launch.torchrun(args.nproc, ["ddptune", *child])
+        return dist.torchrun(args.nproc, ["ddptune", *child])
     from ddptune import train
 
-    train.run(cfg, resume=args.resume)
+    train.run(cfg, resume=args.resume)  # under a launcher (or alone): rank 0 validates first
     return 0

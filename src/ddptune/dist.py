@@ -1,0 +1,197 @@
+"""Processes: the one place that knows about ranks, launchers and process groups.
+
+- `torchrun(nproc, args)`: `--nproc N` re-runs a command in N processes through torch's own launcher
+  (`torch.distributed.run --standalone`, a free rendezvous port on this host). Under `accelerate
+  launch` or `torchrun` the launcher has set RANK, LOCAL_RANK and WORLD_SIZE; nothing is re-run.
+- `setup(precision)`: joins the process group the launcher described (a group of one without a
+  launcher) through an Accelerator, which also sets this process's CUDA device before any CUDA work.
+- `on_main(accelerator, fn)`: the process that talks to the user does something (validation), the
+  others wait for its answer.
+- `StepClock`: each process times its own share of an optimizer step on its device's clock:
+  its compute, how long it then waited for the gradient all-reduce, its optimizer, its step.
+Model and data code never see any of this.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import warnings
+
+import torch
+import transformers
+from accelerate import Accelerator
+from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list, gather_object
+
+VALIDATED = "DDPTUNE_VALIDATED"  # set by `torchrun` below: the parent process has validated the config
+
+
+def in_launched_process() -> bool:
+    """True inside a process started by torchrun or accelerate launch."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def is_main_process() -> bool:
+    """True in the process that talks to the user (rank 0, or no launcher); needs no process group."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def validated_by_parent() -> bool:
+    return os.environ.get(VALIDATED) == "1"
+
+
+def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = None,
+             threads_per_process: int | None = None) -> int:
+    """Run `python -m <module_args...>` in `nproc` processes on this host; return the exit code.
+
+    `module_args` starts with the module name, e.g. ["ddptune", "train", "cfg.yaml"]. The children
+    share the cores: each gets `threads_per_process` BLAS threads (default: cores // nproc) unless
+    OMP_NUM_THREADS is set. SIGTERM sent to this process is passed on to torchrun, which stops its
+    workers; Ctrl-C reaches them all from the terminal, and this process waits for them to stop.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", *module_args]
+    child_env = dict(os.environ if env is None else env)
+    threads = threads_per_process or max(1, (os.cpu_count() or 1) // nproc)
+    child_env.setdefault("OMP_NUM_THREADS", str(threads))
+    child_env[VALIDATED] = "1"
+    proc = subprocess.Popen(cmd, env=child_env)
+    old = {}
+    if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+        old = {signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, _frame: proc.send_signal(signum)),
+               signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN)}
+    try:
+        return proc.wait()
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def setup(precision: str = "auto") -> Accelerator:
+    """This process's Accelerator: the process group (NCCL on GPUs, gloo on CPU), its device, bf16
+    autocast when `precision` resolves to bf16, and a quiet console on every process but rank 0."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        # cuDNN's attention spends ~25 ms of CPU per call building a plan for every new sequence
+        # length (measured on H200, torch 2.11): with varying lengths it dominated the step.
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    bf16 = precision == "bf16" or (precision == "auto" and cuda)
+    # Buffers (rotary frequencies) never change: broadcasting them before every forward would be a
+    # collective that makes every process wait for the slowest at each micro-step, not once a step.
+    # (torch 2.13 renames the switch forward_sync_buffers, which accelerate does not pass yet.)
+    warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+    ddp = DistributedDataParallelKwargs(broadcast_buffers=False)
+    accelerator = Accelerator(cpu=not cuda, mixed_precision="bf16" if bf16 else "no", kwargs_handlers=[ddp])
+    if not accelerator.is_main_process:
+        transformers.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+        logging.disable(logging.WARNING)
+        warnings.filterwarnings("ignore")
+    return accelerator
+
+
+def on_main(accelerator: Accelerator, fn):
+    """Run `fn()` on the main process only; every process returns its result or raises the same
+    exception type with the same message (others wait at the broadcast meanwhile)."""
+    result, error = None, None
+    if accelerator.is_main_process:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below, on every process
+            error = e
+    if accelerator.num_processes > 1:
+        box = [result, error]
+        broadcast_object_list(box, from_process=0)
+        result, error = box
+    if error is not None:
+        raise error
+    return result
+
+
+def gather(obj) -> list:
+    """`obj` from every process, in rank order (a collective: every process must call it)."""
+    return gather_object([obj])
+
+
+def ddp_wrapper(model) -> torch.nn.parallel.DistributedDataParallel | None:
+    return model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
+
+
+class StepClock:
+    """This process's times for one optimizer step, on its device's clock (CUDA events on a GPU,
+    so nothing waits; perf_counter on CPU, where everything is synchronous anyway).
+
+    Marks: start (before the first forward), grads_ready (every gradient computed: DDP's last
+    bucket is ready to all-reduce), synced (the backward call returned: the all-reduce is done),
+    end (after the optimizer). From them:
+      compute   = grads_ready - start    forwards and backwards, this process's own work
+      wait      = synced - grads_ready   the gradient all-reduce, including waiting for slower processes
+      optimizer = end - synced           clipping, the update, zeroing
+      step      = end - previous end     (the first step: end - start)
+    `read()` is called a step later, when the events are long done.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: dict = {}
+        self.prev_end = None
+
+    def _now(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self.marks = {"start": self._now()}
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = self._now()
+
+    def finish(self) -> dict:
+        """Mark the end of the step and hand over its marks (to `read` later)."""
+        self.mark("end")
+        if "grads_ready" not in self.marks:  # no DDP wrapper: the gradients were ready when backward returned
+            self.marks["grads_ready"] = self.marks["synced"]
+        marks, marks["prev_end"] = self.marks, self.prev_end
+        self.prev_end = self.marks["end"]
+        return marks
+
+    def read(self, marks: dict) -> dict[str, float]:
+        """Seconds of each part of the step whose marks these are (waits for the step to finish)."""
+        if self.cuda:
+            marks["end"].synchronize()
+            span = lambda a, b: a.elapsed_time(b) / 1e3  # noqa: E731
+        else:
+            span = lambda a, b: b - a  # noqa: E731
+        return {"compute_s": span(marks["start"], marks["grads_ready"]),
+                "wait_s": span(marks["grads_ready"], marks["synced"]),
+                "optimizer_s": span(marks["synced"], marks["end"]),
+                "step_s": span(marks["prev_end"] or marks["start"], marks["end"])}
+
+
+def time_gradient_sync(model, clock: StepClock) -> None:
+    """Mark `grads_ready` each time DDP hands a gradient bucket to the all-reduce (the last bucket
+    is ready when this process's backward has computed everything), then all-reduce it as DDP
+    does by default (sum / world size). With one process there is nothing to reduce: the bucket
+    is returned as it is. A no-op for a model that DDP does not wrap."""
+    ddp = ddp_wrapper(model)
+    if ddp is None:
+        return
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    single = torch.distributed.get_world_size() == 1
+
+    def hook(_state, bucket):
+        clock.mark("grads_ready")
+        if single:
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+        return default_hooks.allreduce_hook(None, bucket)
+
+    ddp.register_comm_hook(None, hook)
