@@ -7,6 +7,7 @@ knows about processes: the training loop decides which of a step's samples it co
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import os
@@ -28,7 +29,19 @@ _MARK = "\x00DIALOGUE\x00"
 
 
 def read_rows(source: str) -> list[dict]:
-    """All rows of `demo`, a .json list file, a .jsonl file, or `hub:ID[:SPLIT]`."""
+    """All rows of `demo`, a .json list file, a .jsonl file, or `hub:ID[:SPLIT]`. A file is read
+    once per process (train and val are often slices of one file): later calls get the same rows."""
+    key = (source, Path(source).stat().st_mtime_ns if Path(source).is_file() else None)
+    if key not in _ROWS:
+        _ROWS.clear()  # keep one file's rows at most
+        _ROWS[key] = _read_rows(source)
+    return _ROWS[key]
+
+
+_ROWS: dict = {}
+
+
+def _read_rows(source: str) -> list[dict]:
     if source == "demo":
         text = resources.files("ddptune").joinpath("demo_data/demo.jsonl").read_text(encoding="utf-8")
         return [json.loads(line) for line in text.splitlines() if line.strip()]
@@ -56,9 +69,10 @@ def load_split(source: str, rows: str | None, d: DataConfig) -> list[dict]:
     return out[parse_rows(rows)]
 
 
-def check(d: DataConfig) -> list[str]:
-    """Problems with the data files and columns, for config validation (read, not tokenized)."""
-    problems = []
+def check(d: DataConfig) -> tuple[list[str], int | None]:
+    """(problems with the data files and columns, the number of training rows selected or None
+    when unknown before loading: hub data). Reads each file once; tokenizes nothing."""
+    problems, n_train = [], None
     for field, source, rows in (("data.train", d.train, d.train_rows), ("data.val", d.val, d.val_rows)):
         if source is None or source.startswith("hub:"):
             continue
@@ -78,9 +92,12 @@ def check(d: DataConfig) -> list[str]:
                     f"{field}: row {bad[0]} of {source} has no text column {col!r} "
                     f"(set data.{key} to one of: {', '.join(cols) or 'none'})"
                 )
-        if not data[parse_rows(rows)]:
+        selected = len(data[parse_rows(rows)])
+        if not selected:
             problems.append(f"{field}: rows {rows!r} select nothing from {len(data)} rows of {source}")
-    return problems
+        if field == "data.train":
+            n_train = selected
+    return problems, n_train
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,32 +162,93 @@ def tokenize_cached(rows: list[dict], tokenizer, d: DataConfig, cache_dir: str |
 
 
 # ---------------------------------------------------------------------------------------------
-# Batches
+# Steps and batches
 
 
 def step_samples(n_rows: int, global_batch: int, step: int, seed: int) -> list[int]:
-    """Row indices of optimizer step `step` (0-based): a fresh seeded permutation every epoch,
-    the rows that do not fill a whole global batch at an epoch's end dropped."""
-    per_epoch = n_rows // global_batch
-    epoch, k = divmod(step, per_epoch)
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    perm = torch.randperm(n_rows, generator=g).tolist()
-    return perm[k * global_batch:(k + 1) * global_batch]
+    """Row indices of optimizer step `step` (0-based). The rows form one endless stream, a fresh
+    seeded permutation per epoch, and step k takes stream[k·B, (k+1)·B): every row is used once
+    per epoch, and a step at the end of an epoch runs on into the next. So step k of global batch
+    2B covers exactly steps 2k and 2k+1 of batch B: runs that differ only in their batch see the
+    same samples in the same order (what a scaling study compares). Deterministic: resume needs no state."""
+    out = []
+    for pos in range(step * global_batch, (step + 1) * global_batch):
+        epoch, i = divmod(pos, n_rows)
+        out.append(_permutation(n_rows, seed, epoch)[i])
+    return out
 
 
-def split_step(indices: list[int], lengths: list[int], parts: int) -> list[list[int]]:
-    """Split one step's samples into `parts` equal micro-batches of similar lengths.
+_PERMS: dict = {}
 
-    Sorted by length and dealt in order, so micro-batch j holds the j-th group of lengths:
-    less padding, and the processes of one micro-step get similar work.
-    """
-    order = sorted(indices, key=lambda i: (-lengths[i], i))
-    size = len(order) // parts
-    return [order[j * size:(j + 1) * size] for j in range(parts)]
+
+def _permutation(n_rows: int, seed: int, epoch: int) -> list[int]:
+    key = (n_rows, seed, epoch)
+    if key not in _PERMS:
+        if len(_PERMS) > 4:
+            _PERMS.clear()
+        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        _PERMS[key] = torch.randperm(n_rows, generator=g).tolist()
+    return _PERMS[key]
+
+
+def balance(costs: list[float], parts: int, equal_sizes: bool = False) -> list[list[int]]:
+    """Split items (by index) into `parts` non-empty groups whose summed costs are as equal as
+    possible: longest-processing-time first (each item, costliest first, to the group with the
+    least cost so far), then moves and swaps out of the costliest group while they lower its cost.
+    `equal_sizes`: every group gets len(costs) // parts items. Deterministic (ties by index)."""
+    n = len(costs)
+    if n < parts or (equal_sizes and n % parts):
+        raise ValueError(f"cannot split {n} items into {parts} {'equal ' if equal_sizes else ''}non-empty groups")
+    cap = n // parts if equal_sizes else n
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    load = [0.0] * parts
+    for i in sorted(range(n), key=lambda i: (-costs[i], i)):
+        j = min((j for j in range(parts) if len(groups[j]) < cap), key=lambda j: (load[j], j))
+        groups[j].append(i)
+        load[j] += costs[i]
+    for _ in range(4 * n):  # improve the costliest group: move one item out, or swap one pair
+        hi = max(range(parts), key=lambda j: (load[j], -j))
+        best = None  # (new max of the two groups, group, item out of hi, item into hi or None)
+        for lo in range(parts):
+            gap = load[hi] - load[lo]
+            if lo == hi or gap <= 0:
+                continue
+            options = sorted((costs[b], b) for b in groups[lo])
+            if not equal_sizes and len(groups[hi]) > 1:
+                options.insert(0, (0.0, None))  # a move: nothing comes back
+            values = [v for v, _ in options]
+            for a in groups[hi]:  # the best partner brings back about costs[a] - gap / 2
+                k = bisect.bisect_left(values, costs[a] - gap / 2)
+                for v, b in options[max(k - 1, 0):k + 1]:
+                    d = costs[a] - v
+                    if 0 < d < gap and (best is None or max(load[hi] - d, load[lo] + d) < best[0]):
+                        best = (max(load[hi] - d, load[lo] + d), lo, a, b)
+        if best is None or best[0] >= load[hi]:
+            break
+        _, lo, a, b = best
+        d = costs[a] - (costs[b] if b is not None else 0.0)
+        groups[hi].remove(a)
+        groups[lo].append(a)
+        if b is not None:
+            groups[lo].remove(b)
+            groups[hi].append(b)
+        load[hi] -= d
+        load[lo] += d
+    return [sorted(g) for g in groups]
+
+
+def targets_of(labels: list[list[int]] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat positions that predict a loss target, those targets) of a batch of label rows.
+    Position t predicts token t+1; the last position of a row has no target. Computed here, on
+    the host, so the loss needs neither a mask over every position nor a GPU sync to find them."""
+    labels = torch.as_tensor(labels)
+    following = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE).reshape(-1)
+    index = (following != IGNORE).nonzero().squeeze(1)
+    return index, following.index_select(0, index)
 
 
 def collate(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad a micro-batch: input_ids, attention_mask, labels."""
+    """Right-pad a micro-batch: input_ids, attention_mask, and the loss targets with their positions."""
     width = max(len(e["input_ids"]) for e in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
@@ -180,7 +258,8 @@ def collate(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         ids[i, :n] = torch.tensor(e["input_ids"])
         labels[i, :n] = torch.tensor(e["labels"])
         mask[i, :n] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    index, targets = targets_of(labels)
+    return {"input_ids": ids, "attention_mask": mask, "target_index": index, "targets": targets}
 
 
 def pack(examples: list[dict], tokens_per_forward: int) -> list[list[dict]]:
@@ -201,20 +280,24 @@ def pack(examples: list[dict], tokens_per_forward: int) -> list[list[dict]]:
 
 
 def collate_packed(examples: list[dict]) -> dict:
-    """One row of concatenated samples: input_ids, labels, position_ids that restart at 0 for
-    every sample, and the boundaries as transformers' varlen arguments (cu_seq_lens_q/k: int32
-    cumulative lengths; max_length_q/k). No padding and no mask: the attention kernel keeps
-    every sample to itself."""
+    """One row of concatenated samples: input_ids, position_ids that restart at 0 for every sample,
+    the boundaries as transformers' varlen arguments (cu_seq_lens_q/k: int32 cumulative lengths;
+    max_length_q/k), and the loss targets with their positions. No padding and no mask: the
+    attention kernel keeps every sample to itself."""
     lengths = [len(e["input_ids"]) for e in examples]
     cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    labels = [[t for e in examples for t in e["labels"]]]
+    for a in cu[1:-1].tolist():  # the last token of a sample predicts nothing in the next one
+        labels[0][a] = IGNORE
+    index, targets = targets_of(labels)
     return {
         "input_ids": torch.tensor([[t for e in examples for t in e["input_ids"]]]),
-        "labels": torch.tensor([[t for e in examples for t in e["labels"]]]),
         "position_ids": torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0),
         "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths), "max_length_k": max(lengths),
+        "target_index": index, "targets": targets,
     }
 
 
 def target_tokens(examples: list[dict]) -> int:
-    """Tokens the loss is computed on (summary tokens)."""
-    return sum(sum(1 for t in e["labels"] if t != IGNORE) for e in examples)
+    """Tokens the loss is computed on (summary tokens, not counting each sample's first label)."""
+    return sum(sum(1 for t in e["labels"][1:] if t != IGNORE) for e in examples)

@@ -1,50 +1,69 @@
-"""Throughput, memory and model-FLOP figures from plain numbers (no collectives here).
+"""The FLOP cost model, and the figures a run logs, from plain numbers (no collectives here).
 
-FLOPs per real token (what MFU counts; activation recomputation is not counted):
-- N: weights of the decoder's linear layers; H: the output head's. A token that attends to c
-  keys costs 4·c·h per layer forward (QK^T: 2·c·h, AV: 2·c·h; h = heads × head dim). Within a
-  causal sample of length n a token attends to (n+1)/2 keys on average, so over a step
-  c = Σ n(n+1)/2 / Σ n (`attended_keys` / tokens). Attention never spans two packed samples.
-- The head runs only at summary positions (the loss needs no other logits), so it counts for
-  the fraction f of real tokens that are loss targets: H·f instead of H.
+FLOPs of one sample of n tokens, t of them loss targets (what MFU counts, and what balances the
+processes' shares of a step; recomputation is not counted):
+- N: weights of the decoder's linear layers; H: the output head's. A token that attends to c keys
+  costs 4·c·h per layer forward (QK^T: 2·c·h, AV: 2·c·h; h = heads × head dim); in a causal sample
+  of n tokens the tokens attend to Σ c = n(n+1)/2 keys (`attended_keys`). Never across samples.
+- The head runs only at summary positions (the loss needs no other logits): H per target token.
 - full fine-tuning: forward 2 + backward 4 (input and weight gradients) = 6 per weight, attention ×3.
 - LoRA / QLoRA: frozen weights need forward 2 and input gradients 2 = 4 per weight; the adapters
   (r·(d_in+d_out) each) 6 per weight; attention ×3.
+So sample_flops = w·(N·n + H·t) + 6·A·n + 3·4·h·L·n(n+1)/2, with w = 4 (LoRA) or 6 (full).
 """
 from __future__ import annotations
 
 import json
+import math
 import os
+import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+WARMUP_STEPS = 2  # steps left out of steady-state speed figures (compilation, allocator, kernel selection)
 # bf16 dense matrix rate measured on the H200s this project benchmarks on (see BENCHMARKS.md);
 # override with DDPTUNE_PEAK_TFLOPS for other GPUs.
 MEASURED_PEAK_TFLOPS = {"NVIDIA H200": 780.0, "NVIDIA H100 80GB HBM3": 780.0}
 
 
-def matrix_weights(model) -> tuple[int, int]:
-    """(decoder linear weights, output head weights) of the base model; 4-bit ones unpacked."""
-    head = model.get_output_embeddings()
-    n_head = head.in_features * head.out_features
-    n = 0
-    for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.Linear) and "lora_" not in name and mod is not head:
-            n += mod.in_features * mod.out_features
-    return n, n_head
-
-
-def flops_per_token(n_matrix: int, n_head: int, n_adapter: int, n_layers: int, hidden: int, mean_context: float,
-                    method: str, head_fraction: float = 1.0) -> float:
-    attn_fwd = 4.0 * mean_context * hidden * n_layers
-    per_weight = 6.0 if method == "full" else 4.0
-    return per_weight * (n_matrix + n_head * head_fraction) + 6.0 * n_adapter + 3 * attn_fwd
+def per_weight_flops(method: str, checkpointing: bool = False) -> int:
+    """FLOPs per weight and token of one training step: forward 2, backward 2 (frozen weights:
+    input gradients) or 4 (weight gradients too), plus 2 for the forward that checkpointing repeats."""
+    return 2 + (4 if method == "full" else 2) + (2 if checkpointing else 0)
 
 
 def attended_keys(lengths: list[int]) -> int:
     """Keys attended, summed over all tokens of causal samples of these lengths (Σ n(n+1)/2)."""
     return sum(n * (n + 1) // 2 for n in lengths)
+
+
+@dataclass(frozen=True)
+class FlopModel:
+    n_matrix: int   # decoder linear weights (4-bit ones unpacked)
+    n_head: int     # output head weights
+    n_adapter: int  # trained adapter weights (0 for full fine-tuning)
+    n_layers: int
+    hidden: int     # attention width: heads × head dim
+    method: str
+
+    @classmethod
+    def of(cls, model, method: str) -> "FlopModel":
+        head = model.get_output_embeddings()
+        n_head = head.in_features * head.out_features
+        n_matrix = sum(m.in_features * m.out_features for name, m in model.named_modules()
+                       if isinstance(m, torch.nn.Linear) and "lora_" not in name and m is not head)
+        n_adapter = 0 if method == "full" else sum(p.numel() for p in model.parameters() if p.requires_grad)
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        hidden = cfg.num_attention_heads * getattr(cfg, "head_dim", None) if getattr(cfg, "head_dim", None) else cfg.hidden_size
+        return cls(n_matrix, n_head, n_adapter, cfg.num_hidden_layers, hidden, method)
+
+    def sample(self, tokens: int, targets: int) -> float:
+        """Model FLOPs of training on one sample (the module docstring's formula)."""
+        w = per_weight_flops(self.method)
+        attention = 3 * 4 * self.hidden * self.n_layers * tokens * (tokens + 1) / 2
+        return w * (self.n_matrix * tokens + self.n_head * targets) + 6 * self.n_adapter * tokens + attention
 
 
 def peak_tflops(device: torch.device) -> float | None:
@@ -60,6 +79,71 @@ def peak_memory_gib(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     return torch.cuda.max_memory_allocated(device) / 2**30
+
+
+# ---------------------------------------------------------------------------------------------
+# What a run logs: one row per optimizer step, the processes' times, and the summary.
+
+
+def step_row(step: int, loss: float, lr: float, grad_norm: float, samples: int, tokens: int, targets: int,
+             computed: int, forwards: int, flops: float, times: dict, balance: float, world: int,
+             peak: float | None, peak_mem: float | None) -> dict:
+    """metrics.jsonl's line for one optimizer step. `times` are rank 0's (`dist.StepClock`), the
+    counts are over all processes, `balance` = the busiest process's predicted cost / the mean."""
+    dt = times["step_s"]
+    row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "samples": samples, "tokens": tokens,
+           "target_tokens": targets, "padded_tokens": computed, "forwards": forwards, "step_time_s": dt,
+           "tokens_per_s": tokens / dt, "tokens_per_s_per_gpu": tokens / dt / world,
+           "compute_s": times["compute_s"], "wait_s": times["wait_s"], "optimizer_s": times["optimizer_s"],
+           "balance": balance}
+    if peak:
+        row["mfu"] = flops / dt / world / (peak * 1e12)
+        row["peak_mem_gib"] = peak_mem
+    return row
+
+
+def rank_rows(first_step: int, per_rank: list[list[dict]], shares: list[dict]) -> list[dict]:
+    """ranks.jsonl: for each step, every process's times and share side by side (lists in rank order)."""
+    rows = []
+    for k, share in enumerate(shares):
+        row = {"step": first_step + k + 1, "tokens": share["tokens"], "cost": share["cost"]}
+        for key in ("compute_s", "wait_s", "optimizer_s", "step_s"):
+            row[key] = [times[k][key] for times in per_rank]
+        rows.append(row)
+    return rows
+
+
+def split(rows: list[dict]) -> dict:
+    """Where a step's time goes, averaged over `rows` (ranks.jsonl lines), with standard errors:
+    step = mean compute + imbalance (slowest - mean compute) + exposed communication (the slowest
+    process's wait: it waits for nobody) + rest (optimizer, data, gaps between steps)."""
+    parts = {k: [] for k in ("step_s", "compute_s", "slowest_compute_s", "imbalance_s", "exposed_comm_s", "rest_s")}
+    for r in rows:
+        slowest = max(range(len(r["compute_s"])), key=lambda i: r["compute_s"][i])
+        step = r["step_s"][0]
+        mean = statistics.fmean(r["compute_s"])
+        parts["step_s"].append(step)
+        parts["compute_s"].append(mean)
+        parts["slowest_compute_s"].append(r["compute_s"][slowest])
+        parts["imbalance_s"].append(r["compute_s"][slowest] - mean)
+        parts["exposed_comm_s"].append(r["wait_s"][slowest])
+        parts["rest_s"].append(step - r["compute_s"][slowest] - r["wait_s"][slowest])
+    out = {"steps": len(rows)}
+    for k, v in parts.items():
+        out[k] = statistics.fmean(v) if v else None
+        out[k + "_se"] = statistics.stdev(v) / math.sqrt(len(v)) if len(v) > 1 else None
+    return out
+
+
+def summarize_steps(history: list[dict], warmup: int, world: int) -> dict:
+    """Steady-state figures over the steps after the first `warmup`."""
+    kept = history[min(warmup, max(len(history) - 1, 0)):]
+    times = sorted(r["step_time_s"] for r in kept) or [0.0]
+    seconds = sum(r["step_time_s"] for r in kept)
+    mfus = [r["mfu"] for r in kept if "mfu" in r]
+    return {"warmup_steps_excluded": len(history) - len(kept), "median_step_time_s": times[len(times) // 2],
+            "tokens_per_s_per_gpu": sum(r["tokens"] for r in kept) / seconds / world if seconds else 0.0,
+            "mfu": statistics.fmean(mfus) if mfus else None}
 
 
 class JsonlWriter:
@@ -80,7 +164,3 @@ class JsonlWriter:
 
     def close(self) -> None:
         self.f.close()
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]

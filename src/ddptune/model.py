@@ -6,6 +6,7 @@ Sources: `preset:NAME` (real architecture shapes, random weights), a local folde
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import inspect
@@ -27,6 +28,9 @@ PRESETS: dict[str, dict] = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=320, max_position_embeddings=4096,
                  tie_word_embeddings=False),
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192,
+                         rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True),
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                          num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                          max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True),
@@ -179,8 +183,10 @@ def _varlen_mask(*args, attention_mask=None, **kwargs):
 
 
 _flash_varlen = _make_flash_varlen()
-AttentionInterface.register("varlen", varlen_attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register("varlen", _varlen_mask)
+def register_attention() -> None:
+    """Make `attn_implementation="varlen"` known to transformers (idempotent)."""
+    AttentionInterface.register("varlen", varlen_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("varlen", _varlen_mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,6 +200,7 @@ def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
 
 
 def preset_config(name: str, attn_implementation: str) -> LlamaConfig:
+    register_attention()
     cfg = LlamaConfig(**PRESETS[name], bos_token_id=256, eos_token_id=257, pad_token_id=258)
     cfg._attn_implementation = attn_implementation
     return cfg
@@ -230,6 +237,7 @@ def preset_folder(name: str, seed: int, cache_dir: str | os.PathLike | None = No
 def load_model(m: ModelConfig, method: str, device: torch.device, precision: str, seed: int,
                cache_dir: str | os.PathLike | None = None):
     """Load the base model onto `device` for `method` (lora, qlora or full)."""
+    register_attention()
     src = resolve_source(m)
     dtype = compute_dtype(precision, device)
     if method == "full":
@@ -320,11 +328,13 @@ def add_adapters(model, method: str, lora: LoraConfig, gradient_checkpointing: b
 class CausalLMLoss(torch.nn.Module):
     """The training objective around a causal LM: summed token cross-entropy / `num_items`.
 
-    It runs the decoder, then applies the output head only at positions that have a target
-    (summary tokens): the logits of prompt positions would be thrown away, and for a 128k
-    vocabulary they are the largest tensor of the step. This module is what DDP wraps; the
-    model inside is what gets saved and evaluated. Assumes a plain linear head (Llama, Qwen,
-    Mistral, SmolLM...); models with logit soft-capping need their own forward.
+    It runs the decoder, then applies the output head only at the positions that predict a target
+    (summary tokens), given as `target_index` into the flattened (rows x tokens) positions with their
+    `targets` (`data.targets_of`, computed on the host: finding them here would be a GPU sync).
+    The logits of prompt positions would be thrown away, and for a 128k vocabulary they are the
+    largest tensor of the step. This module is what DDP wraps; the model inside is what gets saved
+    and evaluated. Assumes a plain linear head (Llama, Qwen, Mistral, SmolLM...); models with logit
+    soft-capping need their own forward.
     """
 
     def __init__(self, model):
@@ -333,17 +343,19 @@ class CausalLMLoss(torch.nn.Module):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.decoder = base.get_decoder()
         self.head = base.get_output_embeddings()
+        self.varlen = base.config._attn_implementation == "varlen"
 
-    def forward(self, input_ids, labels, num_items, attention_mask=None, position_ids=None, **packed):
+    def forward(self, input_ids, target_index, targets, num_items, attention_mask=None, position_ids=None, **packed):
         # packed: a packed row's sample boundaries (cu_seq_lens_q/k, max_length_q/k) for attention
+        if packed and attention_mask is None and self.varlen:
+            # A 4-D mask is final for transformers, so it skips building one: for a row without a
+            # padding mask that scans position_ids for packed samples and reads the answer on the
+            # host, a GPU sync every forward. varlen attention ignores it (the boundaries are in cu_seq_lens).
+            attention_mask = torch.empty(1, 1, 0, 0, device=input_ids.device)
         hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               use_cache=False, **packed).last_hidden_state
-        # position t predicts token t+1; the last position of a row has no target
-        targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100).reshape(-1)
-        keep = (targets != -100).nonzero().squeeze(1)
-        logits = self.head(hidden.reshape(-1, hidden.size(-1)).index_select(0, keep))
-        loss = torch.nn.functional.cross_entropy(logits.float(), targets.index_select(0, keep), reduction="sum")
-        return loss / num_items
+        logits = self.head(hidden.reshape(-1, hidden.size(-1)).index_select(0, target_index))
+        return torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum") / num_items
 
 
 def count_params(model) -> tuple[int, int]:
@@ -359,12 +371,6 @@ def count_params(model) -> tuple[int, int]:
     return trainable, total
 
 
-def shape(model) -> tuple[int, int]:
-    """(layers, hidden size) of the underlying transformer."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return cfg.num_hidden_layers, cfg.hidden_size
-
-
 def trainable_state(model) -> dict[str, torch.Tensor]:
     """The trained weights by name (what a checkpoint must hold)."""
     return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
@@ -376,3 +382,19 @@ def fingerprint(tokenizer) -> str:
     h.update(repr(sorted(tokenizer.get_vocab().items())).encode())
     h.update(str(getattr(tokenizer, "chat_template", None)).encode())
     return h.hexdigest()[:16]
+
+
+def trained_weights_dir(run_dir: Path, method: str) -> Path:
+    """Where a finished run keeps what it trained: `model/` (full fine-tuning) or `adapter/`."""
+    return Path(run_dir) / ("model" if method == "full" else "adapter")
+
+
+def load_trained(run_dir: Path, m: ModelConfig, method: str, device: torch.device, precision: str, seed: int):
+    """A finished run's model, as that run trained it: the base with its adapter (LoRA, QLoRA),
+    or the fully fine-tuned weights loaded as a full fine-tune (with the run's model settings)."""
+    weights = trained_weights_dir(run_dir, method)
+    if method == "full":
+        return load_model(dataclasses.replace(m, source=str(weights), gguf_file=None), "full", device, precision, seed)
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(load_model(m, method, device, precision, seed), weights)

@@ -1,56 +1,133 @@
 """`ddptune train`: data-parallel fine-tuning, one process per device, the same code for 1 and N.
 
-Read top to bottom: validate → set up processes → data → model → loop → save.
-Each optimizer step takes a fixed global batch of samples (per-device batch × processes ×
-accumulation). Every process computes its share; gradients are all-reduced once, on the last
-micro-step only. The loss is the sum over summary tokens divided by the number of summary tokens
-in the whole global batch (all processes, all micro-steps), so N processes take exactly the step
-that one process would take with N times the accumulation.
+Read top to bottom: `setup()` (validate, join the process group, data, model, optimizer) →
+`fit()` (the loop; `train_step()` is one optimizer step) → `finish()` (check, save, evaluate).
+
+Each optimizer step takes a fixed global batch of samples. Every process knows every sample, so
+each one computes the same split of the step: shares of equal cost (tokens and attention FLOPs,
+`data.balance`), so no process waits for a busier one at the all-reduce. Gradients are all-reduced
+once, on the last backward of the step. The loss is the sum over summary tokens divided by the
+number of summary tokens in the whole global batch (counted on the host: no communication), so N
+processes take exactly the step that one process would take with N times the samples.
+Nothing in a step waits for the device: its figures are read one step later, while the next
+step runs.
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
-import logging
 import math
-import os
 import time
-import warnings
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
 from accelerate import Accelerator
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from ddptune import checkpoint, config as config_lib, data, evaluate, metrics, model as model_lib
-from ddptune.config import Config, ConfigError
+from ddptune import checkpoint, checks, config as config_lib, data, dist, evaluate, metrics, model as model_lib
+from ddptune.config import BatchPlan, Config, ConfigError
 
 
-WARMUP_STEPS = 2  # steps left out of steady-state speed figures (allocator, kernel selection)
+GC_EVERY = 50  # optimizer steps between collections of Python's young generations (every process at once)
 
 
-def setup(cfg: Config) -> Accelerator:
-    """Join the process group the launcher described (a group of one without a launcher).
+@dataclass
+class Run:
+    """What setup() builds and the loop uses."""
+    cfg: Config
+    plan: BatchPlan
+    accelerator: Accelerator
+    out: Path
+    tokenizer: Any
+    train_set: list[dict]
+    val_set: list[dict]
+    model: Any            # what is saved, checkpointed and evaluated (a PEFT model, or the full model)
+    loss_model: Any       # model_lib.CausalLMLoss around `model`
+    ddp_model: Any        # `loss_model` as accelerator.prepare wrapped it: DDP with several processes
+    optimizer: Any
+    scheduler: Any
+    clock: dist.StepClock
+    flops: metrics.FlopModel
+    costs: list[float]    # model FLOPs of each training example: what the processes' shares balance
+    start: int            # optimizer steps already done (resume)
+    total_steps: int
+    checkpointing: bool
+    compiled: bool
+    load_s: float
 
-    Accelerator sets this process's CUDA device (cuda:LOCAL_RANK) before any CUDA work.
-    """
-    cuda = torch.cuda.is_available()
-    if cuda:
-        # cuDNN's attention spends ~25 ms of CPU per call building a plan for every new sequence
-        # length (measured on H200, torch 2.11): with varying lengths it dominated the step.
-        # Flash and memory-efficient attention have no such cost.
-        torch.backends.cuda.enable_cudnn_sdp(False)
-    dtype = model_lib.compute_dtype(cfg.train.precision, torch.device("cuda" if cuda else "cpu"))
-    accelerator = Accelerator(cpu=not cuda, mixed_precision="bf16" if dtype == torch.bfloat16 else "no")
-    if not accelerator.is_main_process:  # only rank 0 writes to the console
-        transformers.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()
-        logging.disable(logging.WARNING)
-        warnings.filterwarnings("ignore")
-    return accelerator
+
+@dataclass
+class Share:
+    """Who computes what in one optimizer step (the same answer on every process)."""
+    ranks: list[list[int]]   # example indices of each process
+    targets: int             # summary tokens of the whole global batch: every loss divides by it
+    tokens: list[int]        # real tokens of each process
+    cost: list[float]        # model FLOPs of each process
+
+
+# ---------------------------------------------------------------------------------------------
+# setup
+
+
+def run(cfg: Config, resume: bool = False):
+    """Train as configured; every process calls this. Returns (summary, trained model)."""
+    r = setup(cfg, resume)
+    history, times = fit(r)
+    return finish(r, history, times)
+
+
+def setup(cfg: Config, resume: bool = False) -> Run:
+    accelerator = dist.setup(cfg.train.precision)
+    world = accelerator.num_processes
+    if dist.validated_by_parent():  # `--nproc`: the parent validated before starting us
+        plan = config_lib.batch_plan(cfg.train, world)
+    else:  # the process that talks to the user validates; the others wait for its verdict
+        plan = dist.on_main(accelerator, lambda: checks.validate(cfg, world, resume))
+    out = Path(cfg.output_dir)
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(config_lib.dump(cfg))
+    t0 = time.perf_counter()
+
+    tokenizer = model_lib.load_tokenizer(cfg.model)
+    train_set, val_set = load_data(cfg, tokenizer, accelerator)
+    if cfg.data.train.startswith("hub:"):  # file data was counted by checks.validate
+        if problems := checks.rows_problems(len(train_set), plan):
+            raise ConfigError(problems)
+    total_steps = cfg.train.max_steps or max(1, math.floor(cfg.train.epochs * len(train_set) / plan.global_batch))
+    if cfg.train.profile_steps and total_steps < config_lib.PROFILE_WAIT + cfg.train.profile_steps:
+        raise ConfigError([f"train.profile_steps: {cfg.train.profile_steps} steps after {config_lib.PROFILE_WAIT} warm-up steps "
+                           f"do not fit a run of {total_steps} steps (profile fewer steps or train longer)"])
+
+    model, checkpointing, compiled = build_model(cfg, accelerator, plan)
+    optimizer, scheduler = build_optimizer(cfg, model, total_steps)
+    flops = metrics.FlopModel.of(model, cfg.train.method)
+    loss_model = model_lib.CausalLMLoss(model)
+    # The scheduler stays outside accelerator.prepare: accelerate's wrapper would step it once per
+    # process for every optimizer step (it assumes each process's dataloader moved on); this loop
+    # counts optimizer steps itself.
+    ddp_model, optimizer = accelerator.prepare(loss_model, optimizer)
+    clock = dist.StepClock(accelerator.device)
+    dist.time_gradient_sync(ddp_model, clock)
+
+    start = 0
+    if resume:
+        last = checkpoint.list_checkpoints(out / "checkpoints")[-1]
+        state = checkpoint.load(last, model, optimizer, scheduler, accelerator.process_index)
+        if state["world_size"] != world:
+            raise ConfigError([f"--resume: {last} was written by {state['world_size']} processes; resume with --nproc {state['world_size']}"])
+        start = state["step"]
+    costs = [flops.sample(len(e["input_ids"]), data.target_tokens([e])) for e in train_set]
+    r = Run(cfg, plan, accelerator, out, tokenizer, train_set, val_set, model, loss_model, ddp_model, optimizer,
+            scheduler, clock, flops, costs, start, total_steps, checkpointing, compiled, time.perf_counter() - t0)
+    announce(r)
+    return r
 
 
 def load_data(cfg: Config, tokenizer, accelerator: Accelerator) -> tuple[list[dict], list[dict]]:
@@ -67,12 +144,12 @@ def load_data(cfg: Config, tokenizer, accelerator: Accelerator) -> tuple[list[di
     return train, val
 
 
-def build_model(cfg: Config, accelerator: Accelerator):
+def build_model(cfg: Config, accelerator: Accelerator, plan: BatchPlan):
     """The model with adapters, whether gradient checkpointing is on, and whether layers are compiled."""
     t = cfg.train
     with accelerator.main_process_first():  # a preset checkpoint or hub download is made once
         base = model_lib.load_model(cfg.model, t.method, accelerator.device, t.precision, t.seed)
-    tokens = t.tokens_per_forward if t.packing else t.micro_batch_size * cfg.data.max_length
+    tokens = plan.tokens_per_forward or plan.micro_batch_size * cfg.data.max_length
     checkpointing = model_lib.use_checkpointing(t.gradient_checkpointing, base, tokens, accelerator.device)
     set_seed(t.seed)  # adapters start equal on every process
     model = model_lib.add_adapters(base, t.method, cfg.lora, checkpointing)
@@ -86,15 +163,195 @@ def build_optimizer(cfg: Config, model, total_steps: int):
     t = cfg.train
     params = [p for p in model.parameters() if p.requires_grad]
     if t.optimizer == "adamw":
-        fused = params[0].is_cuda
-        opt = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, fused=fused)
-    else:
+        opt = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, fused=params[0].is_cuda)
+    else:  # bitsandbytes' 8-bit states (note: they synchronize the GPU after every parameter)
         import bitsandbytes as bnb
 
         cls = bnb.optim.PagedAdamW8bit if t.optimizer == "paged_adamw_8bit" else bnb.optim.AdamW8bit
         opt = cls(params, lr=t.lr, weight_decay=t.weight_decay)
     sched = transformers.get_scheduler(t.lr_schedule, opt, num_warmup_steps=t.warmup_steps, num_training_steps=total_steps)
     return opt, sched
+
+
+def announce(r: Run) -> None:
+    say, cfg, acc = r.accelerator.print, r.cfg, r.accelerator
+    trainable, total = model_lib.count_params(r.model)
+    say(f"ddptune: {cfg.model.source} | {cfg.train.method} | {trainable:,} of {total:,} parameters trained"
+        f" | gradient checkpointing {'on' if r.checkpointing else 'off'} | compiled layers {'on' if r.compiled else 'off'}")
+    say(f"ddptune: {acc.num_processes} process(es) on {acc.device.type} ({acc.distributed_type.value}, "
+        f"mixed precision {acc.mixed_precision}){', ' + cfg.model.attn_implementation + ' attention' if cfg.train.packing else ''}")
+    say(f"ddptune: {r.plan.describe()}" + ("; each step's samples split into shares of equal cost" if acc.num_processes > 1 else ""))
+    for note in config_lib.batch_notes(cfg.train):
+        say(f"ddptune: note: {note}")
+    say(f"ddptune: {len(r.train_set)} training examples, {len(r.train_set) / r.plan.global_batch:.1f} steps per epoch, "
+        f"{r.total_steps} steps" + (f", resuming after step {r.start}" if r.start else ""))
+
+
+# ---------------------------------------------------------------------------------------------
+# fit: the loop and one optimizer step
+
+
+def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
+    """Run the optimizer steps; return metrics.jsonl's rows and this process's (times, share) per step."""
+    cfg, acc = r.cfg, r.accelerator
+    if cfg.eval.enabled and cfg.eval.zero_shot and cfg.train.method != "full" and not r.start:
+        with r.model.disable_adapter():  # the base model, before any step
+            evaluate.evaluate(r.model, r.tokenizer, evaluate.eval_rows(cfg), cfg, acc, r.out / "eval-base", "zero-shot")
+    log = metrics.JsonlWriter(r.out / "metrics.jsonl", keep_until_step=r.start) if acc.is_main_process else None
+    bar = tqdm(total=r.total_steps, initial=r.start, desc="train", disable=not acc.is_main_process, dynamic_ncols=True)
+    history, times, pending = [], [], None
+    peak = metrics.peak_tflops(acc.device)
+
+    def record(p) -> None:  # read a finished step's figures (waits for it) and log them
+        row, mine = read_step(r, p, peak)
+        history.append(row)
+        times.append(mine)
+        if log:
+            log.write(row)
+        bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", lr=f"{row['lr']:.2e}")
+        bar.update(1)
+
+    r.ddp_model.train()
+    gc.disable()  # Python's collector would pause each process at its own moment: collect on all at once instead
+    try:
+        with profiling(r) as profiler:
+            for step in range(r.start, r.total_steps):
+                launched = train_step(r, step)
+                if pending:  # the previous step, read while this one runs on the device
+                    record(pending)
+                pending = launched
+                profiler.step()
+                if step == r.start:
+                    gc.freeze()  # the model, data and compiled graphs live all run: never scan them again
+                if step % GC_EVERY == 0:
+                    gc.collect(1)
+                done = step + 1
+                validate_now = cfg.train.val_every and r.val_set and done % cfg.train.val_every == 0 and done < r.total_steps
+                save_now = cfg.train.save_every and done % cfg.train.save_every == 0
+                if validate_now or save_now:
+                    record(pending)
+                    pending = None
+                if validate_now:
+                    val = validation_loss(r.loss_model, r.val_set, cfg.train.micro_batch_size, r.tokenizer.pad_token_id, acc)
+                    if log:
+                        log.write({"step": done, "val_loss": val})
+                        bar.write(f"step {done}: val_loss {val:.4f}")
+                if save_now:
+                    save_checkpoint(r, done)
+            if pending:
+                record(pending)
+    finally:
+        gc.unfreeze()
+        gc.enable()
+    bar.close()
+    if log:
+        log.close()
+    return history, times
+
+
+def train_step(r: Run, step: int) -> dict:
+    """One optimizer step over this process's share of the step's global batch.
+
+    Forward and backward per packed row (or padded micro-batch); DDP all-reduces the gradients
+    in the last backward only (no_sync before it); clip, update, zero. Nothing here waits for
+    the device: the loss, gradient norm and times come back as device tensors and events.
+    """
+    acc, world = r.accelerator, r.accelerator.num_processes
+    share = split_step(r, step)
+    forwards = layout(r.cfg, [r.train_set[i] for i in share.ranks[acc.process_index]])
+    r.clock.start()
+    loss_sum = torch.zeros((), device=acc.device)
+    for k, group in enumerate(forwards):
+        batch = to_device(collate(r.cfg, group, r.tokenizer.pad_token_id), acc.device)
+        last = k == len(forwards) - 1  # the gradient all-reduce runs in this backward only
+        with (nullcontext() if last else acc.no_sync(r.ddp_model)), acc.autocast():
+            loss = r.ddp_model(**batch, num_items=share.targets)
+        # DDP averages gradients over processes; scaling by their number makes it a sum.
+        acc.backward(loss * world)
+        loss_sum += loss.detach()
+    r.clock.mark("synced")
+    grad_norm = acc.clip_grad_norm_(r.optimizer.param_groups[0]["params"], r.cfg.train.max_grad_norm or float("inf"))
+    lr = r.scheduler.get_last_lr()[0]
+    r.optimizer.step()
+    r.scheduler.step()
+    r.optimizer.zero_grad(set_to_none=True)
+    marks = r.clock.finish()
+    return {"step": step, "share": share, "lr": lr, "loss": acc.reduce(loss_sum, "sum"), "grad_norm": grad_norm.detach(),
+            "marks": marks}
+
+
+def read_step(r: Run, p: dict, peak: float | None) -> tuple[dict, tuple[dict, dict]]:
+    """metrics.jsonl's row for a launched step (waits until the device has finished it)."""
+    share, world = p["share"], r.accelerator.num_processes
+    times = r.clock.read(p["marks"])
+    examples = [r.train_set[i] for rank in share.ranks for i in rank]
+    groups = [layout(r.cfg, [r.train_set[i] for i in rank]) for rank in share.ranks]
+    computed = sum(len(g) * max(len(e["input_ids"]) for e in g) if not r.cfg.train.packing
+                   else sum(len(e["input_ids"]) for e in g) for rank in groups for g in rank)
+    mean_cost = sum(share.cost) / world
+    row = metrics.step_row(
+        p["step"] + 1, p["loss"].item(), p["lr"], p["grad_norm"].item(), len(examples), sum(share.tokens), share.targets,
+        computed, max(len(g) for g in groups), sum(share.cost), times, max(share.cost) / mean_cost if mean_cost else 1.0,
+        world, peak, metrics.peak_memory_gib(r.accelerator.device))
+    return row, (times, {"tokens": share.tokens, "cost": share.cost})
+
+
+def split_step(r: Run, step: int) -> Share:
+    """The step's global batch split into one share per process, of equal cost (equal sample
+    counts too with padded batches, whose micro-batches must line up). Same on every process."""
+    world = r.accelerator.num_processes
+    idx = data.step_samples(len(r.train_set), r.plan.global_batch, step, r.cfg.train.seed)
+    groups = data.balance([r.costs[i] for i in idx], world, equal_sizes=not r.cfg.train.packing)
+    ranks = [[idx[j] for j in g] for g in groups]
+    return Share(ranks, data.target_tokens([r.train_set[i] for i in idx]),
+                 [sum(len(r.train_set[i]["input_ids"]) for i in rank) for rank in ranks],
+                 [sum(r.costs[i] for i in rank) for rank in ranks])
+
+
+def layout(cfg: Config, examples: list[dict]) -> list[list[dict]]:
+    """The examples of each forward pass: packed rows of at most tokens_per_forward tokens, or
+    padded micro-batches of similar lengths."""
+    t = cfg.train
+    if t.packing:
+        return data.pack(examples, t.tokens_per_forward)
+    ordered = sorted(examples, key=lambda e: -len(e["input_ids"]))
+    return [ordered[i:i + t.micro_batch_size] for i in range(0, len(ordered), t.micro_batch_size)]
+
+
+def collate(cfg: Config, group: list[dict], pad_id: int) -> dict:
+    return data.collate_packed(group) if cfg.train.packing else data.collate(group, pad_id)
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """Tensors to `device` without making the host wait: from pinned memory, asynchronously."""
+    if device.type != "cuda":
+        return batch
+    return {k: v.pin_memory().to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+class _NoProfiler:
+    def step(self) -> None:
+        pass
+
+
+def profiling(r: Run):
+    """torch.profiler over train.profile_steps steps after the first PROFILE_WAIT, or nothing."""
+    n = r.cfg.train.profile_steps
+    if not n:
+        return nullcontext(_NoProfiler())
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if r.accelerator.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+
+    def write(prof) -> None:
+        if r.accelerator.is_main_process:
+            device = "self_device_time_total" if r.accelerator.device.type == "cuda" else "cpu_time_total"
+            tables = [prof.key_averages().table(sort_by=key, row_limit=30) for key in ("self_cpu_time_total", device)]
+            (r.out / "profile.txt").write_text("\n\n".join(tables))
+            prof.export_chrome_trace(str(r.out / "trace.json"))
+
+    schedule = torch.profiler.schedule(wait=config_lib.PROFILE_WAIT - 1, warmup=1, active=n, repeat=1)
+    return torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=write)
 
 
 @torch.no_grad()
@@ -106,242 +363,97 @@ def validation_loss(loss_model, examples: list[dict], micro: int, pad_id: int, a
     was_training = loss_model.training
     loss_model.eval()
     mine = examples[accelerator.process_index::accelerator.num_processes]
-    sums = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
+    sums = torch.zeros(2, dtype=torch.float64)
     for i in range(0, len(mine), micro):
         chunk = mine[i:i + micro]
-        batch = {k: v.to(accelerator.device) for k, v in data.collate(chunk, pad_id).items()}
+        batch = to_device(data.collate(chunk, pad_id), accelerator.device)
         with accelerator.autocast():
             loss_sum = loss_model(**batch, num_items=1)
-        sums += torch.stack([loss_sum.double(), torch.tensor(data.target_tokens(chunk), device=sums.device, dtype=torch.float64)])
+        sums += torch.tensor([loss_sum.item(), data.target_tokens(chunk)], dtype=torch.float64)
     loss_model.train(was_training)
-    sums = accelerator.reduce(sums, "sum")
+    sums = accelerator.reduce(sums.to(accelerator.device), "sum")
     return (sums[0] / sums[1]).item()
 
 
-def save_final(cfg: Config, model, tokenizer, accelerator: Accelerator) -> Path:
-    """The adapter (PEFT format) or full model, with tokenizer and resolved config, renamed into place."""
-    name = "model" if cfg.train.method == "full" else "adapter"
-    final = Path(cfg.output_dir) / name
-    if accelerator.is_main_process:
-        tmp = checkpoint.atomic_dir(final)
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "ddptune.yaml").write_text(config_lib.dump(cfg))
-        checkpoint.commit(tmp, final)
-    accelerator.wait_for_everyone()
-    return final
+def save_checkpoint(r: Run, step: int) -> None:
+    rngs = dist.gather(checkpoint.rng_state())  # every process's RNG, in rank order
+    if r.accelerator.is_main_process:
+        folder = r.out / "checkpoints"
+        checkpoint.save(folder, step, model_lib.trainable_state(r.model), r.optimizer, r.scheduler, rngs,
+                        {"world_size": r.accelerator.num_processes})
+        checkpoint.prune(folder, r.cfg.train.keep_checkpoints)
+    r.accelerator.wait_for_everyone()
 
 
-def replica_fingerprints(model, accelerator: Accelerator) -> list[str]:
-    """A hash of this process's trained weights, gathered from every process: all equal when
-    the replicas took identical steps (checked at the end of every run)."""
+# ---------------------------------------------------------------------------------------------
+# finish
+
+
+def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
+    """Check the replicas agree, write the processes' times, save, evaluate, summarize."""
+    cfg, acc, out = r.cfg, r.accelerator, r.out
+    train_s = sum(row["step_time_s"] for row in history)
+    val_loss = float("nan")
+    if r.val_set:
+        val_loss = validation_loss(r.loss_model, r.val_set, cfg.train.micro_batch_size, r.tokenizer.pad_token_id, acc)
+        if acc.is_main_process:
+            with open(out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({"step": r.total_steps, "val_loss": val_loss}) + "\n")
+    fingerprints = dist.gather(replica_fingerprint(r.model))
+    peaks = dist.gather(metrics.peak_memory_gib(acc.device))
+    per_rank = dist.gather([t for t, _ in times])
+    if len(set(fingerprints)) != 1:
+        raise RuntimeError(f"replicas diverged: weight hashes per process {fingerprints}")
+    final = save_final(r)
+    scores = None
+    if cfg.eval.enabled:
+        scores = evaluate.evaluate(r.model, r.tokenizer, evaluate.eval_rows(cfg), cfg, acc, out / "eval", "fine-tuned")
+    if not acc.is_main_process:
+        acc.wait_for_everyone()
+        return {}, r.model
+    ranks = metrics.rank_rows(r.start, per_rank, [s for _, s in times])
+    (out / "ranks.jsonl").write_text("".join(json.dumps(row) + "\n" for row in ranks))
+    warm = min(metrics.WARMUP_STEPS, max(len(history) - 1, 0))
+    summary = {
+        "steps": r.total_steps, "world_size": acc.num_processes, "global_batch": r.plan.global_batch,
+        "per_process": r.plan.per_process, "grad_accum": r.plan.grad_accum, "micro_batch_size": r.plan.micro_batch_size,
+        "packing": cfg.train.packing, "final_loss": history[-1]["loss"] if history else float("nan"), "val_loss": val_loss,
+        "load_time_s": r.load_s, "train_time_s": train_s, **metrics.summarize_steps(history, warm, acc.num_processes),
+        "time_split": metrics.split(ranks[warm:]),
+        "peak_mem_gib": max(peaks) if None not in peaks else None, "peak_mem_gib_per_process": peaks,
+        "train_rows": len(r.train_set), "steps_per_epoch": len(r.train_set) / r.plan.global_batch,
+        "method": cfg.train.method, "gradient_checkpointing": r.checkpointing, "compiled": r.compiled,
+        "trainable_params": model_lib.count_params(r.model)[0], "total_params": model_lib.count_params(r.model)[1],
+        "output": str(final), "replica_fingerprints": fingerprints,
+    }
+    if scores:
+        summary["rouge"] = {k: scores[k] for k in evaluate.ROUGE_KEYS}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    acc.print(f"ddptune: done in {train_s:.1f}s of training: final loss {summary['final_loss']:.4f}"
+              + (f", val loss {val_loss:.4f}" if r.val_set else "")
+              + f", {summary['tokens_per_s_per_gpu']:.0f} tokens/s per process; saved {final}")
+    acc.wait_for_everyone()
+    return summary, r.model
+
+
+def replica_fingerprint(model) -> str:
+    """A hash of this process's trained weights: all processes' are equal when the replicas took
+    identical steps (checked at the end of every run)."""
     h = hashlib.sha256()
     for name, p in sorted(model_lib.trainable_state(model).items()):
         h.update(name.encode())
         h.update(p.float().cpu().numpy().tobytes())
-    return gather_object([h.hexdigest()[:16]])
+    return h.hexdigest()[:16]
 
 
-def run(cfg: Config, resume: bool = False):
-    """Train as configured; every process calls this. Returns (summary, trained model)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    plan = config_lib.validate(cfg, world, resume=resume)
-    accelerator = setup(cfg)
-    accelerator.wait_for_everyone()  # every process has validated before anything is written
-    out = Path(cfg.output_dir)
-    say = accelerator.print
-    if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(config_lib.dump(cfg))
-    t0 = time.perf_counter()
-
-    tokenizer = model_lib.load_tokenizer(cfg.model)
-    train_set, val_set = load_data(cfg, tokenizer, accelerator)
-    if len(train_set) < plan.global_batch:
-        raise ConfigError([f"data.train: {len(train_set)} rows are fewer than one global batch of {plan.global_batch} (lower train.micro_batch_size or the accumulation)"])
-    steps_per_epoch = len(train_set) // plan.global_batch
-    total_steps = cfg.train.max_steps or max(1, math.floor(cfg.train.epochs * steps_per_epoch))
-
-    model, checkpointing, compiled = build_model(cfg, accelerator)
-    optimizer, scheduler = build_optimizer(cfg, model, total_steps)
-    trainable, total = model_lib.count_params(model)
-    n_matrix, n_head = metrics.matrix_weights(model)
-    n_adapter = trainable if cfg.train.method != "full" else 0
-    n_layers, hidden = model_lib.shape(model)
-    # DDP wraps the loss module; `model` inside it is what is saved, checkpointed and evaluated.
-    loss_model = model_lib.CausalLMLoss(model)
-    engine, optimizer = accelerator.prepare(loss_model, optimizer)
-
-    start = 0
-    if resume:
-        last = checkpoint.list_checkpoints(out / "checkpoints")[-1]
-        state = checkpoint.load(last, model, optimizer, scheduler, accelerator.process_index)
-        if state["world_size"] != accelerator.num_processes:
-            raise ConfigError([f"--resume: {last} was written by {state['world_size']} processes; resume with --nproc {state['world_size']}"])
-        start = state["step"]
-    load_s = time.perf_counter() - t0
-
-    say(f"ddptune: {cfg.model.source} | {cfg.train.method} | {trainable:,} of {total:,} parameters trained"
-        f" | gradient checkpointing {'on' if checkpointing else 'off'} | compiled layers {'on' if compiled else 'off'}")
-    say(f"ddptune: {accelerator.num_processes} process(es) on {accelerator.device.type} "
-        f"({accelerator.distributed_type.value}, mixed precision {accelerator.mixed_precision})")
-    say(f"ddptune: {plan.describe()}" + (f", packed into rows of <= {cfg.train.tokens_per_forward} tokens"
-                                         f" ({cfg.model.attn_implementation} attention)" if cfg.train.packing else ""))
-    say(f"ddptune: {len(train_set)} training examples, {steps_per_epoch} steps per epoch, "
-        f"{total_steps} steps" + (f", resuming after step {start}" if start else ""))
-    if cfg.eval.enabled and cfg.eval.zero_shot and cfg.train.method != "full" and not resume:
-        with model.disable_adapter():  # the base model, before any step
-            evaluate.evaluate(model, tokenizer, evaluate.eval_rows(cfg), cfg, accelerator, out / "eval-base", "zero-shot")
-
-    log = metrics.JsonlWriter(out / "metrics.jsonl", keep_until_step=start) if accelerator.is_main_process else None
-    lengths = [len(e["input_ids"]) for e in train_set]
-    peak = metrics.peak_tflops(accelerator.device)
-    pad_id = tokenizer.pad_token_id
-    bar = tqdm(total=total_steps, initial=start, desc="train", disable=not accelerator.is_main_process, dynamic_ncols=True)
-    engine.train()
-    t_train = time.perf_counter()
-    last_loss = val_loss = float("nan")
-    history = []
-    profiler = None
-    for step in range(start, total_steps):
-        if cfg.train.profile_steps and step == start + WARMUP_STEPS:
-            profiler = start_profiler()
-        t_step = time.perf_counter()
-        mine = my_share(cfg, plan, train_set, lengths, step, accelerator)
-        batches = forward_batches(cfg, mine, pad_id)
-        # All summary tokens of the global batch: every forward divides its token-loss sum by it.
-        n_target = accelerator.reduce(torch.tensor(data.target_tokens(mine), device=accelerator.device), "sum")
-        loss_sum = torch.zeros((), device=accelerator.device)
-        for k, batch in enumerate(batches):
-            batch = {key: v.to(accelerator.device, non_blocking=True) if torch.is_tensor(v) else v for key, v in batch.items()}
-            sync = k == len(batches) - 1 and cfg.train.grad_sync  # all-reduce on the last forward only
-            with (nullcontext() if sync else accelerator.no_sync(engine)), accelerator.autocast():
-                loss = engine(**batch, num_items=n_target)
-            # DDP averages gradients over processes; scaling by their number makes it a sum.
-            accelerator.backward(loss * accelerator.num_processes)
-            loss_sum += loss.detach().float()
-        grad_norm = accelerator.clip_grad_norm_(engine.parameters(), cfg.train.max_grad_norm or float("inf"))
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        real = sum(len(e["input_ids"]) for e in mine)
-        computed = sum(b["input_ids"].numel() for b in batches)
-        attended = metrics.attended_keys([len(e["input_ids"]) for e in mine])
-        counts = torch.tensor([real, computed, attended], device=accelerator.device, dtype=torch.float64)
-        stats = accelerator.reduce(torch.cat([loss_sum.double().reshape(1), counts]), "sum").tolist()
-        loss_v, real_g, padded_g, attended_g = stats[0], int(stats[1]), int(stats[2]), stats[3]
-        dt = time.perf_counter() - t_step
-        row = {
-            "step": step + 1, "loss": loss_v, "lr": lr, "grad_norm": float(grad_norm),
-            "samples": plan.global_batch, "tokens": real_g, "target_tokens": int(n_target), "padded_tokens": padded_g,
-            "forwards": len(batches), "step_time_s": dt, "tokens_per_s": real_g / dt,
-            "tokens_per_s_per_gpu": real_g / dt / accelerator.num_processes,
-        }
-        if peak:
-            fpt = metrics.flops_per_token(n_matrix, n_head, n_adapter, n_layers, hidden, attended_g / real_g,
-                                          cfg.train.method, head_fraction=row["target_tokens"] / real_g)
-            row["mfu"] = fpt * row["tokens_per_s_per_gpu"] / (peak * 1e12)
-            row["peak_mem_gib"] = metrics.peak_memory_gib(accelerator.device)
-        if profiler and step + 1 == start + WARMUP_STEPS + cfg.train.profile_steps:
-            stop_profiler(profiler, out / "profile.txt", accelerator)
-            profiler = None
-        last_loss = loss_v
-        history.append(row)
-        if log:
-            log.write(row)
-        bar.set_postfix(loss=f"{loss_v:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", lr=f"{lr:.2e}")
-        bar.update(1)
-        done = step + 1
-        if cfg.train.val_every and val_set and done % cfg.train.val_every == 0 and done < total_steps:
-            val_loss = validation_loss(loss_model, val_set, cfg.train.micro_batch_size, pad_id, accelerator)
-            if log:
-                log.write({"step": done, "val_loss": val_loss})
-            if accelerator.is_main_process:
-                bar.write(f"step {done}: val_loss {val_loss:.4f}")
-        if cfg.train.save_every and done % cfg.train.save_every == 0:
-            save_checkpoint(cfg, model, optimizer, scheduler, accelerator, done)
-    bar.close()
-    train_s = time.perf_counter() - t_train
-    if val_set:
-        val_loss = validation_loss(loss_model, val_set, cfg.train.micro_batch_size, pad_id, accelerator)
-        if log:
-            log.write({"step": total_steps, "val_loss": val_loss})
-    fingerprints = replica_fingerprints(model, accelerator)
-    peaks = gather_object([metrics.peak_memory_gib(accelerator.device)])
-    if len(set(fingerprints)) != 1 and cfg.train.grad_sync:
-        raise RuntimeError(f"replicas diverged: weight hashes per process {fingerprints}")
-    final = save_final(cfg, model, tokenizer, accelerator)
-    if cfg.eval.enabled:
-        scores = evaluate.evaluate(model, tokenizer, evaluate.eval_rows(cfg), cfg, accelerator, out / "eval", "fine-tuned")
-    if log:
-        log.close()
-    warm = min(WARMUP_STEPS, len(history) - 1)
-    steady = sorted(r["step_time_s"] for r in history[warm:]) or [0.0]
-    summary = {
-        "steps": total_steps, "world_size": accelerator.num_processes, "global_batch": plan.global_batch,
-        "grad_accum": plan.grad_accum, "micro_batch_size": plan.micro_batch_size, "packing": cfg.train.packing,
-        "final_loss": last_loss, "val_loss": val_loss, "load_time_s": load_s, "train_time_s": train_s,
-        "warmup_steps_excluded": warm, "median_step_time_s": steady[len(steady) // 2],
-        "tokens_per_s_per_gpu": (sum(r["tokens"] for r in history[warm:]) / max(sum(r["step_time_s"] for r in history[warm:]), 1e-9)
-                                 / accelerator.num_processes) if history else 0.0,
-        "mfu": (sum(r.get("mfu", 0) for r in history[warm:]) / len(history[warm:])) if peak and history else None,
-        "peak_mem_gib": max(peaks) if None not in peaks else None, "peak_mem_gib_per_process": peaks,
-        "train_rows": len(train_set), "steps_per_epoch": steps_per_epoch, "method": cfg.train.method,
-        "gradient_checkpointing": checkpointing, "compiled": compiled, "grad_sync": cfg.train.grad_sync,
-        "trainable_params": trainable, "total_params": total, "output": str(final), "replica_fingerprints": fingerprints,
-    }
-    if cfg.eval.enabled and accelerator.is_main_process:
-        summary["rouge"] = {k: scores[k] for k in evaluate.ROUGE_KEYS}
-    if accelerator.is_main_process:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        say(f"ddptune: done in {summary['train_time_s']:.1f}s: final loss {last_loss:.4f}"
-            + (f", val loss {val_loss:.4f}" if val_set else "")
-            + f", {summary['tokens_per_s_per_gpu']:.0f} tokens/s per process; saved {final}")
-    accelerator.wait_for_everyone()
-    return summary, model
-
-
-def start_profiler():
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    profiler = torch.profiler.profile(activities=activities)
-    profiler.__enter__()
-    return profiler
-
-
-def stop_profiler(profiler, path: Path, accelerator: Accelerator) -> None:
-    profiler.__exit__(None, None, None)
-    if accelerator.is_main_process:
-        table = profiler.key_averages()
-        text = "\n\n".join(table.table(sort_by=key, row_limit=30)
-                            for key in ("self_cpu_time_total", "self_device_time_total" if torch.cuda.is_available() else "cpu_time_total"))
-        path.write_text(text)
-
-
-def my_share(cfg: Config, plan, train_set: list[dict], lengths: list[int], step: int, accelerator: Accelerator) -> list[dict]:
-    """This process's samples of optimizer step `step`: the step's global batch is cut into
-    processes × accumulation micro-batches of similar lengths, dealt out in turn."""
-    idx = data.step_samples(len(train_set), plan.global_batch, step, cfg.train.seed)
-    micro = data.split_step(idx, lengths, accelerator.num_processes * plan.grad_accum)
-    return [train_set[i] for m in micro[accelerator.process_index::accelerator.num_processes] for i in m]
-
-
-def forward_batches(cfg: Config, examples: list[dict], pad_id: int) -> list[dict]:
-    """The inputs of each forward pass: padded micro-batches, or one packed row each."""
-    t = cfg.train
-    if t.packing:
-        return [data.collate_packed(group) for group in data.pack(examples, t.tokens_per_forward)]
-    return [data.collate(examples[i:i + t.micro_batch_size], pad_id) for i in range(0, len(examples), t.micro_batch_size)]
-
-
-def save_checkpoint(cfg: Config, model, optimizer, scheduler, accelerator: Accelerator, step: int) -> None:
-    rngs = gather_object([checkpoint.rng_state()])  # every process's RNG, in rank order
-    if accelerator.is_main_process:
-        folder = Path(cfg.output_dir) / "checkpoints"
-        weights = model_lib.trainable_state(model)
-        checkpoint.save(folder, step, weights, optimizer, scheduler, rngs, {"world_size": accelerator.num_processes})
-        checkpoint.prune(folder, cfg.train.keep_checkpoints)
-    accelerator.wait_for_everyone()
-
+def save_final(r: Run) -> Path:
+    """The adapter (PEFT format) or full model, with tokenizer and resolved config, renamed into place."""
+    final = model_lib.trained_weights_dir(r.out, r.cfg.train.method)
+    if r.accelerator.is_main_process:
+        tmp = checkpoint.atomic_dir(final)
+        r.model.save_pretrained(tmp)
+        r.tokenizer.save_pretrained(tmp)
+        (tmp / "ddptune.yaml").write_text(config_lib.dump(r.cfg))
+        checkpoint.commit(tmp, final)
+    r.accelerator.wait_for_everyone()
+    return final
