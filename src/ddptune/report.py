@@ -103,51 +103,55 @@ def write_csv(path: str | os.PathLike[str], rows: Sequence[dict[str, Any]],
     return write_text(path, buf.getvalue())
 
 
-def plot_scaling(path: str | os.PathLike[str], rows: Sequence[dict[str, Any]],
-                 title: str = "Data-parallel scaling") -> Path:
-    """Write a PNG with (a) speedup vs processes (ideal y=x; dashed "predicted_speedup" if
-    present) and (b) stacked bars of step time split into compute and communication.
+PARTS = [("compute_s", "compute (mean process)"), ("imbalance_s", "imbalance (slowest - mean)"),
+         ("exposed_comm_s", "exposed communication"), ("rest_s", "rest (optimizer, data, gaps)")]
 
-    Row keys: "nproc", "speedup", "compute_s", "comm_s" (optional: "predicted_speedup").
+
+def plot_scaling(path: str | os.PathLike[str], groups: dict[str, Sequence[dict[str, Any]]],
+                 title: str = "Data-parallel scaling") -> Path:
+    """Write a PNG with, for each group (a scaling mode) of rows, (a) speedup against processes
+    (ideal y = x; dashed "predicted_speedup" where present) and (b) each count's step time
+    stacked from its parts (`PARTS`; a part that is None, e.g. lost in noise, draws as 0).
+
+    Row keys: "nproc", "speedup" (None: not published), and the PARTS keys; "predicted_speedup" optional.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg: no display needed
     from matplotlib.figure import Figure
 
-    data = sorted(rows, key=lambda r: r["nproc"])
-    ns = [int(r["nproc"]) for r in data]
-    fig = Figure(figsize=(11, 4.5), layout="constrained")
+    fig = Figure(figsize=(11, 4.2 * len(groups)), layout="constrained")
     FigureCanvasAgg(fig)
-    ax1, ax2 = fig.subplots(1, 2)
+    axes = fig.subplots(len(groups), 2, squeeze=False)
+    for (label, rows), (ax1, ax2) in zip(groups.items(), axes):
+        data = sorted(rows, key=lambda r: r["nproc"])
+        ns = [int(r["nproc"]) for r in data]
+        top = max(ns + [1])
+        ax1.plot([1, top], [1, top], color="grey", linestyle=":", label="ideal (y = x)")
+        for key, style, name in (("speedup", dict(marker="o"), "measured"),
+                                 ("predicted_speedup", dict(linestyle="--", marker="x"), "predicted")):
+            points = [(n, r[key]) for n, r in zip(ns, data) if r.get(key) is not None]
+            if points:
+                ax1.plot(*zip(*points), label=name, **style)
+        ax1.set_xlabel("processes (GPUs)")
+        ax1.set_ylabel("speedup vs 1 process")
+        ax1.set_title(f"(a) speedup, {label}")
+        ax1.set_xticks(sorted(set(ns + [1])))
+        ax1.grid(alpha=0.3)
+        ax1.legend()
 
-    top = max(ns + [1])
-    ax1.plot([1, top], [1, top], color="grey", linestyle=":", label="ideal (y = x)")
-    measured = [(n, r["speedup"]) for n, r in zip(ns, data) if r.get("speedup") is not None]
-    if measured:
-        ax1.plot(*zip(*measured), marker="o", label="measured")
-    predicted = [(n, r["predicted_speedup"]) for n, r in zip(ns, data)
-                 if r.get("predicted_speedup") is not None]
-    if predicted:
-        ax1.plot(*zip(*predicted), linestyle="--", marker="x", label="predicted")
-    ax1.set_xlabel("processes (GPUs)")
-    ax1.set_ylabel("speedup vs 1 process")
-    ax1.set_title("(a) speedup")
-    ax1.set_xticks(sorted(set(ns + [1])))
-    ax1.grid(alpha=0.3)
-    ax1.legend()
-
-    pos = list(range(len(data)))
-    compute = [float(r.get("compute_s") or 0.0) for r in data]
-    comm = [float(r.get("comm_s") or 0.0) for r in data]
-    ax2.bar(pos, compute, label="compute")
-    ax2.bar(pos, comm, bottom=compute, label="communication")
-    ax2.set_xticks(pos, [str(n) for n in ns])
-    ax2.set_xlabel("processes (GPUs)")
-    ax2.set_ylabel("step time (s)")
-    ax2.set_title("(b) step time split")
-    ax2.grid(axis="y", alpha=0.3)
-    ax2.legend()
+        pos = list(range(len(data)))
+        bottom = [0.0] * len(data)
+        for key, name in PARTS:
+            heights = [max(0.0, float(r.get(key) or 0.0)) for r in data]
+            ax2.bar(pos, heights, bottom=bottom, label=name)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+        ax2.set_xticks(pos, [str(n) for n in ns])
+        ax2.set_xlabel("processes (GPUs)")
+        ax2.set_ylabel("step time (s)")
+        ax2.set_title(f"(b) where a step's time goes, {label}")
+        ax2.grid(axis="y", alpha=0.3)
+        ax2.legend(fontsize="small")
     fig.suptitle(title)
 
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
+    fig.savefig(buf, format="png", dpi=110)
     return _atomic_write_bytes(path, buf.getvalue())

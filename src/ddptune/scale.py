@@ -1,33 +1,38 @@
-"""`ddptune scale`: the same training at each process count, then a scaling table with the
-communication it costs, measured and predicted.
+"""`ddptune scale`: the same training at each process count, and where every lost percent went.
 
-Read top to bottom: plan (check every count first) → bandwidth → runs → rows → predictions → files.
+Read top to bottom: plan (check every run first) → bandwidth → runs → rows → predictions → files.
 
-For each n: `ddptune train` through torchrun in OUT/n{n}; for n > 1 also a short run with
-`train.grad_sync=false` in OUT/n{n}-nosync, whose step time is the compute without the gradient
-all-reduce, so communication per step = median step time (sync) - median step time (no sync).
-Steady state = the median over the steps after the first `warmup`.
+Modes (named in every output; `both` runs each, sharing the n = 1 run):
+- same-per-device: each process takes the samples per step that n = 1 takes, so the global batch
+  grows with n (the tutorial's way);
+- same-global: the global batch of n = 1 at every n, each process taking 1/n of it.
 
-Modes (named in every output):
-- same-per-device: micro batch and accumulation as configured (an effective_batch_size becomes
-  the accumulation it gives at n=1), so the global batch grows with n;
-- same-global: the global batch is the one n=1 would use at every n; the accumulation adapts.
-Speedup compares throughput: samples/s at n / samples/s at n=1 (never step times, since in
-same-per-device mode a step holds n times the samples); efficiency = speedup / n.
+Same work at every count: the data is one stream of samples (`data.step_samples`), so a step of
+a 2x larger batch covers exactly two steps of the smaller one. Every run trains over the same
+sample window, [start, end) of the stream, with `--warmup` steps of the largest batch before it;
+figures are means over the window's steps. Speedup = samples/s at n over samples/s at 1;
+efficiency = speedup / n.
 
-Gradient bytes per optimizer step = trainable parameters x 4: DDP all-reduces fp32 gradients
-(LoRA adapters are fp32, full fine-tuning keeps fp32 master weights; bf16 is autocast only).
-Cost model (comm.predict) with the peak measured busbw; backward time = a FLOP fraction of the
-no-sync step: forward 2, backward 2 (LoRA/QLoRA: input gradients only) or 4 (full: weight
-gradients too), +2 with gradient checkpointing (recomputed forward) per weight and token, i.e.
-LoRA 1/2, LoRA+checkpointing 2/3, full 2/3. Peak busbw is reached at large buffers only, so for
-small (LoRA) gradients the prediction is optimistic.
+Where the time goes: each process times its own compute (forwards and backwards until its last
+gradient bucket is ready) and its wait for the gradient all-reduce (`dist.StepClock`). Per step:
+    step = mean compute + imbalance (slowest - mean compute)
+         + exposed communication (the slowest process's wait: it waits for nobody) + rest.
+And the efficiency lost at n, against the ideal time k·t1 (k = per-process samples at n / at 1),
+part by part: 1 - efficiency = Σ (part_n - k·part_1) / t_n over compute, imbalance, comm and rest.
+A part smaller than twice its standard error over the window is reported as noise, never as a
+negative time. On CPU, a speedup above the process count means the runs fought over the cores:
+it is flagged as contention and not published.
+
+Gradient bytes per optimizer step = trainable parameters x 4 (DDP all-reduces fp32 gradients);
+comm.predict models the all-reduce overlapped with backward (a FLOP share of the step:
+metrics.per_weight_flops) with the peak measured bus bandwidth.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
+import os
 import shlex
 import statistics
 import sys
@@ -37,25 +42,26 @@ from pathlib import Path
 import torch
 import yaml
 
-from ddptune import comm, config as config_lib, env, launch, report
+from ddptune import checks, comm, config as config_lib, dist, env, metrics, report
 from ddptune.config import BatchPlan, ConfigError
-from ddptune.train import WARMUP_STEPS
 
 SAME_PER_DEVICE, SAME_GLOBAL = "same-per-device", "same-global"
+MODES = {SAME_PER_DEVICE: [SAME_PER_DEVICE], SAME_GLOBAL: [SAME_GLOBAL], "both": [SAME_PER_DEVICE, SAME_GLOBAL]}
+WARMUP, MEASURED = 3, 30  # default steps of the largest batch before and inside the measured window
 WHAT_IF_N = (2, 4, 8)
+PART_KEYS = ("compute_s", "imbalance_s", "exposed_comm_s", "rest_s")
 COLUMNS = [  # (row key, header): scaling.csv uses the keys, scaling.md the headers
-    ("nproc", "n"), ("batch", "micro x n x accum = global"), ("step_s", "step (s)"),
-    ("compute_s", "compute (s)"), ("comm_s", "comm (s)"), ("tokens_per_s", "tokens/s"),
-    ("tokens_per_s_per_gpu", "tokens/s/GPU"), ("samples_per_s", "samples/s"),
-    ("samples_per_s_per_gpu", "samples/s/GPU"), ("epoch_s", "epoch (s)"), ("speedup", "speedup"),
-    ("efficiency", "efficiency"), ("peak_mem_gib", "peak mem/GPU (GiB)"),
-    ("final_loss", "final loss"), ("val_loss", "val loss"),
+    ("mode", "mode"), ("nproc", "n"), ("batch", "samples per step"), ("steps", "steps measured"),
+    ("step_s", "step (s)"), ("compute_s", "compute (s)"), ("imbalance_s", "imbalance (s)"),
+    ("exposed_comm_s", "exposed comm (s)"), ("rest_s", "rest (s)"), ("tokens_per_s_per_gpu", "tokens/s/GPU"),
+    ("samples_per_s", "samples/s"), ("speedup", "speedup"), ("efficiency", "efficiency"),
+    ("lost_compute", "lost: compute"), ("lost_imbalance", "lost: imbalance"), ("lost_comm", "lost: comm"),
+    ("lost_rest", "lost: rest"), ("balance", "predicted max/mean share"), ("peak_mem_gib", "peak mem/GPU (GiB)"),
+    ("final_loss", "final loss"), ("val_loss", "val loss"), ("note", "note"),
 ]
 PRED_COLUMNS = [
-    ("nproc", "n"), ("busbw_GBps", "busbw (GB/s)"), ("pred_comm_s", "pred. comm (s)"),
-    ("pred_exposed_s", "pred. exposed (s)"), ("meas_comm_s", "meas. comm (s)"),
-    ("pred_step_s", "pred. step (s)"), ("meas_step_s", "meas. step (s)"),
-    ("pred_efficiency", "pred. compute/step"), ("meas_efficiency", "meas. compute/step"),
+    ("mode", "mode"), ("nproc", "n"), ("busbw_GBps", "busbw (GB/s)"), ("pred_comm_s", "pred. all-reduce (s)"),
+    ("pred_exposed_s", "pred. exposed (s)"), ("meas_exposed_s", "meas. exposed (s)"),
     ("pred_speedup", "pred. speedup"), ("meas_speedup", "meas. speedup"),
 ]
 WHAT_IF_COLUMNS = [("gradients", "gradients"), ("link", "link"), ("nproc", "n"), ("comm_s", "comm (s)"),
@@ -64,40 +70,40 @@ WHAT_IF_COLUMNS = [("gradients", "gradients"), ("link", "link"), ("nproc", "n"),
 
 
 def main(args) -> int:
-    counts = parse_counts(args.nproc)
-    base_overrides = list(args.overrides)
-    cfg = config_lib.load(args.config, base_overrides)
+    counts, modes = parse_counts(args.nproc), MODES[args.mode]
+    overrides = list(args.overrides)
+    cfg = config_lib.load(args.config, overrides)
     out = Path(args.out or f"{cfg.output_dir}-scale")
-    warmup = WARMUP_STEPS if args.warmup is None else args.warmup
+    warmup = WARMUP if args.warmup is None else args.warmup
+    measured = MEASURED if args.steps is None else args.steps
     sizes = parse_sizes(args.bandwidth_sizes)
+    cuda = torch.cuda.is_available()
+    threads = max(1, (os.cpu_count() or 1) // max(counts))  # as many cores per process at every count
 
-    # 1. Plan and validate every count before anything runs or any folder is made.
+    # 1. Plan and validate every run before anything runs or any folder is made.
+    problems = config_lib.check_values(cfg)
     if out.exists() and any(out.iterdir()):
-        raise ConfigError([f"--out: {out} already holds files (choose another --out, or remove it)"])
-    if cfg.train.grad_accum is not None and cfg.train.effective_batch_size is not None:
-        raise ConfigError(["train.grad_accum: set grad_accum or effective_batch_size, not both (e.g. add train.grad_accum=null)"])
-    batch = batch_overrides(cfg.train, args.mode)
-    nosync_steps = max(warmup + 3, min(cfg.train.max_steps or math.inf, warmup + 10))
-    runs, problems = {}, []
-    for n in counts:
-        runs[n] = {"dir": out / f"n{n}", "overrides": [*batch, f"output_dir={as_yaml(out / f'n{n}')}"]}
-        if n > 1:
-            runs[n]["nosync_dir"] = out / f"n{n}-nosync"
-            runs[n]["nosync_overrides"] = [*batch, "train.grad_sync=false", f"train.max_steps={nosync_steps}",
-                                           "data.val=null", "train.val_every=0", "train.save_every=0",
-                                           "eval.enabled=false", f"output_dir={as_yaml(out / f'n{n}-nosync')}"]
-        try:
-            runs[n]["plan"] = config_lib.validate(config_lib.load(args.config, base_overrides + runs[n]["overrides"]), n)
-            if n > 1:
-                config_lib.validate(config_lib.load(args.config, base_overrides + runs[n]["nosync_overrides"]), n)
-        except ConfigError as e:
-            problems += [f"--nproc {n} ({args.mode}): {p}" for p in e.problems]
-    if warmup < 0:
-        problems.append(f"--warmup: {warmup} must be 0 or more")
-    if cfg.train.max_steps is not None and cfg.train.max_steps <= warmup:
-        problems.append(f"train.max_steps: {cfg.train.max_steps} leaves no step after the {warmup} warm-up steps (raise it)")
-    if torch.cuda.is_available() and max(counts) > torch.cuda.device_count():
+        problems.append(f"--out: {out} already holds files (choose another --out, or remove it)")
+    if warmup < 0 or measured < 1:
+        problems.append(f"--warmup {warmup} / --steps {measured}: need warm-up >= 0 and at least 1 measured step")
+    if cuda and max(counts) > torch.cuda.device_count():
         problems.append(f"--nproc: {max(counts)} processes but only {torch.cuda.device_count()} GPUs (one process per GPU)")
+    if problems:
+        raise ConfigError(problems)
+    plans = {(m, n): plan_for(cfg.train, m, n) for m in modes for n in counts}  # raises for a count that does not divide
+    windows = {m: sample_window([plans[m, n].global_batch for n in counts], warmup, measured) for m in modes}
+    runs = {}
+    for (m, n), plan in plans.items():
+        key = "n1" if n == 1 else f"{m}-n{n}"
+        steps = max(windows[mm][1] // plan.global_batch for mm in modes) if n == 1 else windows[m][1] // plan.global_batch
+        run = runs.setdefault(key, {"nproc": n, "dir": out / key, "plan": plan, "steps": 0})
+        run["steps"] = max(run["steps"], steps)
+    for key, run in runs.items():
+        run["overrides"] = [*batch_overrides(run["plan"], cfg.train), f"train.max_steps={run['steps']}", f"output_dir={as_yaml(run['dir'])}"]
+        try:
+            checks.validate(config_lib.load(args.config, overrides + run["overrides"]), run["nproc"])
+        except ConfigError as e:
+            problems += [f"--nproc {run['nproc']}: {p}" for p in e.problems]
     if problems:
         raise ConfigError(sorted(set(problems), key=problems.index))
 
@@ -105,98 +111,105 @@ def main(args) -> int:
     topo = comm.topology()
     bandwidth = {"nproc": max(counts), "status": "single process: no all-reduce to measure"}
     if max(counts) >= 2:
-        iters, bw_warmup = (20, 5) if torch.cuda.is_available() else (5, 2)
+        iters, bw_warmup = (20, 5) if cuda else (5, 2)
         try:
             result = comm.measure_bandwidth(max(counts), sizes, iters=iters, warmup=bw_warmup)
             busbws = [r["busbw_GBps"] for r in result["rows"] if r["busbw_GBps"]]
             bandwidth.update(status="measured", backend=result["backend"], device=result["device"],
                              rows=result["rows"], peak_busbw_GBps=max(busbws) if busbws else None)
-        except RuntimeError as exc:  # the runs still give measured comm times; predictions need busbw
+        except RuntimeError as exc:  # the runs still give measured times; predictions need busbw
             bandwidth["status"] = f"failed: {exc}"
-    for n in counts:
-        for key in ("", "nosync_"):
-            if f"{key}overrides" in runs[n]:
-                child = ["ddptune", "train", args.config, *base_overrides, *runs[n][f"{key}overrides"]]
-                runs[n][f"{key}command"] = shlex.join(child)
-                print(f"ddptune scale: {n} process(es){', no gradient sync' if key else ''}: {shlex.join(child[1:])}", flush=True)
-                rc = launch.torchrun(n, child)
-                if rc != 0:
-                    print(f"ddptune scale: the run with {n} process(es) failed (exit {rc}); see {runs[n][f'{key}dir']}", file=sys.stderr)
-                    return rc or 1
+    child_env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    for key, run in runs.items():
+        child = ["ddptune", "train", args.config, *overrides, *run["overrides"]]
+        run["command"] = shlex.join(child)
+        print(f"ddptune scale: {run['nproc']} process(es), {run['steps']} steps: {shlex.join(child[1:])}", flush=True)
+        rc = dist.torchrun(run["nproc"], child, env=child_env)
+        if rc != 0:
+            print(f"ddptune scale: the run with {run['nproc']} process(es) failed (exit {rc}); see {run['dir']}", file=sys.stderr)
+            return rc or 1
 
-    # 3. One row per count, read back from each run's summary.json and metrics.jsonl.
-    rows = [clean(measure(n, runs[n], warmup)) for n in counts]
-    base = rows[0]  # n = 1 (parse_counts insists)
-    for r in rows:
-        r["speedup"] = r["samples_per_s"] / base["samples_per_s"]
-        r["efficiency"] = r["speedup"] / r["nproc"]
+    # 3. One row per (mode, count), each over the same sample window.
+    rows = []
+    for m in modes:
+        base = None
+        for n in counts:
+            run = runs["n1" if n == 1 else f"{m}-n{n}"]
+            row = account(dict(measure(run, windows[m]), mode=m), base, cuda)
+            base = base or row
+            rows.append(row)
 
-    # 4. Communication: measured beside the cost model; what-if tables for other links.
-    summary = json.loads((runs[1]["dir"] / "summary.json").read_text())
-    method, ckpt = summary["method"], summary["gradient_checkpointing"]
-    grad_bytes = comm.grad_bytes(summary["trainable_params"], 4)
-    busbw = (bandwidth.get("peak_busbw_GBps") or 0) * 1e9
-    frac = backward_fraction(method, ckpt)
-    compute1 = base["step_s"]
-    measured = []
-    for r in rows:
-        n, plan = r["nproc"], runs[r["nproc"]]["plan"]
-        link = busbw if busbw > 0 else 1.0  # n = 1 has no all-reduce, any positive bandwidth
-        if n > 1 and busbw <= 0:
-            continue
-        now = comm.predict(r["compute_s"], frac * r["compute_s"], grad_bytes, n, link)
-        c = compute1 * plan.per_process / runs[1]["plan"].per_process  # compute at n predicted from n = 1
-        ideal = comm.predict(c, frac * c, grad_bytes, n, link)
-        r["predicted_speedup"] = ideal["speedup"]
-        measured.append({"nproc": n, "busbw_GBps": busbw / 1e9 if n > 1 else None,
-                         "pred_comm_s": now["comm_s"], "pred_exposed_s": now["exposed_comm_s"],
-                         "meas_comm_s": r["comm_s"], "pred_step_s": now["step_s"], "meas_step_s": r["step_s"],
-                         "pred_efficiency": now["efficiency"], "meas_efficiency": r["compute_s"] / r["step_s"],
-                         "pred_speedup": ideal["speedup"], "meas_speedup": r["speedup"]})
-    links = other_links(bandwidth, comm.interconnect(topo))
-    all_params = summary["total_params"]
-    cases = [(f"{method} ({comm.human_size(grad_bytes)})", compute1, frac, grad_bytes)]
-    if method != "full":
-        full_compute = compute1 * step_flops("full", ckpt) / step_flops(method, ckpt)
-        cases.append((f"full ({comm.human_size(all_params * 4)})", full_compute, backward_fraction("full", ckpt), all_params * 4))
-    what_if = []
-    for label, c1, f, nbytes in cases:
-        case = []
-        for n in WHAT_IF_N:  # per-process compute at n: as at n=1, or 1/n of it with a fixed global batch
-            c = c1 if args.mode == SAME_PER_DEVICE else c1 / n
-            case += [{"gradients": label, **p} for p in comm.predict_table(c, f * c, nbytes, (n,), links)]
-        what_if += sorted(case, key=lambda p: (list(links).index(p["link"]), p["nproc"]))
+    # 4. Communication: the cost model beside the measurements; what-if tables for other links.
+    summary = json.loads((runs["n1"]["dir"] / "summary.json").read_text())
+    predictions = communication(rows, summary, bandwidth, comm.interconnect(topo), modes[0])
 
     # 5. Files, each written once and atomically; then the table on the console.
     info = env.collect(bandwidth=False)
     manifest = {
-        "command": shlex.join(["ddptune", "scale", args.config, *base_overrides, "--nproc", args.nproc,
-                               "--mode", args.mode, "--out", str(out), "--bandwidth-sizes", args.bandwidth_sizes]),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "mode": args.mode, "config": args.config,
-        "overrides": base_overrides, "seed": cfg.train.seed, "warmup_steps_excluded": warmup,
-        "batch": [{"nproc": n, **dataclasses.asdict(runs[n]["plan"]), "global_batch": runs[n]["plan"].global_batch,
-                   "arithmetic": arithmetic(runs[n]["plan"])} for n in counts],
-        "runs": {str(n): {k: str(v) for k, v in runs[n].items() if k.endswith(("dir", "command"))} for n in counts},
+        "command": shlex.join(["ddptune", "scale", args.config, *overrides, "--nproc", args.nproc, "--mode", args.mode,
+                               "--steps", str(measured), "--warmup", str(warmup), "--out", str(out),
+                               "--bandwidth-sizes", args.bandwidth_sizes]),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "modes": modes, "config": args.config,
+        "overrides": overrides, "seed": cfg.train.seed, "sample_window": {m: list(w) for m, w in windows.items()},
+        "threads_per_process": threads if not cuda else None,
+        "batch": [{"mode": m, "nproc": n, **dataclasses.asdict(p), "global_batch": p.global_batch, "describe": p.describe()}
+                  for (m, n), p in plans.items()],
+        "runs": {k: {"nproc": r["nproc"], "steps": r["steps"], "dir": str(r["dir"]), "command": r["command"]} for k, r in runs.items()},
         "devices": info["gpus"] or f"cpu ({info['cpu_count']} cores)", "interconnect": info["interconnect"],
         "versions": {"python": info["python"], "torch": info["torch"], "cuda": info["cuda"], "nccl": info["nccl"], **info["packages"]},
-        "environment": {k: v for k, v in info.items() if k != "bandwidth"},  # measured above, in scaling.json
+        "environment": {k: v for k, v in info.items() if k != "bandwidth"},
     }
-    result = {"mode": args.mode, "rows": rows, "bandwidth": bandwidth, "interconnect": comm.interconnect(topo),
-              "topology": topo, "grad_bytes": grad_bytes, "all_params": all_params,
-              "backward_fraction": frac, "predictions": {"measured": measured, "other_interconnects": what_if},
-              "manifest": manifest}
-    columns = COLUMNS + [(k, k) for k in ("rouge1", "rouge2", "rougeL", "rougeLsum") if k in base]
-    table = f"## Scaling, mode {args.mode}\n\n" + report.markdown_table(rows, columns)
+    result = {"modes": modes, "rows": rows, "bandwidth": bandwidth, "interconnect": comm.interconnect(topo),
+              "topology": topo, "grad_bytes": predictions["grad_bytes"], "all_params": predictions["all_params"],
+              "backward_fraction": predictions["backward_fraction"],
+              "predictions": {k: predictions[k] for k in ("measured", "other_interconnects")}, "manifest": manifest}
+    columns = COLUMNS + [(k, k) for k in ("rouge1", "rouge2", "rougeL", "rougeLsum") if k in rows[0]]
+    table = report.markdown_table(rows, columns)
     out.mkdir(parents=True, exist_ok=True)
     report.write_json(out / "scaling.json", clean(result))
-    report.write_csv(out / "scaling.csv", [dict(r, mode=args.mode) for r in rows], [("mode", "mode")] + columns)
-    report.write_text(out / "scaling.md", markdown(args.mode, table, bandwidth, result))
-    report.plot_scaling(out / "scaling.png", [dict(r, compute_s=min(r["compute_s"], r["step_s"]),
-                                                   comm_s=max(0.0, r["comm_s"])) for r in rows],
-                        title=f"Data-parallel scaling ({args.mode}, {method})")
+    report.write_csv(out / "scaling.csv", rows, columns)
+    report.write_text(out / "scaling.md", markdown(table, bandwidth, result))
+    report.plot_scaling(out / "scaling.png", {m: [r for r in rows if r["mode"] == m] for m in modes},
+                        title=f"Data-parallel scaling ({predictions['method']}, {info['gpus'][0]['name'] if info['gpus'] else 'CPU'})")
     report.write_json(out / "manifest.json", clean(manifest))
     print("\n" + table + f"\nddptune scale: wrote {out}/scaling.{{json,csv,md,png}} and manifest.json", flush=True)
     return 0
+
+
+def communication(rows: list[dict], summary: dict, bandwidth: dict, link_label: str, mode: str) -> dict:
+    """The cost model (comm.predict) beside each measured row, and what other links would give."""
+    method, ckpt = summary["method"], summary["gradient_checkpointing"]
+    grad_bytes = comm.grad_bytes(summary["trainable_params"], 4)
+    busbw = (bandwidth.get("peak_busbw_GBps") or 0) * 1e9
+    frac = backward_fraction(method, ckpt)
+    measured = []
+    for r in rows:
+        if r["nproc"] > 1 and busbw <= 0:
+            continue
+        base = next(b for b in rows if b["mode"] == r["mode"] and b["nproc"] == 1)
+        c = base["step_s"] * r["per_process"] / base["per_process"]  # the n = 1 step, scaled to this count's share
+        pred = comm.predict(c, frac * c, grad_bytes, r["nproc"], busbw if busbw > 0 else 1.0)
+        r["predicted_speedup"] = pred["speedup"]
+        measured.append({"mode": r["mode"], "nproc": r["nproc"], "busbw_GBps": busbw / 1e9 if r["nproc"] > 1 else None,
+                         "pred_comm_s": pred["comm_s"], "pred_exposed_s": pred["exposed_comm_s"],
+                         "meas_exposed_s": r["exposed_comm_s"], "pred_speedup": pred["speedup"],
+                         "meas_speedup": r["speedup"]})
+    links = other_links(bandwidth, link_label)
+    all_params = summary["total_params"]
+    step1 = rows[0]["step_s"]
+    cases = [(f"{method} ({comm.human_size(grad_bytes)})", step1, frac, grad_bytes)]
+    if method != "full":
+        full_step = step1 * metrics.per_weight_flops("full", ckpt) / metrics.per_weight_flops(method, ckpt)
+        cases.append((f"full ({comm.human_size(all_params * 4)})", full_step, backward_fraction("full", ckpt), all_params * 4))
+    what_if = []
+    for label, c1, f, nbytes in cases:
+        case = []
+        for n in WHAT_IF_N:  # per-process compute at n: as at n = 1 (same-per-device), or 1/n of it
+            c = c1 if mode == SAME_PER_DEVICE else c1 / n
+            case += [{"gradients": label, **p} for p in comm.predict_table(c, f * c, nbytes, (n,), links)]
+        what_if += sorted(case, key=lambda p: (list(links).index(p["link"]), p["nproc"]))
+    return {"grad_bytes": grad_bytes, "all_params": all_params, "backward_fraction": frac, "method": method,
+            "measured": measured, "other_interconnects": what_if}
 
 
 def parse_counts(text: str) -> list[int]:
@@ -218,49 +231,96 @@ def parse_sizes(text: str) -> list[int]:
         raise ConfigError([f"--bandwidth-sizes: {e}"]) from None
 
 
-def batch_overrides(t: config_lib.TrainConfig, mode: str) -> list[str]:
-    """The overrides that give every count the mode's batch arithmetic (n=1's plan as the anchor)."""
+def plan_for(t: config_lib.TrainConfig, mode: str, n: int) -> BatchPlan:
+    """The batch plan of `n` processes in `mode`, anchored on the config's plan for one process.
+    With padded batches in same-global mode the micro-batch shrinks where n would not divide it."""
     one = config_lib.batch_plan(t, 1)
-    if mode == SAME_PER_DEVICE:
-        return [f"train.grad_accum={one.grad_accum}", "train.effective_batch_size=null"]
-    return ["train.grad_accum=null", f"train.effective_batch_size={one.global_batch}"]
+    per_process = one.per_process if mode == SAME_PER_DEVICE else one.global_batch // n
+    if mode == SAME_GLOBAL and one.global_batch % n:
+        raise ConfigError([f"--nproc {n} (same-global): the global batch of {one.global_batch} samples does not split "
+                           f"over {n} processes (set train.effective_batch_size to a multiple of {n})"])
+    if one.micro_batch_size:  # padded: the largest micro-batch <= the configured one that divides the share
+        micro = max(m for m in range(1, one.micro_batch_size + 1) if per_process % m == 0)
+        return BatchPlan(n, per_process, micro, None)
+    return BatchPlan(n, per_process, None, one.tokens_per_forward)
 
 
-def measure(n: int, run: dict, warmup: int) -> dict:
-    """A scaling row for n processes from the run folders (and the no-sync run for n > 1)."""
-    summary = json.loads((run["dir"] / "summary.json").read_text())
-    step_s, tokens = steady_state(run["dir"], warmup)
-    compute_s = steady_state(run["nosync_dir"], warmup)[0] if n > 1 else step_s
+def batch_overrides(plan: BatchPlan, t: config_lib.TrainConfig) -> list[str]:
+    """The overrides that make `ddptune train` run exactly `plan`."""
+    micro = plan.micro_batch_size or t.micro_batch_size
+    return [f"train.micro_batch_size={micro}", "train.grad_accum=null", f"train.effective_batch_size={plan.global_batch}"]
+
+
+def sample_window(global_batches: list[int], warmup: int, measured: int) -> tuple[int, int]:
+    """[start, end) in the sample stream that every run measures: `warmup` steps of the largest
+    batch before it, `measured` such steps inside it, both ends whole steps of every batch."""
+    unit = math.lcm(*global_batches)
+    big = max(global_batches)
+    start = math.ceil(warmup * big / unit) * unit
+    return start, start + math.ceil(measured * big / unit) * unit
+
+
+def measure(run: dict, window: tuple[int, int]) -> dict:
+    """A row for one run over the sample window: means over its steps in the window."""
     plan: BatchPlan = run["plan"]
+    first, last = window[0] // plan.global_batch, window[1] // plan.global_batch  # steps [first, last), 0-based
+    steps = [json.loads(l) for l in (run["dir"] / "metrics.jsonl").read_text().splitlines() if '"step_time_s"' in l][first:last]
+    ranks = [json.loads(l) for l in (run["dir"] / "ranks.jsonl").read_text().splitlines()][first:last]
+    summary = json.loads((run["dir"] / "summary.json").read_text())
+    split = metrics.split(ranks)
+    seconds = sum(r["step_time_s"] for r in steps)
     peaks = [p for p in summary.get("peak_mem_gib_per_process") or [] if p is not None]
-    return {
-        "nproc": n, "micro_batch_size": plan.micro_batch_size, "grad_accum": plan.grad_accum,
-        "global_batch": plan.global_batch, "batch": arithmetic(plan), "steps": summary["steps"],
-        "step_s": step_s, "compute_s": compute_s, "comm_s": step_s - compute_s,
-        "tokens_per_s": tokens / step_s, "tokens_per_s_per_gpu": tokens / step_s / n,
-        "samples_per_s": plan.global_batch / step_s, "samples_per_s_per_gpu": plan.global_batch / step_s / n,
-        "steps_per_epoch": summary["steps_per_epoch"], "epoch_s": summary["steps_per_epoch"] * step_s,
-        "peak_mem_gib": max(peaks) if peaks else None, "final_loss": summary["final_loss"],
-        "val_loss": summary["val_loss"], **(summary.get("rouge") or {}),
-    }
+    row = {"nproc": plan.world_size, "per_process": plan.per_process, "global_batch": plan.global_batch,
+           "batch": f"{plan.per_process} x {plan.world_size} = {plan.global_batch}", "steps": len(steps),
+           "samples_measured": window[1] - window[0], "step_s": seconds / len(steps),
+           "median_step_s": statistics.median(r["step_time_s"] for r in steps),
+           "tokens_per_s": sum(r["tokens"] for r in steps) / seconds,
+           "tokens_per_s_per_gpu": sum(r["tokens"] for r in steps) / seconds / plan.world_size,
+           "samples_per_s": (window[1] - window[0]) / seconds,
+           "balance": statistics.fmean(r["balance"] for r in steps),
+           "peak_mem_gib": max(peaks) if peaks else None, "final_loss": summary["final_loss"],
+           "val_loss": summary["val_loss"], **(summary.get("rouge") or {})}
+    for k in PART_KEYS:
+        row[k], row[k + "_se"] = split[k], split[k + "_se"]
+    return row
 
 
-def steady_state(run_dir: Path, warmup: int) -> tuple[float, float]:
-    """(median step time, mean real tokens per step) over the steps after the first `warmup`."""
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"step_time_s"' in line]
-    kept = steps[warmup:] or steps[-1:]
-    return statistics.median(r["step_time_s"] for r in kept), statistics.fmean(r["tokens"] for r in kept)
-
-
-def step_flops(method: str, checkpointing: bool) -> int:
-    """FLOPs per weight and token of one training step: forward 2, backward 2 (frozen weights:
-    input gradients) or 4 (weight gradients too), recomputed forward 2."""
-    return 2 + (4 if method == "full" else 2) + (2 if checkpointing else 0)
+def account(row: dict, base: dict | None, cuda: bool) -> dict:
+    """Speedup, efficiency and the lost efficiency split into its parts (module docstring);
+    parts lost in noise and CPU speedups above n are reported as such."""
+    base = base or row
+    n = row["nproc"]
+    row["speedup"] = row["samples_per_s"] / base["samples_per_s"]
+    row["efficiency"] = row["speedup"] / n
+    k = row["per_process"] / base["per_process"]
+    row["parts"] = raw = {key: row[key] for key in PART_KEYS}  # before noise blanks any
+    one = base.get("parts", raw)
+    se = {key: row.get(key + "_se") or 0.0 for key in PART_KEYS}
+    one_se = base.get("parts_se", se)
+    lost = {f"lost_{name}": (raw[key] - k * one[key], math.hypot(se[key], k * one_se[key]))
+            for name, key in zip(("compute", "imbalance", "comm", "rest"), PART_KEYS)}
+    row["parts_se"] = se
+    notes = []
+    for key, (seconds, err) in lost.items():
+        row[key] = seconds / row["step_s"] if n > 1 else 0.0
+        if n > 1 and abs(seconds) < 2 * err:  # noise: neither a loss nor a gain can be told apart from zero
+            row[key] = None
+        elif n > 1 and seconds < 0:
+            notes.append(f"{key.replace('_', ' ')}: faster than at n = 1 by {-seconds * 1e3:.2g} ms a step")
+    for key in PART_KEYS[1:]:
+        if se[key] and row[key] < 2 * se[key]:
+            notes.append(f"{key.removesuffix('_s').replace('_', ' ')} within noise (±{2 * se[key] * 1e3:.2g} ms)")
+            row[key + "_noise_s"], row[key] = 2 * se[key], None
+    if not cuda and n > 1 and row["speedup"] > n * 1.05:
+        notes.append(f"speedup {row['speedup']:.2f} above {n}: the processes fought over the CPU cores; not published")
+        row["speedup"] = row["efficiency"] = None
+    row["note"] = "; ".join(notes) or None
+    return row
 
 
 def backward_fraction(method: str, checkpointing: bool) -> float:
     """The share of a step that backward takes (bucket all-reduces can hide behind it)."""
-    return 1 - 2 / step_flops(method, checkpointing)
+    return 1 - 2 / metrics.per_weight_flops(method, checkpointing)
 
 
 def other_links(bandwidth: dict, label: str) -> dict[str, float]:
@@ -284,10 +344,6 @@ def as_yaml(path: Path) -> str:
     return text if plain else json.dumps(text)
 
 
-def arithmetic(plan: BatchPlan) -> str:
-    return f"{plan.micro_batch_size} x {plan.world_size} x {plan.grad_accum} = {plan.global_batch}"
-
-
 def clean(obj):
     """NaN and infinities become null, so the JSON files are strict JSON."""
     if isinstance(obj, float) and not math.isfinite(obj):
@@ -299,22 +355,26 @@ def clean(obj):
     return obj
 
 
-def markdown(mode: str, table: str, bandwidth: dict, result: dict) -> str:
+def markdown(table: str, bandwidth: dict, result: dict) -> str:
     m = result["manifest"]
-    parts = [f"# ddptune scale: {m['config']}, mode {mode}\n",
-             f"`{m['command']}`, {m['date']}. Step times are medians after {m['warmup_steps_excluded']} warm-up steps; "
-             "compute = the step without gradient sync, comm = step - compute; speedup = samples/s at n over samples/s at 1.\n",
+    window = "; ".join(f"{mode}: samples {a}-{b}" for mode, (a, b) in m["sample_window"].items())
+    parts = [f"# ddptune scale: {m['config']}, {' and '.join(result['modes'])}\n",
+             f"`{m['command']}`, {m['date']}. Every count trains on the same samples ({window} of the stream, after "
+             f"{m['command'].split('--warmup ')[1].split()[0]} warm-up steps of the largest batch); figures are means over "
+             "those steps. step = compute (mean process) + imbalance (slowest - mean) + exposed comm (the slowest process's "
+             "wait for the all-reduce) + rest (optimizer, data, gaps). speedup = samples/s at n over samples/s at 1; "
+             "efficiency = speedup / n; the `lost:` columns split 1 - efficiency into its parts (fractions of the step at n). "
+             "A part below twice its standard error is left blank and named in the note.\n",
              table]
     parts.append(f"## All-reduce bandwidth, {bandwidth['nproc']} processes ({bandwidth.get('backend', 'none')})\n")
     parts.append(f"Interconnect: {result['interconnect']}.\n")
     parts.append(comm.format_rows(bandwidth["rows"]) if bandwidth["status"] == "measured" else bandwidth["status"] + "\n")
-    parts.append(f"## Predicted vs measured communication, mode {mode}\n")
-    parts.append(f"Gradients all-reduced per optimizer step: {comm.human_size(result['grad_bytes'])} (trainable parameters x 4 bytes, fp32); "
-                 f"backward = {result['backward_fraction']:.2f} of the no-sync step; busbw = the peak measured. "
-                 "pred. speedup: the n = 1 compute scaled to each n's samples per process (ideal compute scaling) plus the "
-                 "predicted exposed comm. A negative measured comm is timing noise larger than the communication.\n")
+    parts.append("## Predicted against measured communication\n")
+    parts.append(f"Gradients all-reduced per optimizer step: {comm.human_size(result['grad_bytes'])} (trainable parameters "
+                 f"x 4 bytes, fp32); backward = {result['backward_fraction']:.2f} of the step; busbw = the peak measured. "
+                 "pred. speedup: the n = 1 step scaled to each count's share, plus the predicted exposed all-reduce.\n")
     parts.append(report.markdown_table(result["predictions"]["measured"], PRED_COLUMNS))
-    parts.append(f"## Predicted scaling on other interconnects, mode {mode}\n")
+    parts.append("## Predicted scaling on other interconnects\n")
     parts.append("From the n = 1 step time; full fine-tuning assumes its step costs 6 (8 with checkpointing) FLOPs per "
                  "weight and token against LoRA's 4 (6), and all-reduces every parameter (x 4 bytes).\n")
     parts.append(report.markdown_table(result["predictions"]["other_interconnects"], WHAT_IF_COLUMNS))
