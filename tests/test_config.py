@@ -6,7 +6,7 @@ import json
 import pytest
 
 from conftest import ROOT, SHARED_DATA, ddptune
-from ddptune import config
+from ddptune import checks, config
 from ddptune.config import ConfigError
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -27,18 +27,47 @@ def test_every_shipped_config_loads_and_validates(path, tmp_path):
     cfg = config.load(path, [f"output_dir={tmp_path / 'out'}"])
     if "shared/data" in (cfg.data.train or "") and not SHARED_DATA.is_dir():
         pytest.skip("../shared/data is not beside this checkout")
-    plan = config.validate(cfg, world_size=1)
+    plan = checks.validate(cfg, world_size=1)
     assert plan.global_batch >= 1
 
 
 def test_effective_batch_fixes_the_global_batch_across_process_counts():
-    t = config.from_dict({"train": {"micro_batch_size": 4, "effective_batch_size": 16}}).train
-    plans = [config.batch_plan(t, n) for n in (1, 2, 4)]
-    assert [p.grad_accum for p in plans] == [4, 2, 1]
-    assert {p.global_batch for p in plans} == {16}
-    assert config.batch_plan(config.from_dict({"train": {"micro_batch_size": 4, "grad_accum": 4}}).train, 2).global_batch == 32
+    padded = config.from_dict({"train": {"micro_batch_size": 4, "effective_batch_size": 16, "packing": False}}).train
+    plans = [config.batch_plan(padded, n) for n in (1, 2, 4)]
+    assert [p.grad_accum for p in plans] == [4, 2, 1] and {p.global_batch for p in plans} == {16}
+    assert "4 per forward x 2 processes x 2 accumulation = 16 samples per optimizer step (padded)" in plans[1].describe()
     with pytest.raises(ConfigError, match="not a multiple of micro_batch_size x processes = 4 x 8 = 32"):
-        config.batch_plan(t, 8)
+        config.batch_plan(padded, 8)
+    # packed: samples per step and per process; micro-batches and accumulation do not exist
+    packed = config.from_dict({"train": {"micro_batch_size": 4, "effective_batch_size": 16}}).train
+    plan = config.batch_plan(packed, 8)
+    assert (plan.per_process, plan.global_batch, plan.grad_accum, plan.tokens_per_forward) == (2, 16, None, 8192)
+    assert plan.describe().startswith("batch: 16 samples per optimizer step = 2 per process x 8 processes, packed")
+    with pytest.raises(ConfigError, match="16 is not a multiple of the process count 3"):
+        config.batch_plan(packed, 3)
+    grown = config.from_dict({"train": {"micro_batch_size": 4, "grad_accum": 4}}).train
+    assert config.batch_plan(grown, 2).global_batch == 32
+    # an old padded-style key keeps working, with one line saying what it means with packing
+    assert config.batch_notes(grown) == ["train.grad_accum=4 with packing only sets the samples per process "
+                                         "(micro_batch_size x grad_accum = 16); each process packs them into forwards "
+                                         "of at most train.tokens_per_forward=8192 tokens"]
+    assert config.batch_notes(padded) == []
+
+
+def test_the_readme_config_table_is_generated_from_the_docstrings():
+    """README.md's config reference is `config.reference_markdown()` verbatim (regenerate it with
+    `python -m ddptune.config > table` and paste it between the markers)."""
+    readme = (ROOT / "README.md").read_text()
+    start, end = "<!-- config-reference:start -->\n", "<!-- config-reference:end -->"
+    assert readme[readme.index(start) + len(start):readme.index(end)] == config.reference_markdown()
+    rows = config.reference()
+    assert all(r["doc"] for r in rows), [r["key"] for r in rows if not r["doc"]]  # every field documented
+    assert {r["key"] for r in rows} >= {"train.profile_steps", "model.attn_implementation", "data.summary_column"}
+
+
+def test_attention_kernel_is_a_closed_choice():
+    with pytest.raises(ConfigError, match="model.attn_implementation: 'flash' is not allowed"):
+        config.from_dict({"model": {"attn_implementation": "flash"}})
 
 
 def test_all_problems_are_reported_together():
@@ -52,11 +81,15 @@ def test_all_problems_are_reported_together():
 
 def test_packing_needs_an_attention_kernel_that_takes_sample_boundaries():
     cfg = config.from_dict({"train": {"packing": True}, "model": {"attn_implementation": "sdpa"}})
-    with pytest.raises(ConfigError, match="train.packing: needs model.attn_implementation in"):
-        config.validate(cfg, world_size=1)
+    assert any(p.startswith("train.packing: needs model.attn_implementation in") for p in config.check_values(cfg))
     cfg = config.from_dict({"train": {"packing": True, "tokens_per_forward": 100}, "data": {"max_length": 512}})
-    with pytest.raises(ConfigError, match="train.tokens_per_forward: 100 is shorter than data.max_length 512"):
-        config.validate(cfg, world_size=1)
+    assert "train.tokens_per_forward: 100 is shorter than data.max_length 512 (raise it)" in config.check_values(cfg)
+
+
+def test_non_finite_numbers_are_refused():
+    cfg = config.from_dict({"train": {"lr": float("inf"), "max_grad_norm": float("nan")}})
+    problems = config.check_values(cfg)
+    assert any(p.startswith("train.lr:") for p in problems) and any(p.startswith("train.max_grad_norm:") for p in problems)
 
 
 def _bad_column_file(tmp_path):
@@ -70,7 +103,7 @@ BAD = {
     "wrong type": (["train.micro_batch_size=four"], "train.micro_batch_size: expected a whole number, got 'four'"),
     "missing data file": (["data.train=no/such/file.json"], "data.train: file 'no/such/file.json' not found"),
     "missing column": (["data.train={bad}"], "has no text column 'dialogue' (set data.dialogue_column to one of: summary, text)"),
-    "accumulation does not divide": (["train.effective_batch_size=6"], "train.effective_batch_size: 6 is not a multiple"),
+    "batch does not divide": (["train.effective_batch_size=7"], "train.effective_batch_size: 7 is not a multiple"),
     "bad method": (["train.method=lora2"], "train.method: 'lora2' is not allowed"),
     "unknown preset": (["model.source=preset:gpt-9"], "model.source: unknown preset 'gpt-9'"),
 }

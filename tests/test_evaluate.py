@@ -5,8 +5,10 @@ import json
 
 import pytest
 
+import multiproc
 from conftest import ROOT, check, ddptune
-from ddptune import evaluate
+from ddptune import config, evaluate, model as model_lib
+from test_train import train_tiny
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
 
@@ -38,7 +40,7 @@ def test_batches_are_the_same_for_any_process_count():
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("eval") / "run"
-    check(ddptune("train", TINY, f"output_dir={out}", "train.max_steps=4"))
+    multiproc.run(train_tiny, 1, [f"output_dir={out}", "train.max_steps=4"])
     return out
 
 
@@ -73,9 +75,28 @@ def test_zero_shot_base_and_compare_table(trained_run, tmp_path):
 
 def test_train_runs_evaluation_before_and_after(tmp_path):
     out = tmp_path / "run"
-    proc = check(ddptune("train", TINY, f"output_dir={out}", "train.max_steps=3", "eval.enabled=true",
-                         "eval.max_samples=4", "eval.max_new_tokens=8", "--nproc", "2"))
-    assert "zero-shot: ROUGE-1" in proc.stdout and "fine-tuned: ROUGE-1" in proc.stdout
+    (summary, _) = multiproc.run(train_tiny, 2, [f"output_dir={out}", "train.max_steps=3", "eval.enabled=true",
+                                                 "eval.max_samples=4", "eval.max_new_tokens=8"])
     for sub in ("eval", "eval-base"):
         assert len((out / sub / "predictions.jsonl").read_text().splitlines()) == 4
-    assert set(json.loads((out / "summary.json").read_text())["rouge"]) == set(evaluate.ROUGE_KEYS)
+    assert set(summary["rouge"]) == set(evaluate.ROUGE_KEYS)
+    assert json.loads((out / "eval" / "metrics.json").read_text())["world_size"] == 2
+
+
+def test_a_full_fine_tune_is_evaluated_as_one(tmp_path):
+    """`eval` loads a finished run through model.load_trained, with the run's own settings: a full
+    fine-tune's saved weights, not the base with an adapter."""
+    out = tmp_path / "run"
+    multiproc.run(train_tiny, 1, [f"output_dir={out}", "train.method=full", "train.max_steps=2", "train.lr=1e-3",
+                                  "data.val=null"])
+    cfg = config.load(out / "config.yaml")
+    net = model_lib.load_trained(out, cfg.model, "full", __import__("torch").device("cpu"), "auto", 0)
+    from safetensors.torch import load_file
+
+    saved = load_file(out / "model" / "model.safetensors")
+    assert all(__import__("torch").equal(p.detach(), saved[n]) for n, p in net.named_parameters() if n in saved)
+    assert not hasattr(net, "peft_config")
+    proc = check(ddptune("eval", str(out), "data.val=demo", "data.val_rows=560:562", "eval.max_new_tokens=4"))
+    assert "fine-tuned" in proc.stdout and (out / "eval" / "metrics.json").is_file()
+    bad = ddptune("eval", str(out), "data.val=demo", "--nproc", "0")
+    assert bad.returncode == 2 and "--nproc: must be at least 1" in bad.stderr

@@ -1,4 +1,4 @@
-"""The FLOP count behind MFU, and the metrics file on resume."""
+"""The FLOP cost model behind MFU and the shares, the step's time split, and the metrics file on resume."""
 from __future__ import annotations
 
 import json
@@ -9,23 +9,33 @@ import torch
 from ddptune import metrics, model as model_lib
 
 
-def test_flops_per_token_follows_the_written_formula():
-    # LoRA: 4 per frozen weight, the head only on the target fraction, 6 per adapter weight, attention 3 x 4ch per layer
-    f = metrics.flops_per_token(n_matrix=1000, n_head=200, n_adapter=10, n_layers=2, hidden=8, mean_context=5,
-                                method="lora", head_fraction=0.25)
-    assert f == pytest.approx(4 * (1000 + 50) + 60 + 3 * 4 * 5 * 8 * 2)
-    full = metrics.flops_per_token(1000, 200, 0, 2, 8, 5, "full")
-    assert full == pytest.approx(6 * 1200 + 3 * 4 * 5 * 8 * 2)
+def test_sample_flops_follow_the_written_formula():
+    # LoRA: 4 per frozen weight and token, the head only at targets, 6 per adapter weight, attention 3 x 4h per key
+    f = metrics.FlopModel(n_matrix=1000, n_head=200, n_adapter=10, n_layers=2, hidden=8, method="lora")
+    assert f.sample(tokens=3, targets=1) == pytest.approx(4 * (1000 * 3 + 200 * 1) + 6 * 10 * 3 + 3 * 4 * 8 * 2 * 6)
+    full = metrics.FlopModel(1000, 200, 0, 2, 8, "full")
+    assert full.sample(3, 1) == pytest.approx(6 * (1000 * 3 + 200) + 3 * 4 * 8 * 2 * 6)
     # samples of 1 and 3 tokens: keys attended 1 | 1 + 2 + 3 -> 7
     assert metrics.attended_keys([1, 3]) == 7
+    assert [metrics.per_weight_flops(m, c) for m, c in (("lora", False), ("qlora", True), ("full", False), ("full", True))] == [4, 6, 6, 8]
 
 
-def test_matrix_weights_split_body_and_head():
+def test_flop_model_of_a_real_model_splits_body_head_and_adapters():
     m = model_lib.build_preset("tiny", 0, torch.float32, torch.device("cpu"))
-    body, head = metrics.matrix_weights(m)
-    assert head == 64 * 320
+    f = metrics.FlopModel.of(m, "full")
+    assert f.n_head == 64 * 320 and f.n_adapter == 0 and (f.n_layers, f.hidden) == (2, 64)
     per_layer = 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128  # q,o + k,v (2 kv heads of 16) + gate,up,down
-    assert body == 2 * per_layer
+    assert f.n_matrix == 2 * per_layer
+
+
+def test_time_split_adds_up_to_the_step():
+    rows = [{"compute_s": [0.50, 0.40], "wait_s": [0.01, 0.11], "step_s": [0.53, 0.53]},
+            {"compute_s": [0.45, 0.55], "wait_s": [0.12, 0.02], "step_s": [0.60, 0.60]}]
+    s = metrics.split(rows)
+    assert s["slowest_compute_s"] == pytest.approx(0.525) and s["compute_s"] == pytest.approx(0.475)
+    assert s["imbalance_s"] == pytest.approx(0.05) and s["exposed_comm_s"] == pytest.approx(0.015)
+    assert s["step_s"] == pytest.approx(s["compute_s"] + s["imbalance_s"] + s["exposed_comm_s"] + s["rest_s"])
+    assert s["rest_s"] == pytest.approx(0.025)
 
 
 def test_metrics_file_drops_steps_that_a_resume_redoes(tmp_path):
@@ -34,4 +44,4 @@ def test_metrics_file_drops_steps_that_a_resume_redoes(tmp_path):
     w = metrics.JsonlWriter(path, keep_until_step=3)
     w.write({"step": 4, "loss": 0.5})
     w.close()
-    assert [r["step"] for r in metrics.read_jsonl(path)] == [1, 2, 3, 4]
+    assert [json.loads(l)["step"] for l in path.read_text().splitlines()] == [1, 2, 3, 4]

@@ -8,9 +8,12 @@ from pathlib import Path
 from ddptune import report
 
 ROWS = [
-    {"nproc": 1, "speedup": 1.0, "compute_s": 0.50, "comm_s": 0.0, "predicted_speedup": 1.0},
-    {"nproc": 2, "speedup": 1.9, "compute_s": 0.50, "comm_s": 0.03, "predicted_speedup": 1.95},
-    {"nproc": 4, "speedup": 3.5, "compute_s": 0.50, "comm_s": 0.07, "predicted_speedup": 3.7},
+    {"nproc": 1, "speedup": 1.0, "compute_s": 0.50, "imbalance_s": 0.0, "exposed_comm_s": 0.0, "rest_s": 0.01,
+     "predicted_speedup": 1.0},
+    {"nproc": 2, "speedup": 1.9, "compute_s": 0.50, "imbalance_s": 0.02, "exposed_comm_s": 0.03, "rest_s": 0.01,
+     "predicted_speedup": 1.95},
+    {"nproc": 4, "speedup": None, "compute_s": 0.50, "imbalance_s": None, "exposed_comm_s": 0.07, "rest_s": 0.01,
+     "predicted_speedup": 3.7},
 ]
 
 
@@ -32,7 +35,7 @@ def test_csv_round_trip(tmp_path: Path) -> None:
     path = report.write_csv(tmp_path / "sub" / "rows.csv", ROWS, [("nproc", "N"), ("speedup", "S")])
     with open(path, newline="") as f:
         back = list(csv.DictReader(f))
-    assert back == [{"nproc": str(r["nproc"]), "speedup": str(r["speedup"])} for r in ROWS]
+    assert back == [{"nproc": str(r["nproc"]), "speedup": "" if r["speedup"] is None else str(r["speedup"])} for r in ROWS]
     assert [p.name for p in path.parent.iterdir()] == ["rows.csv"]  # no temp file left behind
 
 
@@ -46,10 +49,10 @@ def test_json_and_text(tmp_path: Path) -> None:
 
 
 def test_plot_scaling_png(tmp_path: Path) -> None:
-    path = report.plot_scaling(tmp_path / "scaling.png", ROWS)
+    path = report.plot_scaling(tmp_path / "scaling.png", {"same-per-device": ROWS, "same-global": ROWS[:2]})
     data = Path(path).read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(data) > 1024
     # without predictions or timings it still draws
-    bare = report.plot_scaling(tmp_path / "bare.png", [{"nproc": 2, "speedup": 1.5}, {"nproc": 1, "speedup": 1.0}])
+    bare = report.plot_scaling(tmp_path / "bare.png", {"m": [{"nproc": 2, "speedup": 1.5}, {"nproc": 1, "speedup": 1.0}]})
     assert Path(bare).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

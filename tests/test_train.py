@@ -1,4 +1,4 @@
-"""The training command end to end: real processes through torchrun and accelerate, gloo on CPU."""
+"""The training command: real gloo processes (spawned in-process, or through torchrun and accelerate)."""
 from __future__ import annotations
 
 import json
@@ -9,8 +9,10 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+import multiproc
 from conftest import ROOT, check, ddptune, metrics
-from ddptune import config, model as model_lib, train
+from ddptune import checks, config, model as model_lib, train
+from ddptune.config import ConfigError
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
 
@@ -19,28 +21,42 @@ def losses(run_dir) -> list[float]:
     return [r["loss"] for r in metrics(run_dir) if "loss" in r]
 
 
+def train_tiny(overrides: list[str], resume: bool = False) -> dict:
+    """One process's part of `ddptune train configs/tiny.yaml OVERRIDES` (run by multiproc.run)."""
+    summary, _ = train.run(config.load(TINY, overrides), resume=resume)
+    return summary
+
+
 def test_cli_two_processes_end_to_end(tmp_path):
     out = tmp_path / "run"
     proc = check(ddptune("train", TINY, f"output_dir={out}", "--nproc", "2"))
 
-    for name in ("config.yaml", "metrics.jsonl", "summary.json", "adapter/adapter_model.safetensors",
+    for name in ("config.yaml", "metrics.jsonl", "ranks.jsonl", "summary.json", "adapter/adapter_model.safetensors",
                  "adapter/adapter_config.json", "adapter/tokenizer.json", "adapter/ddptune.yaml"):
         assert (out / name).is_file(), name
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["global_batch"] == 8
+    assert summary["world_size"] == 2 and summary["global_batch"] == 8 and summary["per_process"] == 4
     assert len(set(summary["replica_fingerprints"])) == 1  # both replicas hold the same weights
-    # only rank 0 prints: one start banner, one final line
+    # only rank 0 prints: one start banner, one final line; the banner says what runs
     assert proc.stdout.count("ddptune: done") == 1 and proc.stdout.count("2 process(es)") == 1
-    assert "4 per device x 2 processes x 1 accumulation = 8" in proc.stdout
+    assert "batch: 8 samples per optimizer step = 4 per process x 2 processes, packed" in proc.stdout
 
     rows = metrics(out)
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 31))
-    for key in ("lr", "tokens", "step_time_s", "tokens_per_s_per_gpu", "grad_norm"):
+    for key in ("lr", "tokens", "step_time_s", "tokens_per_s_per_gpu", "grad_norm", "compute_s", "wait_s", "optimizer_s"):
         assert all(r[key] >= 0 for r in steps), key
     first, last = sum(losses(out)[:3]) / 3, sum(losses(out)[-3:]) / 3
     assert last < first - 0.3, (first, last)
     assert any("val_loss" in r for r in rows)
+    # every process's times and share, side by side; the shares are balanced
+    ranks = [json.loads(l) for l in (out / "ranks.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in ranks] == list(range(1, 31))
+    assert all(len(r["compute_s"]) == len(r["wait_s"]) == len(r["tokens"]) == 2 for r in ranks)
+    assert all(sum(r["tokens"]) == s["tokens"] for r, s in zip(ranks, steps))
+    assert all(max(r["cost"]) / (sum(r["cost"]) / 2) == pytest.approx(s["balance"]) for r, s in zip(ranks, steps))
+    split = summary["time_split"]
+    assert split["step_s"] == pytest.approx(split["compute_s"] + split["imbalance_s"] + split["exposed_comm_s"] + split["rest_s"])
 
     # the adapter loads back with peft onto the same base and changes its output
     from peft import PeftModel
@@ -63,8 +79,8 @@ def test_two_processes_take_the_same_steps_as_one_with_accumulation(tmp_path, pa
     common = ["train.max_steps=4", "train.micro_batch_size=2", "train.lr=1e-2", "lora.dropout=0.0", "train.val_every=2",
               f"train.packing={str(packing).lower()}"]
     one, two = tmp_path / "one", tmp_path / "two"
-    check(ddptune("train", TINY, f"output_dir={one}", "train.grad_accum=2", *common))
-    check(ddptune("train", TINY, f"output_dir={two}", "train.grad_accum=1", *common, "--nproc", "2"))
+    multiproc.run(train_tiny, 1, [f"output_dir={one}", "train.grad_accum=2", *common])
+    multiproc.run(train_tiny, 2, [f"output_dir={two}", "train.grad_accum=1", *common])
 
     rows = [r for r in metrics(one) if "loss" in r]
     # samples of unequal lengths: padded batches compute padding, packed rows none
@@ -79,17 +95,31 @@ def test_two_processes_take_the_same_steps_as_one_with_accumulation(tmp_path, pa
         assert torch.allclose(wa[k], wb[k], atol=1e-5, rtol=0), k
     assert any(wa[k].abs().sum() > 0 for k in wa if "lora_B" in k)
     # validation loss: token-weighted sums reduced over processes, then divided
-    val = lambda run: [r["val_loss"] for r in metrics(run) if "val_loss" in r]
+    val = lambda run: [r["val_loss"] for r in metrics(run) if "val_loss" in r]  # noqa: E731
     assert len(val(one)) == 2 and val(one) == pytest.approx(val(two), abs=1e-5)
     fps = json.loads((two / "summary.json").read_text())["replica_fingerprints"]
     assert len(fps) == 2 and fps[0] == fps[1]
+    # padded shares hold equal sample counts (micro-batches line up); packed ones need not
+    ranks = [json.loads(l) for l in (two / "ranks.jsonl").read_text().splitlines()]
+    assert all(len(r["tokens"]) == 2 for r in ranks)
+
+
+def test_golden_losses_of_the_tiny_preset(tmp_path):
+    """Pinned per-step losses of one process on the tiny preset: a change that alters the maths
+    for 1 and N processes alike (data order, loss normalisation, optimizer) shows up here."""
+    (summary,) = multiproc.run(train_tiny, 1, [f"output_dir={tmp_path / 'run'}", "train.max_steps=4", "data.val=null"])
+    assert losses(tmp_path / "run") == pytest.approx(GOLDEN, abs=1e-4)
+    assert summary["final_loss"] == pytest.approx(GOLDEN[-1], abs=1e-4)
+
+
+GOLDEN = [5.806587219238281, 5.796869277954102, 5.726635456085205, 5.584110736846924]
 
 
 def test_resume_ends_with_the_weights_of_an_unbroken_run(tmp_path):
     # dropout on: the resumed run must also restore every process's RNG to match
     args = ["train.max_steps=6", "train.save_every=3", "train.keep_checkpoints=5", "lora.dropout=0.1", "data.val=null"]
     full = tmp_path / "full"
-    check(ddptune("train", TINY, f"output_dir={full}", *args, "--nproc", "2"))
+    multiproc.run(train_tiny, 2, [f"output_dir={full}", *args])
     assert [p.name for p in sorted((full / "checkpoints").iterdir())] == ["step-000003", "step-000006"]
 
     # the folder of a run that died during step 6, after its step-3 checkpoint and 5 metric lines
@@ -102,23 +132,31 @@ def test_resume_ends_with_the_weights_of_an_unbroken_run(tmp_path):
     # a half-written checkpoint left by the crash is ignored
     (part / "checkpoints" / ".step-000006.tmp-x").mkdir()
 
-    proc = check(ddptune("train", TINY, f"output_dir={part}", *args, "--resume", "--nproc", "2"))
-    assert "resuming after step 3" in proc.stdout
+    multiproc.run(train_tiny, 2, [f"output_dir={part}", *args], True)
     assert [r["step"] for r in metrics(part) if "loss" in r] == [1, 2, 3, 4, 5, 6]
     assert losses(part) == pytest.approx(losses(full), abs=1e-6)
     wa = load_file(full / "adapter" / "adapter_model.safetensors")
     wb = load_file(part / "adapter" / "adapter_model.safetensors")
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
+    # a changed config is refused
+    with pytest.raises(ConfigError, match="train.lr: is 0.5 but the run being resumed used 0.01"):
+        checks.validate(config.load(TINY, [f"output_dir={part}", *args, "train.lr=0.5"]), 2, resume=True)
 
 
-def test_resume_refuses_a_changed_config(tmp_path):
+def validate_under_a_launcher(overrides: list[str]) -> str:
+    try:
+        train.run(config.load(TINY, overrides))
+    except ConfigError as e:
+        return str(e)
+    return "no error"
+
+
+def test_under_an_external_launcher_rank_0_validates_and_every_process_stops(tmp_path):
     out = tmp_path / "run"
-    check(ddptune("train", TINY, f"output_dir={out}", "train.max_steps=2", "train.save_every=2", "data.val=null"))
-    proc = ddptune("train", TINY, f"output_dir={out}", "train.max_steps=2", "train.save_every=2", "data.val=null",
-                   "train.lr=0.5", "--resume")
-    assert proc.returncode == 2
-    assert "train.lr: is 0.5 but the run being resumed used 0.01" in proc.stderr
+    errors = multiproc.run(validate_under_a_launcher, 2, [f"output_dir={out}", "data.train=no/such.json"])
+    assert errors[0] == errors[1] and "data.train: file 'no/such.json' not found" in errors[0]
+    assert not out.exists()
 
 
 def test_lora_weights_change_and_base_weights_stay(tmp_path):
@@ -146,6 +184,7 @@ def test_accelerate_launch_with_the_shipped_config(tmp_path):
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "configs/accelerate/2gpu.yaml"),
+           "--main_process_port", str(multiproc.free_port()),
            "-m", "ddptune", "train", TINY, f"output_dir={out}", "train.max_steps=3", "data.val=null"]
     check(subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600))
     summary = json.loads((out / "summary.json").read_text())
@@ -157,21 +196,20 @@ def test_gradient_checkpointing_works_under_ddp(method, tmp_path):
     """Non-reentrant checkpointing under DDP (reentrant fails with "marked ready twice"); the
     recomputation replays dropout exactly, so the losses equal a run without it. QLoRA runs on
     bitsandbytes' CPU 4-bit kernels here."""
-    args = [f"train.method={method}", "train.max_steps=3", "lora.dropout=0.1", "data.val=null", "--nproc", "2"]
+    args = [f"train.method={method}", "train.max_steps=3", "lora.dropout=0.1", "data.val=null"]
     on, off = tmp_path / "on", tmp_path / "off"
-    check(ddptune("train", TINY, f"output_dir={on}", "train.gradient_checkpointing=true", *args))
-    check(ddptune("train", TINY, f"output_dir={off}", "train.gradient_checkpointing=false", *args))
-    summary = json.loads((on / "summary.json").read_text())
+    (summary, _) = multiproc.run(train_tiny, 2, [f"output_dir={on}", "train.gradient_checkpointing=true", *args])
+    multiproc.run(train_tiny, 2, [f"output_dir={off}", "train.gradient_checkpointing=false", *args])
     assert summary["gradient_checkpointing"] is True and summary["method"] == method
     assert len(set(summary["replica_fingerprints"])) == 1
     assert losses(on) == pytest.approx(losses(off), abs=1e-5)
 
 
 def test_packing_gives_the_padded_losses_without_padding(tmp_path):
-    args = ["train.max_steps=4", "train.micro_batch_size=2", "train.grad_accum=2", "lora.dropout=0.0", "data.val=null", "--nproc", "2"]
+    args = ["train.max_steps=4", "train.micro_batch_size=2", "train.grad_accum=2", "lora.dropout=0.0", "data.val=null"]
     padded, packed = tmp_path / "padded", tmp_path / "packed"
-    check(ddptune("train", TINY, f"output_dir={padded}", "train.packing=false", *args))
-    check(ddptune("train", TINY, f"output_dir={packed}", "train.packing=true", *args))
+    multiproc.run(train_tiny, 2, [f"output_dir={padded}", "train.packing=false", *args])
+    multiproc.run(train_tiny, 2, [f"output_dir={packed}", "train.packing=true", *args])
     assert losses(packed) == pytest.approx(losses(padded), abs=1e-5)
     a = [r for r in metrics(padded) if "loss" in r]
     b = [r for r in metrics(packed) if "loss" in r]
@@ -186,12 +224,18 @@ def test_compiled_layers_give_the_eager_losses_and_still_evaluate(tmp_path):
     """train.compile (regional torch.compile, dynamic lengths, varlen attention inside the graph)
     changes speed, not math; validation and generation afterwards run the layers eagerly."""
     args = ["train.max_steps=3", "train.packing=true", "eval.enabled=true", "eval.zero_shot=false",
-            "eval.max_samples=4", "eval.max_new_tokens=8", "--nproc", "1"]
+            "eval.max_samples=4", "eval.max_new_tokens=8"]
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"
-    check(ddptune("train", TINY, f"output_dir={eager}", "train.compile=false", *args))
-    check(ddptune("train", TINY, f"output_dir={compiled}", "train.compile=true", *args))
-    assert json.loads((compiled / "summary.json").read_text())["compiled"] is True
+    multiproc.run(train_tiny, 1, [f"output_dir={eager}", "train.compile=false", *args])
+    (summary,) = multiproc.run(train_tiny, 1, [f"output_dir={compiled}", "train.compile=true", *args])
+    assert summary["compiled"] is True
     assert losses(compiled) == pytest.approx(losses(eager), abs=1e-5)
     val = [[r["val_loss"] for r in metrics(d) if "val_loss" in r] for d in (eager, compiled)]
     assert val[1] == pytest.approx(val[0], abs=1e-5) and len(val[0]) == 1
     assert (compiled / "eval" / "predictions.jsonl").is_file()
+
+
+def test_profile_window_that_does_not_fit_is_refused(tmp_path):
+    cfg = config.load(TINY, [f"output_dir={tmp_path / 'run'}", "train.max_steps=3", "train.profile_steps=2"])
+    with pytest.raises(ConfigError, match="train.profile_steps: 2 steps after 2 warm-up steps need train.max_steps >= 4"):
+        checks.validate(cfg, 1)
