@@ -22,4 +22,4 @@ demo: setup
 	$(BIN)/ddptune train configs/demo.yaml output_dir=runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15

@@ -1,0 +1,67 @@
+"""Turn the raw 2-GPU results of benchmarks/scaling_x2.sh into benchmarks/results/h200x2_<model>_<mode>.json.
+
+    python benchmarks/scaling_report.py --scale SCALING.json --recipe-1 RECIPE_N1.json --recipe-2 RECIPE_N2.json \
+        --model llama31_8b_qlora --device "2x NVIDIA H200 (NVLink NV18), nvidia-h200-x2" --date 2026-11-29
+
+One file per scaling mode: device, mode, model, steps, and for each process count a row with nproc,
+speedup and efficiency (ddptune's, from `ddptune scale`), with the reference recipe's rows beside it
+(same-per-device only: the recipe keeps its per-device batch, as the tutorial does).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KEEP = ("nproc", "batch", "steps", "samples_measured", "step_s", "median_step_s", "tokens_per_s_per_gpu", "samples_per_s",
+        "speedup", "efficiency", "compute_s", "imbalance_s", "exposed_comm_s", "rest_s", "lost_compute",
+        "lost_imbalance", "lost_comm", "lost_rest", "balance", "peak_mem_gib", "final_loss", "val_loss", "note",
+        "rouge1", "rouge2", "rougeL", "rougeLsum")
+
+
+def recipe_rows(one: dict, two: dict) -> list[dict]:
+    rows = []
+    for r in (one, two):
+        n = r["world_size"]
+        rows.append({"nproc": n, "median_step_s": r["median_step_time_s"], "tokens_per_s_per_gpu": r["real_tok_s_per_gpu"],
+                     "samples_per_step": r["samples_per_step"], "steps": r["steps"],
+                     "warmup_steps_excluded": r["warmup_steps_excluded"], "peak_mem_gib": r["peak_mem_gib"],
+                     "final_loss": r["final_loss"],
+                     "speedup": r["real_tok_s"] / one["real_tok_s"],
+                     "efficiency": r["real_tok_s_per_gpu"] / one["real_tok_s_per_gpu"]})
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--scale", required=True, help="scaling.json written by ddptune scale")
+    p.add_argument("--recipe-1")
+    p.add_argument("--recipe-2")
+    p.add_argument("--model", required=True, help="file name part, e.g. llama31_8b_qlora")
+    p.add_argument("--device", required=True)
+    p.add_argument("--date", required=True)
+    p.add_argument("--note", default=None)
+    args = p.parse_args()
+    scale = json.loads(Path(args.scale).read_text())
+    manifest = scale["manifest"]
+    for mode in scale["modes"]:
+        rows = [{k: r.get(k) for k in KEEP if k in r} for r in scale["rows"] if r["mode"] == mode]
+        out = {"device": args.device, "date": args.date, "mode": mode, "model": args.model, "command": manifest["command"],
+               "sample_window": manifest["sample_window"][mode], "steps": {str(r["nproc"]): r["steps"] for r in rows},
+               "interconnect": scale["interconnect"], "peak_busbw_GBps": scale["bandwidth"].get("peak_busbw_GBps"),
+               "versions": manifest["versions"], "rows": rows,
+               "predicted": [x for x in scale["predictions"]["measured"] if x["mode"] == mode]}
+        if mode == "same-per-device" and args.recipe_1 and args.recipe_2:
+            out["reference_recipe"] = recipe_rows(json.loads(Path(args.recipe_1).read_text()),
+                                                  json.loads(Path(args.recipe_2).read_text()))
+        if args.note:
+            out["note"] = args.note
+        path = ROOT / "benchmarks" / "results" / f"h200x2_{args.model}_{mode}.json"
+        path.write_text(json.dumps(out, indent=2) + "\n")
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

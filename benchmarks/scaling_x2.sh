@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The 2-GPU measurements (device kind nvidia-h200-x2), one part per device call (each part fits the
+# 10-minute limit; together they do not). Run from the repo root on the device machine, after
+#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+#   export PYTHONPATH=/tmp/site:$PWD/src
+# with .devdata/samsum_validation.json (a copy of ../shared/data) and .tok/smollm2 (the SmolLM2 tokenizer).
+#
+#   bash benchmarks/scaling_x2.sh recipe     # the tutorial's Trainer recipe, 8B-shape QLoRA, 1 and 2 GPUs (accelerate launch)
+#   bash benchmarks/scaling_x2.sh qlora-8b   # ddptune scale on the same job, 1 and 2 GPUs, both modes
+#   bash benchmarks/scaling_x2.sh smollm2    # SmolLM2-135M LoRA (real weights at $SMOLLM2), global batch 16, 1 and 2 GPUs,
+#                                            # with validation loss and ROUGE on SAMSum rows 700-817 at each count
+# Each part copies its raw results to $OUT; `python benchmarks/scaling_report.py DIR...` turns them into
+# benchmarks/results/h200x2_*.json.
+set -euo pipefail
+export PYTHONUNBUFFERED=1 DDPTUNE_CACHE=${DDPTUNE_CACHE:-/root/ddpcache}
+DATA=.devdata/samsum_validation.json
+TOK=.tok/smollm2
+STEPS=${STEPS:-20}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+quiet() { tr '\r' '\n' | grep -v -E '^(train|Loading weights|generate)' ; }
+case "$1" in
+recipe)
+  model=$(python3 -c "from ddptune import model; print(model.preset_folder('llama-3.1-8b', 0))")
+  for n in ${RECIPE_COUNTS:-1 2}; do
+    # one process sees one GPU: on a 2-GPU machine the Trainer would otherwise wrap the model in
+    # DataParallel over both GPUs and double the batch
+    launch=(env CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) accelerate launch --num_processes "$n" --mixed_precision bf16)
+    [ "$n" -gt 1 ] && launch+=(--multi_gpu)
+    "${launch[@]}" benchmarks/reference_recipe.py --model-dir "$model" --tokenizer-dir $TOK --data $DATA --rows 700 \
+      --method qlora --max-steps "${RECIPE_STEPS:-15}" --warmup-steps-excluded 5 --out "$OUT/recipe_n$n.json" 2>&1 | quiet | tail -4
+  done
+  ;;
+qlora-8b)
+  python3 -m ddptune scale configs/samsum_qlora_llama31_8b.yaml model.tokenizer=$TOK data.train=$DATA data.val=null \
+    --nproc 1,2 --mode both --steps "$STEPS" --warmup 3 --out /tmp/scale-8b 2>&1 | quiet | grep -v '^ddptune:' | tail -30
+  cp /tmp/scale-8b/scaling.json "$OUT/scale_8b.json"; cp /tmp/scale-8b/scaling.md "$OUT/scale_8b.md"
+  cp /tmp/scale-8b/scaling.png "$OUT/scale_8b.png"
+  ;;
+smollm2)
+  python3 -m ddptune scale configs/demo.yaml model.source="$SMOLLM2" data.train=$DATA data.train_rows=0:700 \
+    data.val=$DATA data.val_rows=700:818 data.max_length=512 train.effective_batch_size=16 train.grad_accum=null \
+    train.lr=5e-4 train.warmup_steps=5 eval.enabled=true eval.zero_shot=false eval.max_samples=null \
+    eval.max_new_tokens=64 eval.batch_size=32 --nproc 1,2 --mode same-global --steps "${SMOLLM2_STEPS:-84}" --warmup 4 \
+    --out /tmp/scale-smollm2 2>&1 | quiet | grep -v '^ddptune:' | tail -30
+  cp /tmp/scale-smollm2/scaling.json "$OUT/scale_smollm2.json"; cp /tmp/scale-smollm2/scaling.md "$OUT/scale_smollm2.md"
+  cp /tmp/scale-smollm2/scaling.png "$OUT/scale_smollm2.png"
+  ;;
+*) echo "usage: $0 recipe|qlora-8b|smollm2" >&2; exit 2 ;;
+esac
