@@ -1,8 +1,10 @@
-"""Atomic checkpoints and exact resume.
+"""Atomic checkpoints and exact resume, in files that hold data only.
 
 A checkpoint is a folder `checkpoints/step-NNNNNN/` holding the trained weights (adapters only for
-LoRA), the optimizer and scheduler states, every process's RNG states and the step reached. It is
-written under a temporary name and renamed when complete, so a crash never leaves a half-written
+LoRA), the optimizer and scheduler states, every process's RNG states and the step reached: tensors
+in safetensors files, everything else in JSON. Nothing read back is unpickled, so a crafted
+checkpoint cannot run code (`torch.load`'s pickle could). The folder is written under a temporary
+name, each file fsynced, and renamed when complete, so a crash never leaves a half-written
 checkpoint that `--resume` would pick up. Only the caller decides which process writes.
 """
 from __future__ import annotations
@@ -16,8 +18,61 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 PREFIX = "step-"
+
+
+# ---------------------------------------------------------------------------------------------
+# Nested state (dicts, lists, numbers, tensors) as a JSON skeleton plus a flat dict of tensors.
+
+
+def split_tensors(obj, prefix: str, tensors: dict):
+    """`obj` with every tensor replaced by {"tensor": key}; the tensors go to `tensors[key]`.
+    Dicts keep keys of any JSON type ({"dict": [[key, value], ...]}) and tuples stay tuples."""
+    if torch.is_tensor(obj):
+        tensors[prefix] = obj.detach().cpu().contiguous()
+        return {"tensor": prefix}
+    if isinstance(obj, dict):
+        return {"dict": [[k, split_tensors(v, f"{prefix}.{k}", tensors)] for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        items = [split_tensors(v, f"{prefix}.{i}", tensors) for i, v in enumerate(obj)]
+        return {"tuple": items} if isinstance(obj, tuple) else {"list": items}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"cannot store {type(obj).__name__} at {prefix} in a checkpoint")
+
+
+def join_tensors(skeleton, tensors: dict):
+    """The inverse of split_tensors."""
+    if isinstance(skeleton, dict):
+        if "tensor" in skeleton:
+            return tensors[skeleton["tensor"]]
+        if "dict" in skeleton:
+            return {k: join_tensors(v, tensors) for k, v in skeleton["dict"]}
+        if "list" in skeleton:
+            return [join_tensors(v, tensors) for v in skeleton["list"]]
+        if "tuple" in skeleton:
+            return tuple(join_tensors(v, tensors) for v in skeleton["tuple"])
+        raise ValueError(f"unknown entry {sorted(skeleton)}")
+    return skeleton
+
+
+def _write_json(path: Path, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_tensors(path: Path, tensors: dict) -> None:
+    save_file(tensors, str(path))
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+# ---------------------------------------------------------------------------------------------
+# RNG
 
 
 def rng_state() -> dict:
@@ -28,11 +83,22 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def _numpy_state_as_json(state: dict) -> dict:
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    return dict(state, numpy=[name, keys.tolist(), int(pos), int(has_gauss), float(cached)])
+
+
+# ---------------------------------------------------------------------------------------------
+# Folders
 
 
 def atomic_dir(final: Path):
@@ -50,23 +116,33 @@ def commit(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
+    fd = os.open(final.parent, os.O_RDONLY)  # the rename itself survives a power cut
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save(folder: Path, step: int, weights: dict, optimizer, scheduler, rng_states: list[dict], extra: dict) -> Path:
     """Write checkpoint `step` atomically under `folder`; return its path."""
     final = folder / f"{PREFIX}{step:06d}"
     tmp = atomic_dir(final)
-    torch.save({k: v.cpu() for k, v in weights.items()}, tmp / "weights.pt")
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    torch.save(rng_states, tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step, **extra}, indent=2))
+    _write_tensors(tmp / "weights.safetensors", {k: v.detach().cpu().contiguous() for k, v in weights.items()})
+    tensors: dict = {}
+    _write_json(tmp / "optimizer.json", split_tensors(optimizer.state_dict(), "optimizer", tensors))
+    _write_tensors(tmp / "optimizer.safetensors", tensors)
+    _write_json(tmp / "scheduler.json", split_tensors(scheduler.state_dict(), "scheduler", {}))
+    tensors = {}
+    _write_json(tmp / "rng.json", split_tensors([_numpy_state_as_json(s) for s in rng_states], "rng", tensors))
+    _write_tensors(tmp / "rng.safetensors", tensors)
+    _write_json(tmp / "state.json", {"step": step, **extra})
     commit(tmp, final)
     return final
 
 
 def prune(folder: Path, keep: int) -> None:
-    for old in list_checkpoints(folder)[:-keep]:
+    """Keep the newest `keep` checkpoints; remove the rest and any temporary folder a crash left."""
+    for old in list_checkpoints(folder)[:-keep] + sorted(folder.glob(f".{PREFIX}*.tmp-*")):
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -78,17 +154,28 @@ def list_checkpoints(folder: Path) -> list[Path]:
 
 
 def load(path: Path, model, optimizer, scheduler, process_index: int) -> dict:
-    """Restore weights, optimizer, scheduler and this process's RNG; return state.json."""
-    weights = torch.load(path / "weights.pt", map_location="cpu")
+    """Restore weights, optimizer, scheduler and this process's RNG; return state.json.
+    Raises ValueError naming the checkpoint when a file is missing or not what it should be."""
+    try:
+        weights = load_file(str(path / "weights.safetensors"))
+        optimizer_state = join_tensors(json.loads((path / "optimizer.json").read_text()),
+                                       load_file(str(path / "optimizer.safetensors")))
+        scheduler_state = join_tensors(json.loads((path / "scheduler.json").read_text()), {})
+        rngs = join_tensors(json.loads((path / "rng.json").read_text()), load_file(str(path / "rng.safetensors")))
+        state = json.loads((path / "state.json").read_text())
+    except Exception as e:  # noqa: BLE001 - missing, truncated or foreign files (safetensors has its own error type)
+        reason = (str(e).splitlines() or [""])[0][:200]
+        raise ValueError(f"checkpoint {path} cannot be read ({type(e).__name__}: {reason})") from None
+    if not 0 <= process_index < len(rngs):
+        raise ValueError(f"checkpoint {path} was written by {len(rngs)} processes; resume with --nproc {len(rngs)}")
     params = dict(model.named_parameters())
     missing = [k for k in weights if k not in params]
     if missing:
-        raise RuntimeError(f"checkpoint {path} has weights the model lacks, e.g. {missing[0]}: was the config changed?")
+        raise ValueError(f"checkpoint {path} has weights the model lacks, e.g. {missing[0]}: was the config changed?")
     with torch.no_grad():
         for k, v in weights.items():
             params[k].copy_(v)
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False))
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-    rngs = torch.load(path / "rng.pt", weights_only=False)
+    optimizer.load_state_dict(optimizer_state)
+    scheduler.load_state_dict(scheduler_state)
     set_rng_state(rngs[process_index])
-    return json.loads((path / "state.json").read_text())
+    return state

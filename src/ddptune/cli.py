@@ -97,5 +97,10 @@ def _train(args) -> int:
         return dist.torchrun(args.nproc, ["ddptune", *child])
     from ddptune import train
 
-    train.run(cfg, resume=args.resume)  # under a launcher (or alone): rank 0 validates first
+    try:
+        train.run(cfg, resume=args.resume)  # under a launcher (or alone): rank 0 validates first
+    except train.NonFinite as e:
+        if dist.is_main_process():
+            print(f"ddptune: {e}", file=sys.stderr)
+        return 1
     return 0

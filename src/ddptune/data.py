@@ -142,21 +142,26 @@ def tokenize(rows: list[dict], tokenizer, d: DataConfig) -> list[dict]:
 
 
 def tokenize_cached(rows: list[dict], tokenizer, d: DataConfig, cache_dir: str | os.PathLike, tok_id: str) -> list[dict]:
-    """Tokenize once and keep the result in `cache_dir`; later callers (other processes) read it.
-
-    The caller makes one process go first; the file is written atomically.
-    """
+    """Tokenize once and keep the result in `cache_dir` as JSON (data only: nothing is unpickled);
+    later callers (other processes) read it. The caller makes one process go first; the file is
+    written atomically, and one that cannot be read is made again."""
     key = hashlib.sha256(
         json.dumps([rows, d.instruction, d.max_length, tok_id], sort_keys=True).encode()
     ).hexdigest()[:20]
-    path = Path(cache_dir) / f"tokenized-{key}.pt"
+    path = Path(cache_dir) / f"tokenized-{key}.json"
     if path.exists():
-        return torch.load(path)
+        try:
+            cached = json.loads(path.read_text())
+            if isinstance(cached, list) and all(isinstance(e, dict) and set(e) == {"input_ids", "labels", "prompt_len"}
+                                                for e in cached):
+                return cached
+        except (ValueError, UnicodeDecodeError):
+            pass
     out = tokenize(rows, tokenizer, d)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    os.close(fd)
-    torch.save(out, tmp)
+    with os.fdopen(fd, "w") as f:
+        json.dump(out, f)
     os.replace(tmp, path)
     return out
 

@@ -34,6 +34,10 @@ from ddptune import checkpoint, checks, config as config_lib, data, dist, evalua
 from ddptune.config import BatchPlan, Config, ConfigError
 
 
+class NonFinite(RuntimeError):
+    """The loss or gradient norm of a step is not a finite number: training stops."""
+
+
 GC_EVERY = 50  # optimizer steps between collections of Python's young generations (every process at once)
 
 
@@ -116,18 +120,30 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     clock = dist.StepClock(accelerator.device)
     dist.time_gradient_sync(ddp_model, clock)
 
-    start = 0
-    if resume:
-        last = checkpoint.list_checkpoints(out / "checkpoints")[-1]
-        state = checkpoint.load(last, model, optimizer, scheduler, accelerator.process_index)
-        if state["world_size"] != world:
-            raise ConfigError([f"--resume: {last} was written by {state['world_size']} processes; resume with --nproc {state['world_size']}"])
-        start = state["step"]
+    start = resume_from(out, model, optimizer, scheduler, accelerator) if resume else 0
     costs = [flops.sample(len(e["input_ids"]), data.target_tokens([e])) for e in train_set]
     r = Run(cfg, plan, accelerator, out, tokenizer, train_set, val_set, model, loss_model, ddp_model, optimizer,
             scheduler, clock, flops, costs, start, total_steps, checkpointing, compiled, time.perf_counter() - t0)
     announce(r)
     return r
+
+
+def resume_from(out: Path, model, optimizer, scheduler, accelerator: Accelerator) -> int:
+    """Restore the newest checkpoint that reads back whole (an older one, with a warning, when the
+    newest is damaged); return its step."""
+    problems = []
+    for path in reversed(checkpoint.list_checkpoints(out / "checkpoints")):
+        try:
+            state = checkpoint.load(path, model, optimizer, scheduler, accelerator.process_index)
+        except ValueError as e:
+            problems.append(str(e))
+            accelerator.print(f"ddptune: warning: {e}; trying the one before")
+            continue
+        if state["world_size"] != accelerator.num_processes:
+            raise ConfigError([f"--resume: {path} was written by {state['world_size']} processes; "
+                               f"resume with --nproc {state['world_size']}"])
+        return state["step"]
+    raise ConfigError([f"--resume: no checkpoint in {out / 'checkpoints'} can be read back"] + problems)
 
 
 def load_data(cfg: Config, tokenizer, accelerator: Accelerator) -> tuple[list[dict], list[dict]]:
@@ -204,6 +220,11 @@ def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
 
     def record(p) -> None:  # read a finished step's figures (waits for it) and log them
         row, mine = read_step(r, p, peak)
+        if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
+            saved = checkpoint.list_checkpoints(r.out / "checkpoints")
+            raise NonFinite(f"step {row['step']}: loss {row['loss']}, gradient norm {row['grad_norm']}: stopping before "
+                            f"anything non-finite is saved; newest checkpoint: {saved[-1] if saved else 'none'} "
+                            "(lower train.lr or train.max_grad_norm, or look at the data)")
         history.append(row)
         times.append(mine)
         if log:

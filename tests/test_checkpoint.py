@@ -1,0 +1,94 @@
+"""Checkpoints hold data only: a planted pickle never runs; a damaged newest checkpoint falls back;
+a step that is not finite stops the run before anything non-finite is saved."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, metrics
+from ddptune import checkpoint, config, data, model as model_lib, train
+from ddptune.config import ConfigError
+
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+class Payload:
+    """Unpickling this creates the file `path`: proof that a loader ran code from disk."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
+
+
+def test_planted_pickles_never_run(tmp_path):
+    out = tmp_path / "run"
+    train.run(config.load(TINY, [f"output_dir={out}", "train.max_steps=2", "train.save_every=2", "data.val=null"]))
+    ckpt = out / "checkpoints" / "step-000002"
+    files = sorted(p.name for p in ckpt.iterdir())
+    assert files == ["optimizer.json", "optimizer.safetensors", "rng.json", "rng.safetensors", "scheduler.json",
+                     "state.json", "weights.safetensors"]
+    marker = tmp_path / "pwned"
+    m = model_lib.add_adapters(model_lib.build_preset("tiny", 0, torch.float32, torch.device("cpu"), "varlen"), "lora",
+                               config.LoraConfig(r=8, alpha=16, dropout=0.0), False)
+    opt, sched = train.build_optimizer(config.load(TINY), m, 2)
+    for name in files:  # each file in turn replaced by a pickle that would create `marker`
+        bad = tmp_path / "bad"
+        shutil.rmtree(bad, ignore_errors=True)
+        shutil.copytree(ckpt, bad)
+        (bad / name).write_bytes(pickle.dumps(Payload(marker)))
+        with pytest.raises(ValueError, match="cannot be read"):
+            checkpoint.load(bad, m, opt, sched, 0)
+        assert not marker.exists(), name
+    # the tokenized-data cache: a planted pickle is not read, the cache is made again
+    (cache,) = (out / "cache").iterdir()
+    assert cache.suffix == ".json"
+    cache.write_bytes(pickle.dumps(Payload(marker)))
+    cfg = config.load(TINY)
+    rows = data.load_split(cfg.data.train, cfg.data.train_rows, cfg.data)
+    tok = model_lib.load_tokenizer(cfg.model)
+    again = data.tokenize_cached(rows, tok, cfg.data, out / "cache", model_lib.fingerprint(tok))
+    assert not marker.exists() and len(again) == len(rows) and json.loads(cache.read_text()) == again
+
+
+def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path):
+    args = ["train.max_steps=4", "train.save_every=2", "train.keep_checkpoints=3", "lora.dropout=0.0", "data.val=null"]
+    full = tmp_path / "full"
+    train.run(config.load(TINY, [f"output_dir={full}", *args]))
+    part = tmp_path / "part"
+    shutil.copytree(full, part, ignore=shutil.ignore_patterns("adapter", "summary.json", "ranks.jsonl"))
+    (part / "config.yaml").write_text((full / "config.yaml").read_text().replace(str(full), str(part)))
+    shutil.rmtree(part / "checkpoints" / "step-000004")
+    newest = part / "checkpoints" / "step-000003"  # a torn copy of step 2 posing as the newest
+    shutil.copytree(part / "checkpoints" / "step-000002", newest)
+    (newest / "optimizer.safetensors").write_bytes(b"\0" * 10)
+    (newest / "state.json").write_text(json.dumps({"step": 3, "world_size": 1}))
+    (part / "checkpoints" / ".step-000004.tmp-abc").mkdir()  # what a kill during a save leaves
+    summary, _ = train.run(config.load(TINY, [f"output_dir={part}", *args]), resume=True)
+    losses = lambda d: [r["loss"] for r in metrics(d) if "loss" in r]  # noqa: E731
+    assert losses(part) == pytest.approx(losses(full), abs=1e-6)  # resumed after step 2, not 3
+    assert not (part / "checkpoints" / ".step-000004.tmp-abc").exists()  # the next save cleared it
+    a, b = load_file(full / "adapter" / "adapter_model.safetensors"), load_file(part / "adapter" / "adapter_model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    for p in (part / "checkpoints").iterdir():
+        shutil.rmtree(p)
+    (part / "checkpoints" / "step-000002").mkdir()
+    (part / "checkpoints" / "step-000002" / "state.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="no checkpoint in .* can be read back"):
+        train.run(config.load(TINY, [f"output_dir={part}", *args]), resume=True)
+
+
+def test_a_step_that_is_not_finite_stops_the_run_before_saving(tmp_path):
+    out = tmp_path / "run"
+    cfg = config.load(TINY, [f"output_dir={out}", "train.max_steps=8", "train.lr=1e30", "train.max_grad_norm=0",
+                             "train.warmup_steps=0", "train.lr_schedule=constant", "data.val=null"])
+    with pytest.raises(train.NonFinite, match=r"step \d+: loss .* stopping before anything non-finite is saved"):
+        train.run(cfg)
+    assert not (out / "adapter").exists() and not (out / "summary.json").exists()
