@@ -77,6 +77,7 @@ def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path):
     assert not (part / "checkpoints" / ".step-000004.tmp-abc").exists()  # the next save cleared it
     a, b = load_file(full / "adapter" / "adapter_model.safetensors"), load_file(part / "adapter" / "adapter_model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
+    (part / "summary.json").unlink()  # as if it had died again, now with nothing readable to go back to
     for p in (part / "checkpoints").iterdir():
         shutil.rmtree(p)
     (part / "checkpoints" / "step-000002").mkdir()
@@ -92,3 +93,15 @@ def test_a_step_that_is_not_finite_stops_the_run_before_saving(tmp_path):
     with pytest.raises(train.NonFinite, match=r"step \d+: loss .* stopping before anything non-finite is saved"):
         train.run(cfg)
     assert not (out / "adapter").exists() and not (out / "summary.json").exists()
+
+
+def test_a_finished_run_is_not_resumed_over(tmp_path):
+    from ddptune import checks
+
+    out = tmp_path / "run"
+    args = [f"output_dir={out}", "train.max_steps=2", "train.save_every=2", "data.val=null"]
+    train.run(config.load(TINY, args))
+    before = (out / "summary.json").read_text()
+    with pytest.raises(ConfigError, match="is complete .* nothing to resume"):
+        checks.validate(config.load(TINY, args), 1, resume=True)
+    assert (out / "summary.json").read_text() == before

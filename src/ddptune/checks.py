@@ -58,6 +58,9 @@ def output_problems(cfg: Config, resume: bool) -> list[str]:
         if out.exists() and any(out.iterdir()):
             return [f"output_dir: {out} already holds files (choose a new output_dir, or pass --resume to continue that run)"]
         return []
+    if (out / "summary.json").is_file():
+        return [f"output_dir: the run in {out} is complete (it wrote summary.json): nothing to resume "
+                "(raise train.max_steps into a new output_dir to train on)"]
     if not (out / "checkpoints").is_dir():
         return [f"output_dir: --resume found no checkpoints in {out} (train with train.save_every > 0 first)"]
     if not (out / "config.yaml").exists():
