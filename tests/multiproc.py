@@ -18,12 +18,21 @@ def free_port() -> int:
 
 
 def _worker(fn, rank: int, world: int, port: int, args: tuple, results) -> None:
+    import torch
+
+    torch.set_num_threads(threads(world))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     try:
         results.put((rank, None, fn(*args)))
     except BaseException as e:  # noqa: BLE001 - reported to the test
         results.put((rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}", None))
+
+
+def threads(nproc: int) -> int:
+    """BLAS threads per process: the cores shared out, or N processes fight over them (spinning
+    OpenMP threads slowed 2-process steps here from 0.05 s to 4 s)."""
+    return max(1, (os.cpu_count() or 1) // nproc)
 
 
 def run(fn, nproc: int, *args, timeout: float = 600) -> list:
@@ -32,8 +41,16 @@ def run(fn, nproc: int, *args, timeout: float = 600) -> list:
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(fn, rank, nproc, port, args, results)) for rank in range(nproc)]
-    for p in procs:
-        p.start()
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads(nproc))  # read by the children's torch as they import it
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
     out, errors = {}, {}
     try:
         for _ in procs:

@@ -132,6 +132,10 @@ def test_resume_ends_with_the_weights_of_an_unbroken_run(tmp_path):
     # a half-written checkpoint left by the crash is ignored
     (part / "checkpoints" / ".step-000006.tmp-x").mkdir()
 
+    # a changed config is refused
+    with pytest.raises(ConfigError, match="train.lr: is 0.5 but the run being resumed used 0.01"):
+        checks.validate(config.load(TINY, [f"output_dir={part}", *args, "train.lr=0.5"]), 2, resume=True)
+
     multiproc.run(train_tiny, 2, [f"output_dir={part}", *args], True)
     assert [r["step"] for r in metrics(part) if "loss" in r] == [1, 2, 3, 4, 5, 6]
     assert losses(part) == pytest.approx(losses(full), abs=1e-6)
@@ -139,9 +143,6 @@ def test_resume_ends_with_the_weights_of_an_unbroken_run(tmp_path):
     wb = load_file(part / "adapter" / "adapter_model.safetensors")
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
-    # a changed config is refused
-    with pytest.raises(ConfigError, match="train.lr: is 0.5 but the run being resumed used 0.01"):
-        checks.validate(config.load(TINY, [f"output_dir={part}", *args, "train.lr=0.5"]), 2, resume=True)
 
 
 def validate_under_a_launcher(overrides: list[str]) -> str:
