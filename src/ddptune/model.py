@@ -183,6 +183,8 @@ def _varlen_mask(*args, attention_mask=None, **kwargs):
 
 
 _flash_varlen = _make_flash_varlen()
+
+
 def register_attention() -> None:
     """Make `attn_implementation="varlen"` known to transformers (idempotent)."""
     AttentionInterface.register("varlen", varlen_attention)

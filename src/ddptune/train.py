@@ -59,6 +59,7 @@ class Run:
     clock: dist.StepClock
     flops: metrics.FlopModel
     costs: list[float]    # model FLOPs of each training example: what the processes' shares balance
+    targets: list[int]    # summary tokens of each training example
     start: int            # optimizer steps already done (resume)
     total_steps: int
     checkpointing: bool
@@ -69,9 +70,10 @@ class Run:
 @dataclass
 class Share:
     """Who computes what in one optimizer step (the same answer on every process)."""
-    ranks: list[list[int]]   # example indices of each process
+    forwards: list[list[list[dict]]]  # each process's examples, grouped per forward pass
     targets: int             # summary tokens of the whole global batch: every loss divides by it
     tokens: list[int]        # real tokens of each process
+    computed: int            # tokens computed by all processes (real tokens plus padding)
     cost: list[float]        # model FLOPs of each process
 
 
@@ -121,9 +123,10 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     dist.time_gradient_sync(ddp_model, clock)
 
     start = resume_from(out, model, optimizer, scheduler, accelerator) if resume else 0
-    costs = [flops.sample(len(e["input_ids"]), data.target_tokens([e])) for e in train_set]
+    targets = [data.target_tokens([e]) for e in train_set]
+    costs = [flops.sample(len(e["input_ids"]), t) for e, t in zip(train_set, targets)]
     r = Run(cfg, plan, accelerator, out, tokenizer, train_set, val_set, model, loss_model, ddp_model, optimizer,
-            scheduler, clock, flops, costs, start, total_steps, checkpointing, compiled, time.perf_counter() - t0)
+            scheduler, clock, flops, costs, targets, start, total_steps, checkpointing, compiled, time.perf_counter() - t0)
     announce(r)
     return r
 
@@ -279,7 +282,7 @@ def train_step(r: Run, step: int) -> dict:
     """
     acc, world = r.accelerator, r.accelerator.num_processes
     share = split_step(r, step)
-    forwards = layout(r.cfg, [r.train_set[i] for i in share.ranks[acc.process_index]])
+    forwards = share.forwards[acc.process_index]
     r.clock.start()
     loss_sum = torch.zeros((), device=acc.device)
     for k, group in enumerate(forwards):
@@ -305,15 +308,11 @@ def read_step(r: Run, p: dict, peak: float | None) -> tuple[dict, tuple[dict, di
     """metrics.jsonl's row for a launched step (waits until the device has finished it)."""
     share, world = p["share"], r.accelerator.num_processes
     times = r.clock.read(p["marks"])
-    examples = [r.train_set[i] for rank in share.ranks for i in rank]
-    groups = [layout(r.cfg, [r.train_set[i] for i in rank]) for rank in share.ranks]
-    computed = sum(len(g) * max(len(e["input_ids"]) for e in g) if not r.cfg.train.packing
-                   else sum(len(e["input_ids"]) for e in g) for rank in groups for g in rank)
     mean_cost = sum(share.cost) / world
     row = metrics.step_row(
-        p["step"] + 1, p["loss"].item(), p["lr"], p["grad_norm"].item(), len(examples), sum(share.tokens), share.targets,
-        computed, max(len(g) for g in groups), sum(share.cost), times, max(share.cost) / mean_cost if mean_cost else 1.0,
-        world, peak, metrics.peak_memory_gib(r.accelerator.device))
+        p["step"] + 1, p["loss"].item(), p["lr"], p["grad_norm"].item(), r.plan.global_batch, sum(share.tokens),
+        share.targets, share.computed, max(len(f) for f in share.forwards), sum(share.cost), times,
+        max(share.cost) / mean_cost if mean_cost else 1.0, world, peak, metrics.peak_memory_gib(r.accelerator.device))
     return row, (times, {"tokens": share.tokens, "cost": share.cost})
 
 
@@ -324,9 +323,11 @@ def split_step(r: Run, step: int) -> Share:
     idx = data.step_samples(len(r.train_set), r.plan.global_batch, step, r.cfg.train.seed)
     groups = data.balance([r.costs[i] for i in idx], world, equal_sizes=not r.cfg.train.packing)
     ranks = [[idx[j] for j in g] for g in groups]
-    return Share(ranks, data.target_tokens([r.train_set[i] for i in idx]),
-                 [sum(len(r.train_set[i]["input_ids"]) for i in rank) for rank in ranks],
-                 [sum(r.costs[i] for i in rank) for rank in ranks])
+    forwards = [layout(r.cfg, [r.train_set[i] for i in rank]) for rank in ranks]
+    longest = lambda group: max(len(e["input_ids"]) for e in group)  # noqa: E731
+    tokens = [sum(len(r.train_set[i]["input_ids"]) for i in rank) for rank in ranks]
+    computed = sum(tokens) if r.cfg.train.packing else sum(len(g) * longest(g) for rank in forwards for g in rank)
+    return Share(forwards, sum(r.targets[i] for i in idx), tokens, computed, [sum(r.costs[i] for i in rank) for rank in ranks])
 
 
 def layout(cfg: Config, examples: list[dict]) -> list[list[dict]]:
