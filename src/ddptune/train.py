@@ -385,15 +385,17 @@ def validation_loss(loss_model, examples: list[dict], micro: int, pad_id: int, a
     was_training = loss_model.training
     loss_model.eval()
     mine = examples[accelerator.process_index::accelerator.num_processes]
-    sums = torch.zeros(2, dtype=torch.float64)
+    loss_total = torch.zeros((), dtype=torch.float64, device=accelerator.device)  # summed on the device: no sync a batch
+    targets = 0  # counted on the host
     for i in range(0, len(mine), micro):
         chunk = mine[i:i + micro]
         batch = to_device(data.collate(chunk, pad_id), accelerator.device)
         with accelerator.autocast():
-            loss_sum = loss_model(**batch, num_items=1)
-        sums += torch.tensor([loss_sum.item(), data.target_tokens(chunk)], dtype=torch.float64)
+            loss_total += loss_model(**batch, num_items=1).double()
+        targets += data.target_tokens(chunk)
     loss_model.train(was_training)
-    sums = accelerator.reduce(sums.to(accelerator.device), "sum")
+    sums = torch.stack([loss_total, torch.tensor(float(targets), dtype=torch.float64, device=accelerator.device)])
+    sums = accelerator.reduce(sums, "sum")
     return (sums[0] / sums[1]).item()
 
 
@@ -433,6 +435,7 @@ def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
     if not acc.is_main_process:
         acc.wait_for_everyone()
         return {}, r.model
+    trainable, total = model_lib.count_params(r.model)
     ranks = metrics.rank_rows(r.start, per_rank, [s for _, s in times])
     (out / "ranks.jsonl").write_text("".join(json.dumps(row) + "\n" for row in ranks))
     warm = min(metrics.WARMUP_STEPS, max(len(history) - 1, 0))
@@ -445,7 +448,7 @@ def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
         "peak_mem_gib": max(peaks) if None not in peaks else None, "peak_mem_gib_per_process": peaks,
         "train_rows": len(r.train_set), "steps_per_epoch": len(r.train_set) / r.plan.global_batch,
         "method": cfg.train.method, "gradient_checkpointing": r.checkpointing, "compiled": r.compiled,
-        "trainable_params": model_lib.count_params(r.model)[0], "total_params": model_lib.count_params(r.model)[1],
+        "trainable_params": trainable, "total_params": total,
         "output": str(final), "replica_fingerprints": fingerprints,
     }
     if scores:
