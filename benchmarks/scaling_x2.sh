@@ -17,6 +17,7 @@ DATA=.devdata/samsum_validation.json
 TOK=.tok/smollm2
 STEPS=${STEPS:-20}
 OUT=${OUT:-/tmp/out}
+EXTRA=${EXTRA:-}   # more config overrides for the ddptune parts, e.g. EXTRA=train.cuda_graphs=true
 mkdir -p "$OUT"
 quiet() { tr '\r' '\n' | grep -v -E '^(train|Loading weights|generate)' ; }
 case "$1" in
@@ -32,8 +33,8 @@ recipe)
   done
   ;;
 qlora-8b)
-  python3 -m ddptune scale configs/samsum_qlora_llama31_8b.yaml model.tokenizer=$TOK data.train=$DATA data.val=null \
-    --nproc 1,2 --mode both --steps "$STEPS" --warmup 3 --out /tmp/scale-8b 2>&1 | quiet | grep -v '^ddptune:' | tail -30
+  python3 -m ddptune scale configs/samsum_qlora_llama31_8b.yaml model.tokenizer=$TOK data.train=$DATA data.val=null $EXTRA \
+    --nproc 1,2 --mode ${MODE:-both} --steps "$STEPS" --warmup 3 --out /tmp/scale-8b 2>&1 | quiet | grep -v '^ddptune:' | tail -30
   cp /tmp/scale-8b/scaling.json "$OUT/scale_8b.json"; cp /tmp/scale-8b/scaling.md "$OUT/scale_8b.md"
   cp /tmp/scale-8b/scaling.png "$OUT/scale_8b.png"
   ;;
@@ -41,7 +42,7 @@ smollm2)
   python3 -m ddptune scale configs/demo.yaml model.source="$SMOLLM2" data.train=$DATA data.train_rows=0:700 \
     data.val=$DATA data.val_rows=700:818 data.max_length=512 train.effective_batch_size=16 train.grad_accum=null \
     train.lr=5e-4 train.warmup_steps=5 eval.enabled=true eval.zero_shot=false eval.max_samples=null \
-    eval.max_new_tokens=64 eval.batch_size=32 --nproc 1,2 --mode same-global --steps "${SMOLLM2_STEPS:-84}" --warmup 4 \
+    eval.max_new_tokens=64 eval.batch_size=32 $EXTRA --nproc 1,2 --mode same-global --steps "${SMOLLM2_STEPS:-84}" --warmup 4 \
     --out /tmp/scale-smollm2 2>&1 | quiet | grep -v '^ddptune:' | tail -30
   cp /tmp/scale-smollm2/scaling.json "$OUT/scale_smollm2.json"; cp /tmp/scale-smollm2/scaling.md "$OUT/scale_smollm2.md"
   cp /tmp/scale-smollm2/scaling.png "$OUT/scale_smollm2.png"

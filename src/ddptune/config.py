@@ -132,6 +132,12 @@ class TrainConfig:
     """Compile each decoder layer with torch.compile (one graph shared by all layers, dynamic
     lengths): far fewer kernel launches and fused element-wise work, same math. Costs one to two
     minutes of compiling in the first step. auto: on CUDA, off on CPU (slow to compile there)."""
+    cuda_graphs: bool = False
+    """With packing and compiled layers on a GPU: replay each decoder layer's kernels as a CUDA
+    graph (torch.compile's reduce-overhead mode), one launch per layer instead of dozens, for steps
+    whose time goes to the host issuing kernels (small models, small shares). Each packed row is
+    padded to a multiple of 256 tokens (the pad is a sample of its own, outside the loss) so a few
+    shapes repeat; the recorded graphs keep their own GPU memory."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """auto: bf16 compute on GPU, fp32 on CPU."""
     seed: int = 0
@@ -262,12 +268,20 @@ def apply_override(data: dict, override: str) -> str | None:
         return f"{override}: overrides are written key=value, e.g. train.lr=1e-4"
     key, raw = override.split("=", 1)
     parts = key.strip().split(".")
+    if not all(parts):
+        return f"{override}: {key!r} is not a key (write section.key=value, e.g. train.lr=1e-4)"
+    try:
+        value = yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError:
+        return f"{key}: {raw!r} is not a YAML value (quote it, e.g. {key}='{raw}')"
     node = data
     for p in parts[:-1]:
-        node = node.setdefault(p, {})
+        if node.get(p) is None:  # a missing section, or one left empty in the YAML
+            node[p] = {}
+        node = node[p]
         if not isinstance(node, dict):
             return f"{key}: {p} is not a section"
-    node[parts[-1]] = yaml.safe_load(raw) if raw != "" else None
+    node[parts[-1]] = value
     return None
 
 
@@ -281,16 +295,48 @@ def from_dict(data: dict, overrides: list[str] = ()) -> Config:
     return cfg
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (PyYAML keeps the last one silently:
+    a second `train:` section would drop every key of the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{key!r} appears twice (lines {seen[key]} and {key_node.start_mark.line + 1}; "
+                    "merge them into one)", key_node.start_mark)
+            if isinstance(key, typing.Hashable):
+                seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(path: Path, what: str = "config") -> dict:
+    """The mapping a YAML file holds; ConfigError (one line, naming `what`) for anything else."""
+    try:
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader)
+    except yaml.constructor.ConstructorError as e:
+        raise ConfigError([f"{what}: {path}: {e.problem}"]) from None
+    except yaml.YAMLError as e:
+        raise ConfigError([f"{what}: {path} is not valid YAML ({' '.join(str(e).split())})"]) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError([f"{what}: {path} cannot be read ({type(e).__name__}: {e})"]) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"{what}: {path} holds a YAML {type(data).__name__}, not a mapping of sections "
+                           "(write `section:` lines, e.g. `train:` then `  lr: 2e-4`)"])
+    return data
+
+
 def load(path: str | os.PathLike, overrides: list[str] = ()) -> Config:
     """Read a YAML config file and apply overrides."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError([f"config: file {str(p)!r} not found (give the path of a YAML file, e.g. configs/tiny.yaml)"])
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError([f"config: {p} is not valid YAML ({str(e).splitlines()[0]})"]) from None
-    return from_dict(data, overrides)
+        what = "is a folder" if p.is_dir() else "not found"
+        raise ConfigError([f"config: {str(p)!r} {what} (give the path of a YAML file, e.g. configs/tiny.yaml)"])
+    return from_dict(read_yaml(p), overrides)
 
 
 def to_dict(cfg: Config) -> dict:
@@ -356,8 +402,13 @@ def check_values(cfg: Config) -> list[str]:
             problems.append(f"train.{name}: must be 0 or more")
     if t.keep_checkpoints < 1:
         problems.append("train.keep_checkpoints: must be at least 1")
+    if not 0 <= t.seed < 2**32:
+        problems.append(f"train.seed: {t.seed} is outside 0..{2**32 - 1} (numpy and torch seeds are 32-bit)")
     if t.packing and t.tokens_per_forward < d.max_length:
         problems.append(f"train.tokens_per_forward: {t.tokens_per_forward} is shorter than data.max_length {d.max_length} (raise it)")
+    if t.cuda_graphs and (not t.packing or t.compile is False):
+        problems.append("train.cuda_graphs: needs train.packing=true and train.compile not false (graphs replay "
+                        "the compiled layers at a few padded lengths), or set train.cuda_graphs=false")
     if t.packing and cfg.model.attn_implementation not in PACKED_ATTENTION:
         problems.append(f"train.packing: needs model.attn_implementation in {list(PACKED_ATTENTION)} "
                         f"({cfg.model.attn_implementation} would attend across the whole packed row): use varlen, or set train.packing=false")
@@ -365,6 +416,10 @@ def check_values(cfg: Config) -> list[str]:
         problems.append("lora.r: must be at least 1")
     if not 0 <= cfg.lora.dropout < 1:
         problems.append("lora.dropout: must be in [0, 1)")
+    if not (math.isfinite(cfg.lora.alpha) and cfg.lora.alpha > 0):
+        problems.append("lora.alpha: must be a positive number, e.g. 2 x lora.r")
+    if not cfg.lora.target_modules:
+        problems.append('lora.target_modules: empty (name modules, e.g. [q_proj, v_proj], or ["all-linear"])')
     if d.max_length < 16:
         problems.append("data.max_length: must be at least 16 tokens")
     if cfg.eval.max_new_tokens < 1 or cfg.eval.batch_size < 1:

@@ -83,7 +83,8 @@ def setup(precision: str = "auto") -> Accelerator:
     # collective that makes every process wait for the slowest at each micro-step, not once a step.
     # (torch 2.13 renames the switch forward_sync_buffers, which accelerate does not pass yet.)
     warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
-    ddp = DistributedDataParallelKwargs(broadcast_buffers=False)
+    # Gradients as views of the all-reduce buckets: no copy of every gradient into its bucket.
+    ddp = DistributedDataParallelKwargs(broadcast_buffers=False, gradient_as_bucket_view=True)
     accelerator = Accelerator(cpu=not cuda, mixed_precision="bf16" if bf16 else "no", kwargs_handlers=[ddp])
     if not accelerator.is_main_process:
         transformers.logging.set_verbosity_error()

@@ -147,7 +147,7 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
             torch.nn.functional.scaled_dot_product_attention(
                 q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
                 is_causal=True, scale=scaling, enable_gqa=True).transpose(0, 1)
-            for a, b in zip(bounds[:-1], bounds[1:])
+            for a, b in zip(bounds[:-1], bounds[1:]) if b > a  # empty samples pad the boundaries
         ])
     return out.unsqueeze(0), None
 
@@ -273,12 +273,13 @@ def load_model(m: ModelConfig, method: str, device: torch.device, precision: str
     return model
 
 
-def compile_layers(model) -> None:
+def compile_layers(model, cuda_graphs: bool = False) -> None:
     """torch.compile every decoder layer (regional compilation: the layers share one compiled
-    graph, so compile time is that of one layer)."""
+    graph, so compile time is that of one layer). With `cuda_graphs`, each layer's forward and
+    backward are recorded once per input shape and replayed (mode reduce-overhead)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     for layer in base.get_decoder().layers:
-        layer.compile(dynamic=True)
+        layer.compile(dynamic=True, mode="reduce-overhead" if cuda_graphs else None)
 
 
 def activation_bytes(model, tokens: int) -> float:

@@ -38,7 +38,8 @@ class NonFinite(RuntimeError):
     """The loss or gradient norm of a step is not a finite number: training stops."""
 
 
-GC_EVERY = 50  # optimizer steps between collections of Python's young generations (every process at once)
+GC_EVERY = 50
+GRAPH_PAD = 256  # with train.cuda_graphs, packed rows are padded to a multiple of this many tokens  # optimizer steps between collections of Python's young generations (every process at once)
 
 
 @dataclass
@@ -64,6 +65,7 @@ class Run:
     total_steps: int
     checkpointing: bool
     compiled: bool
+    graphs: bool          # compiled layers replayed as CUDA graphs
     load_s: float
 
 
@@ -121,12 +123,18 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     ddp_model, optimizer = accelerator.prepare(loss_model, optimizer)
     clock = dist.StepClock(accelerator.device)
     dist.time_gradient_sync(ddp_model, clock)
+    graphs = compiled and cfg.train.cuda_graphs and accelerator.device.type == "cuda"
+    if graphs:  # gradients must live outside the graphs' memory, which every replay overwrites
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
 
     start = resume_from(out, model, optimizer, scheduler, accelerator) if resume else 0
     targets = [data.target_tokens([e]) for e in train_set]
     costs = [flops.sample(len(e["input_ids"]), t) for e, t in zip(train_set, targets)]
     r = Run(cfg, plan, accelerator, out, tokenizer, train_set, val_set, model, loss_model, ddp_model, optimizer,
-            scheduler, clock, flops, costs, targets, start, total_steps, checkpointing, compiled, time.perf_counter() - t0)
+            scheduler, clock, flops, costs, targets, start, total_steps, checkpointing, compiled, graphs,
+            time.perf_counter() - t0)
     announce(r)
     return r
 
@@ -174,7 +182,7 @@ def build_model(cfg: Config, accelerator: Accelerator, plan: BatchPlan):
     model = model_lib.add_adapters(base, t.method, cfg.lora, checkpointing)
     compiled = t.compile is True or (t.compile == "auto" and accelerator.device.type == "cuda")
     if compiled:
-        model_lib.compile_layers(model)
+        model_lib.compile_layers(model, t.cuda_graphs and accelerator.device.type == "cuda")
     return model, checkpointing, compiled
 
 
@@ -196,7 +204,8 @@ def announce(r: Run) -> None:
     say, cfg, acc = r.accelerator.print, r.cfg, r.accelerator
     trainable, total = model_lib.count_params(r.model)
     say(f"ddptune: {cfg.model.source} | {cfg.train.method} | {trainable:,} of {total:,} parameters trained"
-        f" | gradient checkpointing {'on' if r.checkpointing else 'off'} | compiled layers {'on' if r.compiled else 'off'}")
+        f" | gradient checkpointing {'on' if r.checkpointing else 'off'} | compiled layers {'on' if r.compiled else 'off'}"
+        + (" as CUDA graphs" if r.graphs else ""))
     say(f"ddptune: {acc.num_processes} process(es) on {acc.device.type} ({acc.distributed_type.value}, "
         f"mixed precision {acc.mixed_precision}){', ' + cfg.model.attn_implementation + ' attention' if cfg.train.packing else ''}")
     say(f"ddptune: {r.plan.describe()}" + ("; each step's samples split into shares of equal cost" if acc.num_processes > 1 else ""))
@@ -287,6 +296,8 @@ def train_step(r: Run, step: int) -> dict:
     loss_sum = torch.zeros((), device=acc.device)
     for k, group in enumerate(forwards):
         batch = to_device(collate(r.cfg, group, r.tokenizer.pad_token_id), acc.device)
+        if r.graphs:  # a new forward: the previous replay's outputs are no longer needed
+            torch.compiler.cudagraph_mark_step_begin()
         last = k == len(forwards) - 1  # the gradient all-reduce runs in this backward only
         with (nullcontext() if last else acc.no_sync(r.ddp_model)), acc.autocast():
             loss = r.ddp_model(**batch, num_items=share.targets)
@@ -298,7 +309,8 @@ def train_step(r: Run, step: int) -> dict:
     lr = r.scheduler.get_last_lr()[0]
     r.optimizer.step()
     r.scheduler.step()
-    r.optimizer.zero_grad(set_to_none=True)
+    # DDP's gradients are views of its all-reduce buckets (and graphs' must stay put): zero them in place
+    r.optimizer.zero_grad(set_to_none=not (r.graphs or dist.ddp_wrapper(r.ddp_model)))
     marks = r.clock.finish()
     return {"step": step, "share": share, "lr": lr, "loss": acc.reduce(loss_sum, "sum"), "grad_norm": grad_norm.detach(),
             "marks": marks}
@@ -341,7 +353,11 @@ def layout(cfg: Config, examples: list[dict]) -> list[list[dict]]:
 
 
 def collate(cfg: Config, group: list[dict], pad_id: int) -> dict:
-    return data.collate_packed(group) if cfg.train.packing else data.collate(group, pad_id)
+    if not cfg.train.packing:
+        return data.collate(group, pad_id)
+    if cfg.train.cuda_graphs:  # a few repeating shapes for the recorded graphs
+        return data.collate_packed(group, pad_to=GRAPH_PAD, max_length=cfg.data.max_length)
+    return data.collate_packed(group)
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
