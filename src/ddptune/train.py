@@ -38,8 +38,8 @@ class NonFinite(RuntimeError):
     """The loss or gradient norm of a step is not a finite number: training stops."""
 
 
-GC_EVERY = 50
-GRAPH_PAD = 256  # with train.cuda_graphs, packed rows are padded to a multiple of this many tokens  # optimizer steps between collections of Python's young generations (every process at once)
+GC_EVERY = 50  # optimizer steps between collections of Python's young generations (every process at once)
+GRAPH_PAD = 256  # with train.cuda_graphs, packed rows are padded to a multiple of this many tokens
 
 
 @dataclass
