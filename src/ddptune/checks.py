@@ -8,12 +8,15 @@ rank 0 calls it and the others wait for its answer (`dist.on_main`).
 """
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 from pathlib import Path
 
-import yaml
-
-from ddptune import config as config_lib, data as data_lib, model as model_lib
+from ddptune import checkpoint, config as config_lib, data as data_lib, model as model_lib
 from ddptune.config import BatchPlan, Config, ConfigError
+
+LOCK_NAME = ".ddptune.lock"  # lock.py's file in output_dir: not a file of the run
 
 
 def validate(cfg: Config, world_size: int, resume: bool = False) -> BatchPlan:
@@ -23,15 +26,14 @@ def validate(cfg: Config, world_size: int, resume: bool = False) -> BatchPlan:
             import bitsandbytes  # noqa: F401
         except ImportError:
             problems.append("train.method: qlora needs bitsandbytes (pip install bitsandbytes) or use method=lora")
-    try:
-        model_lib.resolve_source(cfg.model)
-    except ValueError as e:
-        problems.append(f"model.source: {e}")
+    problems += model_problems(cfg)
     n_train = None
+    if not problems:
+        problems += jsonl_problems(cfg.data)
     if not problems:
         data_problems, n_train = data_lib.check(cfg.data)
         problems += data_problems
-    problems += output_problems(cfg, resume)
+    problems += output_problems(cfg, resume, world_size)
     plan = None
     try:
         plan = config_lib.batch_plan(cfg.train, world_size)
@@ -52,10 +54,105 @@ def rows_problems(n_rows: int, plan: BatchPlan) -> list[str]:
     return []
 
 
-def output_problems(cfg: Config, resume: bool) -> list[str]:
+def model_problems(cfg: Config) -> list[str]:
+    """The model source can be used, and every lora.target_modules name matches one of its layers
+    (read from its config on the meta device: no weights are loaded). Hub models are not fetched here."""
+    try:
+        src = model_lib.resolve_source(cfg.model)
+    except ValueError as e:
+        return [f"model.source: {e}"]
+    if src.kind == "gguf":
+        path = Path(src.path) / src.gguf_file
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                return [f"model.source: {path} is not a GGUF file (it does not start with GGUF; re-download it)"]
+    names = None if cfg.train.method == "full" or cfg.lora.target_modules == ["all-linear"] else layer_names(src, cfg)
+    if isinstance(names, str):
+        return [names]
+    if names is None:
+        return []
+    problems = []
+    for target in cfg.lora.target_modules:
+        if not any(n == target or n.endswith("." + target) for n in names):
+            hint = " (all-linear works only alone: [all-linear])" if target == "all-linear" else ""
+            leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
+            problems.append(f"lora.target_modules: {target!r} matches no layer of {cfg.model.source}{hint} "
+                            f"(its layers: {', '.join(leaves)})")
+    return problems
+
+
+def layer_names(src, cfg: Config) -> list[str] | str | None:
+    """Names of the layers LoRA can adapt (linear, embedding), from the model's config alone; a
+    problem line when that config cannot be read; None for hub models (not fetched to validate)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        if src.kind == "preset":
+            arch = model_lib.preset_config(src.path, "sdpa")
+        elif src.kind in ("local", "gguf"):
+            arch = AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file, trust_remote_code=cfg.model.trust_remote_code)
+        else:
+            return None
+        with torch.device("meta"):
+            net = AutoModelForCausalLM.from_config(arch, trust_remote_code=cfg.model.trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - a broken config.json or GGUF header, an unknown architecture
+        reason = " ".join(str(e).split())[:200]
+        return f"model.source: the model's config cannot be read ({type(e).__name__}: {reason})"
+    kinds = (torch.nn.Linear, torch.nn.Embedding)
+    return [n for n, m in net.named_modules() if isinstance(m, kinds)]
+
+
+def jsonl_problems(d: config_lib.DataConfig) -> list[str]:
+    """The first line of each .jsonl data file that is not JSON, by its line number in the file."""
+    problems = []
+    for field, source in (("data.train", d.train), ("data.val", d.val)):
+        if not source or not source.endswith(".jsonl") or not Path(source).is_file():
+            continue
+        try:
+            lines = Path(source).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            problems.append(f"{field}: cannot read {source} ({type(e).__name__}: {e}) (give a UTF-8 JSON-lines file)")
+            continue
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                json.loads(line)
+            except ValueError as e:
+                problems.append(f"{field}: line {number} of {source} is not JSON ({getattr(e, 'msg', e)} at column "
+                                f"{getattr(e, 'colno', '?')}) (fix or remove that line)")
+                break
+    return problems
+
+
+def folder_problems(where: str, folder: Path) -> list[str]:
+    """`folder` is, or can be made, a writable folder (nothing is created but a probe, removed at once)."""
+    if folder.exists() and not folder.is_dir():
+        return [f"{where}: {folder} is a file, not a folder (choose a folder path)"]
+    parent = folder
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return [f"{where}: {folder} cannot be made: {parent} is a file (choose a folder path)"]
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=parent, prefix=".ddptune-probe-"))
+    except OSError as e:
+        return [f"{where}: {parent} is not writable ({e.strerror}; choose a folder you can write to)"]
+    return []
+
+
+def run_files(out: Path) -> list[Path]:
+    """What a folder holds, besides a run's lock."""
+    return [p for p in out.iterdir() if p.name != LOCK_NAME] if out.is_dir() else []
+
+
+def output_problems(cfg: Config, resume: bool, world_size: int | None = None) -> list[str]:
     out = Path(cfg.output_dir)
+    if problems := folder_problems("output_dir", out):
+        return problems
     if not resume:
-        if out.exists() and any(out.iterdir()):
+        if run_files(out):
             return [f"output_dir: {out} already holds files (choose a new output_dir, or pass --resume to continue that run)"]
         return []
     if (out / "summary.json").is_file():
@@ -63,8 +160,24 @@ def output_problems(cfg: Config, resume: bool) -> list[str]:
                 "(raise train.max_steps into a new output_dir to train on)"]
     if not (out / "checkpoints").is_dir():
         return [f"output_dir: --resume found no checkpoints in {out} (train with train.save_every > 0 first)"]
+    states = []
+    for path in reversed(checkpoint.list_checkpoints(out / "checkpoints")):
+        try:
+            states.append((path, json.loads((path / "state.json").read_text())))
+        except (OSError, ValueError):
+            continue  # resume falls back past it
+    if not states:
+        return [f"--resume: no checkpoint in {out / 'checkpoints'} can be read back (a run stopped during "
+                "its first save leaves none): start afresh into a new output_dir"]
+    path, state = states[0]
+    if world_size is not None and isinstance(state, dict) and state.get("world_size", world_size) != world_size:
+        return [f"--resume: {path} was written by {state['world_size']} processes, not {world_size} "
+                f"(resume with --nproc {state['world_size']})"]
     if not (out / "config.yaml").exists():
         return []
-    saved = config_lib.flatten(yaml.safe_load((out / "config.yaml").read_text()))
+    try:
+        saved = config_lib.flatten(config_lib.read_yaml(out / "config.yaml", "output_dir"))
+    except ConfigError as e:
+        return [f"{e.problems[0]} (resume needs the run's own config.yaml)"]
     return [f"{key}: is {value!r} but the run being resumed used {saved.get(key)!r} (resume with the same config)"
             for key, value in config_lib.flatten(config_lib.to_dict(cfg)).items() if saved.get(key) != value]

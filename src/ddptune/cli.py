@@ -13,14 +13,26 @@ A bad config fails here, before any process starts, with one line naming each fi
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 
 from ddptune import checks, config as config_lib, dist
 from ddptune.config import ConfigError
 
 
+class UsageError(Exception):
+    """A command line argparse cannot parse (raised instead of argparse's usage dump and exit)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, like every other refusal, instead of the usage text
+        command = self.prog.removeprefix("ddptune").strip()
+        raise UsageError(f"{command + ': ' if command else ''}{message} (see {self.prog} --help)")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ddptune", description="Data-parallel LoRA/QLoRA/full fine-tuning for dialogue summarization.")
+    p = _Parser(prog="ddptune", description="Data-parallel LoRA/QLoRA/full fine-tuning for dialogue summarization.")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="fine-tune as a YAML config says", formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="config keys (override any with section.key=value):\n" + config_lib.reference_text())
@@ -58,11 +70,15 @@ def main(argv: list[str] | None = None) -> int:
 
         return env.main(argv[1:])
     parser = _parser()
-    args, extra = parser.parse_known_args(argv)
-    # key=value overrides may also follow the flags (argparse stops collecting them at a flag)
-    stray = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")]
-    if stray:
-        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    try:
+        args, extra = parser.parse_known_args(argv)
+        # key=value overrides may also follow the flags (argparse stops collecting them at a flag)
+        stray = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")]
+        if stray:
+            parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    except UsageError as e:
+        print(f"ddptune: {e}", file=sys.stderr)
+        return 2
     if extra:
         args.overrides += extra
     try:
@@ -89,16 +105,38 @@ def main(argv: list[str] | None = None) -> int:
 
 def _train(args) -> int:
     cfg = config_lib.load(args.config, args.overrides)
-    if args.nproc is not None and not dist.in_launched_process():
-        if args.nproc < 1:
-            raise ConfigError(["--nproc: must be at least 1"])
-        checks.validate(cfg, args.nproc, resume=args.resume)  # once, here, before any process starts
-        child = ["train", args.config, *args.overrides] + (["--resume"] if args.resume else [])
-        return dist.torchrun(args.nproc, ["ddptune", *child])
+    if dist.in_launched_process():  # under torchrun or accelerate launch: rank 0 validates, unless our parent did
+        return _run(cfg, args.resume)
+    nproc = 1 if args.nproc is None else args.nproc
+    if nproc < 1:
+        raise ConfigError([f"--nproc: must be at least 1 (got {nproc})"])
+    checks.validate(cfg, nproc, resume=args.resume)  # once, here, before any process starts
+    if args.nproc is None:
+        with _validated():
+            return _run(cfg, args.resume)
+    child = ["train", args.config, *args.overrides] + (["--resume"] if args.resume else [])
+    return dist.torchrun(nproc, ["ddptune", *child])
+
+
+@contextlib.contextmanager
+def _validated():
+    """train.run in this process skips the validation just done (as --nproc's children do)."""
+    saved = os.environ.get(dist.VALIDATED)
+    os.environ[dist.VALIDATED] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(dist.VALIDATED, None)
+        else:
+            os.environ[dist.VALIDATED] = saved
+
+
+def _run(cfg, resume: bool) -> int:
     from ddptune import train
 
     try:
-        train.run(cfg, resume=args.resume)  # under a launcher (or alone): rank 0 validates first
+        train.run(cfg, resume=resume)
     except train.NonFinite as e:
         if dist.is_main_process():
             print(f"ddptune: {e}", file=sys.stderr)

@@ -19,7 +19,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 
-from ddptune import config as config_lib, data, dist, model as model_lib, report
+from ddptune import checks, config as config_lib, data, dist, model as model_lib, report
 from ddptune.config import Config, ConfigError
 
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
@@ -160,20 +160,26 @@ def main(args) -> int:
         if not (run_dir / "config.yaml").is_file():
             raise ConfigError([f"eval: {run_dir} has no config.yaml (give a folder written by ddptune train, or a YAML config)"])
         cfg = config_lib.load(run_dir / "config.yaml", args.overrides)
+    elif not target.is_file():
+        raise ConfigError([f"eval: {target} not found (give a folder written by ddptune train, or a YAML config)"])
     else:
         cfg = config_lib.load(target, args.overrides)
     problems = config_lib.check_values(cfg)
     if cfg.data.val is None:
         problems.append("data.val: evaluation needs a validation set (e.g. data.val=demo data.val_rows=560:600)")
     if args.nproc is not None and args.nproc < 1:
-        problems.append("--nproc: must be at least 1")
+        problems.append(f"--nproc: must be at least 1 (got {args.nproc})")
     trained = run_dir is not None and not args.base
     if trained and not model_lib.trained_weights_dir(run_dir, cfg.train.method).is_dir():
         problems.append(f"eval: {model_lib.trained_weights_dir(run_dir, cfg.train.method)} not found "
                         "(has the run finished? or pass --base for the zero-shot base model)")
+    out = Path(args.out) if args.out else (run_dir or Path(cfg.output_dir)) / ("eval" if trained else "eval-base")
+    if not dist.in_launched_process():  # the parent checked the rest before starting us
+        problems += checks.model_problems(cfg) + checks.folder_problems("--out" if args.out else "eval", out)
+        if not any(p.startswith("data.") for p in problems):
+            problems += checks.jsonl_problems(cfg.data) or data.check(cfg.data)[0]
     if problems:
         raise ConfigError(problems)
-    out = Path(args.out) if args.out else (run_dir or Path(cfg.output_dir)) / ("eval" if trained else "eval-base")
     if args.nproc is not None and not dist.in_launched_process():
         child = ["eval", str(target), *args.overrides, "--out", str(out)] + (["--base"] if args.base else [])
         return dist.torchrun(args.nproc, ["ddptune", *child])
@@ -199,16 +205,31 @@ def find_metrics(path: Path) -> list[Path]:
     return sorted(p / "metrics.json" for p in path.iterdir() if p.is_dir() and (p / "metrics.json").is_file()) if path.is_dir() else []
 
 
+def _read_json(path: Path, keys: tuple[str, ...] = ()) -> dict:
+    """A JSON object file written by ddptune; ConfigError naming the file when it is not one."""
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError([f"compare: {path} cannot be read ({type(e).__name__}: {' '.join(str(e).split())[:120]}) "
+                           "(re-run the command that wrote it, or leave that run out)"]) from None
+    missing = [k for k in keys if not isinstance(obj, dict) or k not in obj]
+    if missing:
+        raise ConfigError([f"compare: {path} lacks {', '.join(missing)} (not written by ddptune eval? re-run it)"])
+    return obj if isinstance(obj, dict) else {}
+
+
 def compare_rows(paths: list[str]) -> list[dict]:
     rows = []
     for p in map(Path, paths):
+        if not p.exists():
+            raise ConfigError([f"compare: {p} not found (give run folders or eval folders)"])
         found = find_metrics(p)
         if not found:
             raise ConfigError([f"compare: {p} holds no evaluation (run ddptune eval {p} first)"])
         for m in found:
             run = m.parent.parent if m.parent.name.startswith("eval") else m.parent
-            summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").is_file() else {}
-            e = json.loads(m.read_text())
+            summary = _read_json(run / "summary.json") if (run / "summary.json").is_file() else {}
+            e = _read_json(m, ("label", *ROUGE_KEYS, "n", "generation_time_s"))
             rows.append({
                 "run": str(run), "eval": m.parent.name, "model": "zero-shot" if e["label"] == "zero-shot" else "fine-tuned",
                 "processes": summary.get("world_size"), "global_batch": summary.get("global_batch"),
@@ -226,6 +247,12 @@ COMPARE_COLUMNS = [("run", "run"), ("model", "model"), ("processes", "GPUs/procs
 
 
 def compare_main(paths: list[str], json_path: str | None) -> int:
+    if json_path:
+        target = Path(json_path)
+        if target.is_dir():
+            raise ConfigError([f"--json: {target} is a folder (give a file path, e.g. {target / 'compare.json'})"])
+        if problems := checks.folder_problems("--json", target.parent):
+            raise ConfigError(problems)
     rows = compare_rows(paths)
     print(report.markdown_table(rows, COMPARE_COLUMNS))
     if json_path:

@@ -146,13 +146,21 @@ def summarize_steps(history: list[dict], warmup: int, world: int) -> dict:
             "mfu": statistics.fmean(mfus) if mfus else None}
 
 
+def _step(line: str) -> int | None:
+    """The step of a metrics.jsonl line; None for a line a kill cut short."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 class JsonlWriter:
     """Append one JSON object per line; flushed at once so a crash loses nothing written."""
 
     def __init__(self, path: Path, keep_until_step: int | None = None):
         self.path = Path(path)
-        if keep_until_step is not None and self.path.exists():  # resume: drop steps to be redone
-            lines = [l for l in self.path.read_text().splitlines() if l and json.loads(l)["step"] <= keep_until_step]
+        if keep_until_step is not None and self.path.exists():  # resume: drop steps to be redone, and a torn last line
+            lines = [l for l in self.path.read_text().splitlines() if (_step(l) or keep_until_step + 1) <= keep_until_step]
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text("".join(l + "\n" for l in lines))
             os.replace(tmp, self.path)

@@ -82,7 +82,8 @@ def main(args) -> int:
 
     # 1. Plan and validate every run before anything runs or any folder is made.
     problems = config_lib.check_values(cfg)
-    if out.exists() and any(out.iterdir()):
+    problems += checks.folder_problems("--out", out)
+    if out.is_dir() and any(out.iterdir()):
         problems.append(f"--out: {out} already holds files (choose another --out, or remove it)")
     if warmup < 0 or measured < 1:
         problems.append(f"--warmup {warmup} / --steps {measured}: need warm-up >= 0 and at least 1 measured step")

@@ -1,0 +1,281 @@
+"""Bad input, table-driven, through the real CLI entry point in this process (`cli.main(argv)`).
+
+Every case must end in ONE line on stderr that names the field and its fix, exit code 2, no
+traceback, nothing on stdout, and no file or folder created or changed, before any process, model
+or training starts. Tripwires on the points where work would begin (torchrun, the process group,
+train.run, scale's bandwidth run) fail the test if validation lets a case through.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from ddptune import cli, config, dist, scale
+
+TINY = ROOT / "configs" / "tiny.yaml"
+TRAIN = ["train", "{cfg}", "output_dir={out}"]
+DEMO_ROW = {"dialogue": "A: hi\nB: hello", "summary": "They greet."}
+
+
+def make_world(tmp: Path) -> dict[str, str]:
+    """Every file the cases point at: configs, runs (finished, interrupted, broken), data, models."""
+    (tmp / "cfg.yaml").write_text(TINY.read_text())
+    yamls = {
+        "list_yaml": "- train\n- model\n",
+        "scalar_yaml": "42\n",
+        "dup_yaml": "train:\n  max_steps: 2\nmodel:\n  source: preset:tiny\ntrain:\n  lr: 1.0e-3\n",
+        "dupkey_yaml": "train:\n  max_steps: 2\n  max_steps: 3\n",
+        "syntax_yaml": "train:\n  lr: [1, 2\n",
+        "section_yaml": "train: 5\n",
+        "tabs_yaml": "train:\n\tlr: 1\n",
+    }
+    for name, text in yamls.items():
+        (tmp / f"{name}.yaml").write_text(text)
+    (tmp / "afile").write_text("a file, not a folder\n")
+    (tmp / "busy").mkdir()
+    (tmp / "busy" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+
+    def run_dir(name: str, overrides: list[str]) -> Path:
+        d = tmp / name
+        d.mkdir()
+        (d / "config.yaml").write_text(config.dump(config.load(TINY, [f"output_dir={d}", *overrides])))
+        return d
+
+    done = run_dir("done", [])  # a finished run
+    (done / "summary.json").write_text(json.dumps({"steps": 30, "world_size": 1}))
+    (done / "adapter").mkdir()
+    (done / "adapter" / "adapter_config.json").write_text("{}")
+    (done / "eval").mkdir()
+    (done / "eval" / "metrics.json").write_text(json.dumps({"label": "fine-tuned", "rouge1": 1.0, "rouge2": 1.0, "rougeL": 1.0,
+                                                            "rougeLsum": 1.0, "n": 4, "generation_time_s": 1.0}))
+    part = run_dir("part", ["train.save_every=2"])  # stopped after its step-2 checkpoint, written by 2 processes
+    (part / "checkpoints" / "step-000002").mkdir(parents=True)
+    (part / "checkpoints" / "step-000002" / "state.json").write_text(json.dumps({"step": 2, "world_size": 2}))
+    (part / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n')
+    bare = run_dir("bare", ["train.save_every=2"])  # killed during its first save: only a temporary folder
+    (bare / "checkpoints" / ".step-000002.tmp-x").mkdir(parents=True)
+    torn = run_dir("torn", ["train.save_every=2"])  # config.yaml cut short
+    (torn / "checkpoints" / "step-000002").mkdir(parents=True)
+    (torn / "checkpoints" / "step-000002" / "state.json").write_text(json.dumps({"step": 2, "world_size": 1}))
+    (torn / "config.yaml").write_text("train:\n  lr: [0.01\n")
+    (tmp / "noadapter").mkdir()  # a run that never finished: no adapter
+    (tmp / "noadapter" / "config.yaml").write_text((done / "config.yaml").read_text())
+    (tmp / "noconfig").mkdir()
+    (tmp / "noconfig" / "notes.txt").write_text("not a run\n")
+    for name, text in (("garbage_eval", "{not json"), ("keyless_eval", "{}")):
+        (tmp / name).mkdir()
+        (tmp / name / "metrics.json").write_text(text)
+
+    lines = [json.dumps(dict(DEMO_ROW, id=i)) for i in range(30)]
+    lines[20] = '{"dialogue": "A: hi", "summary": '  # file line 21
+    (tmp / "rows.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp / "dict.json").write_text(json.dumps({"rows": [DEMO_ROW]}))
+    (tmp / "nocol.json").write_text(json.dumps([{"text": "A: hi", "summary": "x"}] * 10))
+    (tmp / "few.json").write_text(json.dumps([DEMO_ROW] * 3))
+    (tmp / "numbers.json").write_text(json.dumps([{"dialogue": 5, "summary": "x"}] * 10))
+    (tmp / "binary.jsonl").write_bytes(b"\xff\xfe\x00garbage\x80\x81\n")
+    (tmp / "bad.gguf").write_bytes(b"\x00\x01 this is not a model " * 20)
+    (tmp / "ggufs").mkdir()
+    (tmp / "ggufs" / "a.gguf").write_bytes(b"GGUF")
+    (tmp / "ggufs" / "b.gguf").write_bytes(b"GGUF")
+    (tmp / "nomodel").mkdir()
+    (tmp / "nomodel" / "README.md").write_text("weights went missing\n")
+    (tmp / "brokenmodel").mkdir()
+    (tmp / "brokenmodel" / "config.json").write_text("{ this is not json")
+    return {p.stem if p.suffix in (".yaml", ".json", ".jsonl", ".gguf") else p.name: str(p) for p in tmp.iterdir()} | {
+        "cfg": str(tmp / "cfg.yaml"), "out": str(tmp / "out"), "tmp": str(tmp)}
+
+
+# (id, argv, substrings of the one line). Each argv is formatted with make_world's paths.
+CASES = [
+    # --- the command line itself
+    ("no command", [], ["the following arguments are required: command (see ddptune --help)"]),
+    ("unknown command", ["fit", "{cfg}"], ["invalid choice: 'fit'"]),
+    ("unknown flag", [*TRAIN, "--fast"], ["unrecognized arguments: --fast"]),
+    ("nproc not a number", [*TRAIN, "--nproc", "two"], ["--nproc", "invalid int value: 'two'"]),
+    ("nproc zero", [*TRAIN, "--nproc", "0"], ["--nproc: must be at least 1 (got 0)"]),
+    ("nproc negative", [*TRAIN, "--nproc", "-3"], ["--nproc: must be at least 1 (got -3)"]),
+    ("override without =", [*TRAIN, "train.lr"], ["train.lr: overrides are written key=value, e.g. train.lr=1e-4"]),
+    ("override with empty key", [*TRAIN, "=5"], ["'' is not a key (write section.key=value"]),
+    ("override with bad YAML", [*TRAIN, "train.lr=[1"], ["train.lr: '[1' is not a YAML value (quote it"]),
+    ("override below a value", [*TRAIN, "train.lr.peak=1"], ["train.lr.peak: lr is not a section"]),
+    # --- the config file
+    ("config missing", ["train", "{tmp}/nope.yaml"], ["config: ", "nope.yaml' not found (give the path of a YAML file"]),
+    ("config is a folder", ["train", "{tmp}"], ["config: ", "is a folder (give the path of a YAML file"]),
+    ("YAML is a list", ["train", "{list_yaml}"], ["holds a YAML list, not a mapping of sections"]),
+    ("YAML is a scalar", ["train", "{scalar_yaml}"], ["holds a YAML int, not a mapping of sections"]),
+    ("duplicate YAML section", ["train", "{dup_yaml}"], ["'train' appears twice (lines 1 and 5; merge them into one)"]),
+    ("duplicate YAML key", ["train", "{dupkey_yaml}"], ["'max_steps' appears twice (lines 2 and 3"]),
+    ("YAML syntax error", ["train", "{syntax_yaml}"], ["is not valid YAML"]),
+    ("YAML with tabs", ["train", "{tabs_yaml}"], ["is not valid YAML"]),
+    ("section not a mapping", ["train", "{section_yaml}"], ["train: expected a mapping of keys, got 5"]),
+    ("unknown section", [*TRAIN, "trainer.lr=1"], ["trainer: unknown key (known: "]),
+    ("unknown key", [*TRAIN, "train.learning_rate=1e-4"], ["train.learning_rate: unknown key (known: "]),
+    # --- values
+    ("int as text", [*TRAIN, "train.micro_batch_size=four"], ["train.micro_batch_size: expected a whole number, got 'four'"]),
+    ("int as fraction", [*TRAIN, "train.max_steps=2.5"], ["train.max_steps: 2.5 is not allowed (expected a whole number)"]),
+    ("bool as text", [*TRAIN, "train.packing=maybe"], ["train.packing: expected true or false, got 'maybe'"]),
+    ("number as text", [*TRAIN, "train.lr=fast"], ["train.lr: expected a number, got 'fast'"]),
+    ("lr zero", [*TRAIN, "train.lr=0"], ["train.lr: must be a positive number"]),
+    ("lr infinite", [*TRAIN, "train.lr=.inf"], ["train.lr: must be a positive number"]),
+    ("grad norm NaN", [*TRAIN, "train.max_grad_norm=.nan"], ["train.max_grad_norm: must be 0 (off) or a positive number"]),
+    ("epochs zero", [*TRAIN, "train.max_steps=null", "train.epochs=0"], ["train.epochs: must be a positive number"]),
+    ("weight decay negative", [*TRAIN, "train.weight_decay=-0.1"], ["train.weight_decay: must be 0 or a positive number"]),
+    ("micro batch zero", [*TRAIN, "train.micro_batch_size=0"], ["train.micro_batch_size: must be at least 1"]),
+    ("grad accum zero", [*TRAIN, "train.grad_accum=0"], ["train.grad_accum: must be at least 1"]),
+    ("accum and effective batch", [*TRAIN, "train.effective_batch_size=8"], ["set grad_accum or effective_batch_size, not both"]),
+    ("batch does not divide", [*TRAIN, "train.grad_accum=null", "train.effective_batch_size=7", "--nproc", "2"],
+     ["train.effective_batch_size: 7 is not a multiple of the process count 2"]),
+    ("max steps zero", [*TRAIN, "train.max_steps=0"], ["train.max_steps: must be at least 1"]),
+    ("warmup negative", [*TRAIN, "train.warmup_steps=-1"], ["train.warmup_steps: must be 0 or more"]),
+    ("save every negative", [*TRAIN, "train.save_every=-5"], ["train.save_every: must be 0 or more"]),
+    ("keep no checkpoints", [*TRAIN, "train.keep_checkpoints=0"], ["train.keep_checkpoints: must be at least 1"]),
+    ("seed negative", [*TRAIN, "train.seed=-1"], ["train.seed: -1 is outside 0..4294967295"]),
+    ("seed too large", [*TRAIN, "train.seed=4294967296"], ["train.seed: 4294967296 is outside 0..4294967295"]),
+    ("unknown method", [*TRAIN, "train.method=lora2"], ["train.method: 'lora2' is not allowed (use one of lora, qlora, full)"]),
+    ("unknown optimizer", [*TRAIN, "train.optimizer=sgd"], ["train.optimizer: 'sgd' is not allowed"]),
+    ("unknown schedule", [*TRAIN, "train.lr_schedule=step"], ["train.lr_schedule: 'step' is not allowed"]),
+    ("unknown precision", [*TRAIN, "train.precision=fp16"], ["train.precision: 'fp16' is not allowed"]),
+    ("checkpointing as text", [*TRAIN, "train.gradient_checkpointing=sometimes"], ["train.gradient_checkpointing: 'sometimes' is not allowed"]),
+    ("profile past the end", [*TRAIN, "train.max_steps=3", "train.profile_steps=2"],
+     ["train.profile_steps: 2 steps after 2 warm-up steps need train.max_steps >= 4"]),
+    ("row shorter than a sample", [*TRAIN, "train.tokens_per_forward=100"], ["train.tokens_per_forward: 100 is shorter than data.max_length 384"]),
+    ("packing with sdpa", [*TRAIN, "model.attn_implementation=sdpa"], ["train.packing: needs model.attn_implementation in"]),
+    ("unknown attention", [*TRAIN, "model.attn_implementation=flash"], ["model.attn_implementation: 'flash' is not allowed"]),
+    ("lora rank zero", [*TRAIN, "lora.r=0"], ["lora.r: must be at least 1"]),
+    ("lora dropout one", [*TRAIN, "lora.dropout=1"], ["lora.dropout: must be in [0, 1)"]),
+    ("lora alpha infinite", [*TRAIN, "lora.alpha=.inf"], ["lora.alpha: must be a positive number"]),
+    ("target modules empty", [*TRAIN, "lora.target_modules=[]"], ["lora.target_modules: empty (name modules"]),
+    ("target modules not a list", [*TRAIN, "lora.target_modules={{a: 1}}"], ["lora.target_modules: expected a list"]),
+    ("target module matches nothing", [*TRAIN, "lora.target_modules=[q_proj, qkv]"],
+     ["lora.target_modules: 'qkv' matches no layer of preset:tiny", "its layers: ", "q_proj"]),
+    ("all-linear among others", [*TRAIN, "lora.target_modules=[all-linear, q_proj]"], ["all-linear works only alone"]),
+    ("max length tiny", [*TRAIN, "data.max_length=8"], ["data.max_length: must be at least 16 tokens"]),
+    ("eval batch zero", [*TRAIN, "eval.batch_size=0"], ["eval: max_new_tokens and batch_size must be at least 1"]),
+    ("eval samples zero", [*TRAIN, "eval.max_samples=0"], ["eval.max_samples: must be at least 1"]),
+    ("evaluation without val", [*TRAIN, "data.val=null", "eval.enabled=true"], ["data.val: evaluation and val_every need a validation set"]),
+    # --- the model
+    ("unknown preset", [*TRAIN, "model.source=preset:gpt-9"], ["model.source: unknown preset 'gpt-9' (presets: tiny"]),
+    ("model path missing", [*TRAIN, "model.source={tmp}/no/model"], ["model.source: ", "is neither an existing path, a preset"]),
+    ("model folder without config", [*TRAIN, "model.source={nomodel}"], ["model.source: folder ", "has no config.json"]),
+    ("model config.json broken", [*TRAIN, "model.source={brokenmodel}", "lora.target_modules=[q_proj]"],
+     ["model.source: the model's config cannot be read"]),
+    ("garbage gguf", [*TRAIN, "model.source={bad}"], ["model.source: ", "bad.gguf is not a GGUF file"]),
+    ("two ggufs, none named", [*TRAIN, "model.source={ggufs}"], ["model.source: ", "holds 2 GGUF files; name one in model.gguf_file"]),
+    ("gguf file not there", [*TRAIN, "model.source={ggufs}", "model.gguf_file=c.gguf"], ["model.source: no GGUF file 'c.gguf'"]),
+    ("package not installed", [*TRAIN, "model.source=pypi:no_such_model_pkg"], ["model.source: Python package 'no_such_model_pkg' is not installed"]),
+    # --- the data
+    ("data file missing", [*TRAIN, "data.train={tmp}/nope.json"], ["data.train: file ", "nope.json' not found"]),
+    ("JSONL error line", [*TRAIN, "data.train={rows}"], ["data.train: line 21 of ", "is not JSON", "(fix or remove that line)"]),
+    ("JSONL not UTF-8", [*TRAIN, "data.train={binary}"], ["data.train: cannot read ", "UnicodeDecodeError"]),
+    ("JSON not a list", [*TRAIN, "data.train={dict}", "data.train_rows=null"], ["data.train: cannot read ", "holds a JSON dict, not a list of rows"]),
+    ("missing column", [*TRAIN, "data.train={nocol}", "data.train_rows=null"], ["has no text column 'dialogue' (set data.dialogue_column to one of: summary, text)"]),
+    ("column not text", [*TRAIN, "data.train={numbers}", "data.train_rows=null"], ["row 0 of ", "has no text column 'dialogue'"]),
+    ("val column missing", [*TRAIN, "data.val={nocol}", "data.val_rows=null"], ["data.val: row 0 of "]),
+    ("row slice not a slice", [*TRAIN, "data.train_rows=abc"], ["data.train_rows: 'abc' is not a row slice (write START:STOP"]),
+    ("row slice selects nothing", [*TRAIN, "data.train_rows=5000:6000"], ["data.train: rows '5000:6000' select nothing"]),
+    ("fewer rows than a batch", [*TRAIN, "data.train={few}", "data.train_rows=null"], ["data.train: 3 rows are fewer than one global batch of 4"]),
+    # --- the output folder
+    ("output_dir is a file", ["train", "{cfg}", "output_dir={afile}"], ["output_dir: ", "afile is a file, not a folder"]),
+    ("output_dir under a file", ["train", "{cfg}", "output_dir={afile}/run"], ["output_dir: ", "cannot be made: ", "afile is a file"]),
+    ("output_dir not writable", ["train", "{cfg}", "output_dir=/proc/ddptune-test/run"], ["output_dir: /proc is not writable"]),
+    ("output_dir holds a run", ["train", "{cfg}", "output_dir={busy}"], ["output_dir: ", "already holds files (choose a new output_dir, or pass --resume"]),
+    # --- --resume
+    ("resume into nothing", [*TRAIN, "--resume"], ["output_dir: --resume found no checkpoints in"]),
+    ("resume a finished run", ["train", "{cfg}", "output_dir={done}", "--resume"], ["is complete (it wrote summary.json): nothing to resume"]),
+    ("resume with no complete checkpoint", ["train", "{cfg}", "output_dir={bare}", "train.save_every=2", "--resume"],
+     ["--resume: no checkpoint in ", "can be read back", "start afresh into a new output_dir"]),
+    ("resume at another process count", ["train", "{cfg}", "output_dir={part}", "train.save_every=2", "--resume"],
+     ["--resume: ", "was written by 2 processes, not 1 (resume with --nproc 2)"]),
+    ("resume with another config", ["train", "{cfg}", "output_dir={part}", "train.save_every=2", "train.lr=0.5", "--resume", "--nproc", "2"],
+     ["train.lr: is 0.5 but the run being resumed used 0.01 (resume with the same config)"]),
+    ("resume with a torn config.yaml", ["train", "{cfg}", "output_dir={torn}", "train.save_every=2", "--resume"],
+     ["config.yaml is not valid YAML", "(resume needs the run's own config.yaml)"]),
+    ("resume into a file", ["train", "{cfg}", "output_dir={afile}", "--resume"], ["output_dir: ", "is a file, not a folder"]),
+    # --- eval
+    ("eval target missing", ["eval", "{tmp}/nowhere"], ["eval: ", "nowhere not found (give a folder written by ddptune train"]),
+    ("eval folder not a run", ["eval", "{noconfig}"], ["eval: ", "has no config.yaml"]),
+    ("eval of an unfinished run", ["eval", "{noadapter}"], ["eval: ", "adapter not found (has the run finished? or pass --base"]),
+    ("eval nproc zero", ["eval", "{done}", "--nproc", "0"], ["--nproc: must be at least 1 (got 0)"]),
+    ("eval out is a file", ["eval", "{done}", "--out", "{afile}"], ["--out: ", "afile is a file, not a folder"]),
+    ("eval out under a file", ["eval", "{done}", "--out", "{afile}/x"], ["--out: ", "afile is a file"]),
+    ("eval without val", ["eval", "{cfg}", "data.val=null", "--base"], ["data.val: evaluation needs a validation set"]),
+    ("eval val file missing", ["eval", "{cfg}", "data.val={tmp}/nope.jsonl", "--base"], ["data.val: file ", "not found"]),
+    ("eval YAML is a list", ["eval", "{list_yaml}"], ["holds a YAML list"]),
+    ("eval bad override", ["eval", "{done}", "eval.batch_size=many"], ["eval.batch_size: expected a whole number, got 'many'"]),
+    ("eval garbage gguf", ["eval", "{cfg}", "model.source={bad}", "--base"], ["model.source: ", "is not a GGUF file"]),
+    # --- compare
+    ("compare path missing", ["compare", "{tmp}/nowhere"], ["compare: ", "nowhere not found"]),
+    ("compare folder without evaluation", ["compare", "{noconfig}"], ["compare: ", "holds no evaluation (run ddptune eval"]),
+    ("compare json is a folder", ["compare", "{done}", "--json", "{tmp}"], ["--json: ", "is a folder (give a file path"]),
+    ("compare json under a file", ["compare", "{done}", "--json", "{afile}/t.json"], ["--json: ", "afile is a file"]),
+    ("compare garbage metrics", ["compare", "{garbage_eval}"], ["compare: ", "metrics.json cannot be read (JSONDecodeError"]),
+    ("compare metrics without scores", ["compare", "{keyless_eval}"], ["compare: ", "metrics.json lacks label, rouge1"]),
+    ("compare nothing", ["compare"], ["the following arguments are required: runs"]),
+    # --- scale
+    ("scale counts not numbers", ["scale", "{cfg}", "--nproc", "one,two"], ["--nproc: 'one,two' is not a list of process counts"]),
+    ("scale count zero", ["scale", "{cfg}", "--nproc", "0,1"], ["--nproc: '0,1' is not a list of process counts"]),
+    ("scale without 1", ["scale", "{cfg}", "--nproc", "2,4"], ["--nproc: include 1, the baseline"]),
+    ("scale no measured steps", ["scale", "{cfg}", "--nproc", "1,2", "--steps", "0"], ["--steps 0: need warm-up >= 0 and at least 1 measured step"]),
+    ("scale out is a file", ["scale", "{cfg}", "--nproc", "1,2", "--out", "{afile}"], ["--out: ", "afile is a file, not a folder"]),
+    ("scale out holds files", ["scale", "{cfg}", "--nproc", "1,2", "--out", "{busy}"], ["--out: ", "already holds files"]),
+    ("scale bad sizes", ["scale", "{cfg}", "--nproc", "1,2", "--bandwidth-sizes", "huge"], ["--bandwidth-sizes: "]),
+    ("scale unknown mode", ["scale", "{cfg}", "--nproc", "1,2", "--mode", "fast"], ["argument --mode: invalid choice: 'fast'"]),
+    ("scale bad config value", ["scale", "{cfg}", "--nproc", "1,2", "train.lr=-1"], ["train.lr: must be a positive number"]),
+    ("scale global batch does not split", ["scale", "{cfg}", "--nproc", "1,3", "--mode", "same-global"],
+     ["--nproc 3 (same-global): the global batch of 4 samples does not split over 3 processes"]),
+    ("scale config missing", ["scale", "{tmp}/nope.yaml", "--nproc", "1,2"], ["config: ", "not found"]),
+]
+
+
+def snapshot(root: Path) -> tuple[dict, set]:
+    files = {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    return files, {str(p.relative_to(root)) for p in root.rglob("*") if p.is_dir()}
+
+
+@pytest.fixture
+def tripwires(monkeypatch):
+    """Where work would start: reaching one means validation let a bad input through."""
+    import ddptune.train
+
+    def tripped(*args, **kwargs):
+        raise AssertionError("validation let this input through: work started")
+
+    for owner, name in ((dist, "torchrun"), (dist, "setup"), (ddptune.train, "run"), (scale.comm, "topology")):
+        monkeypatch.setattr(owner, name, tripped)
+
+
+def test_the_table_is_large_and_its_ids_unique():
+    assert len(CASES) >= 60 and len({c[0] for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("argv, expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_gives_one_line_exit_2_and_changes_nothing(argv, expected, tmp_path, capsys, tripwires):
+    paths = make_world(tmp_path)
+    before = snapshot(tmp_path)
+    code = cli.main([a.format(**paths) for a in argv])
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2, (code, err)
+    assert len(lines) == 1 and lines[0].startswith("ddptune: "), err
+    assert "Traceback" not in err and out == "", (out, err)
+    for part in expected:
+        assert part.format(**paths) in lines[0], (part, lines[0])
+    assert snapshot(tmp_path) == before, "a bad input changed or created files"
+
+
+def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
+    """A kill mid-write leaves half a line in metrics.jsonl: --resume keeps the whole lines up to
+    its checkpoint and drops the torn one instead of failing on it."""
+    from ddptune import metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n{"step": 3, "loss": 3.0}\n{"step": 4, "lo')
+    writer = metrics.JsonlWriter(path, keep_until_step=2)
+    writer.write({"step": 3, "loss": 2.5})
+    writer.close()
+    assert [json.loads(l) for l in path.read_text().splitlines()] == [
+        {"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}, {"step": 3, "loss": 2.5}]
