@@ -15,8 +15,7 @@ from pathlib import Path
 
 from ddptune import checkpoint, config as config_lib, data as data_lib, model as model_lib
 from ddptune.config import BatchPlan, Config, ConfigError
-
-LOCK_NAME = ".ddptune.lock"  # lock.py's file in output_dir: not a file of the run
+from ddptune.lock import NAME as LOCK_NAME
 
 
 def validate(cfg: Config, world_size: int, resume: bool = False) -> BatchPlan:

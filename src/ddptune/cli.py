@@ -9,6 +9,8 @@
 With --nproc the command re-runs itself in N processes through torchrun (a free port on this
 host); under `accelerate launch` or `torchrun` leave --nproc out: the launcher has set the group.
 A bad config fails here, before any process starts, with one line naming each field and its fix.
+A training run holds a lock on its output_dir until it ends (lock.py): a second run or --resume
+into the same folder is refused with one line.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import contextlib
 import os
 import sys
 
-from ddptune import checks, config as config_lib, dist
+from ddptune import checks, config as config_lib, dist, lock
 from ddptune.config import ConfigError
 
 
@@ -105,17 +107,26 @@ def main(argv: list[str] | None = None) -> int:
 
 def _train(args) -> int:
     cfg = config_lib.load(args.config, args.overrides)
-    if dist.in_launched_process():  # under torchrun or accelerate launch: rank 0 validates, unless our parent did
-        return _run(cfg, args.resume)
+    if dist.in_launched_process():
+        if dist.validated_by_parent():  # a worker of --nproc: the parent validated and holds the lock
+            if dist.is_main_process():
+                lock.join(cfg.output_dir)  # the lock stays live while this worker writes, whatever befalls the parent
+            return _run(cfg, args.resume)
+        # under torchrun or accelerate launch: rank 0 locks output_dir, then validates (in train.run)
+        with lock.acquire(cfg.output_dir) if dist.is_main_process() else contextlib.nullcontext():
+            return _run(cfg, args.resume)
     nproc = 1 if args.nproc is None else args.nproc
     if nproc < 1:
         raise ConfigError([f"--nproc: must be at least 1 (got {nproc})"])
     checks.validate(cfg, nproc, resume=args.resume)  # once, here, before any process starts
-    if args.nproc is None:
-        with _validated():
-            return _run(cfg, args.resume)
-    child = ["train", args.config, *args.overrides] + (["--resume"] if args.resume else [])
-    return dist.torchrun(nproc, ["ddptune", *child])
+    with lock.acquire(cfg.output_dir):  # held until the run ends; a second run or --resume is refused
+        if problems := checks.output_problems(cfg, args.resume, nproc):  # a run that ended since we validated
+            raise ConfigError(problems)
+        if args.nproc is None:
+            with _validated():
+                return _run(cfg, args.resume)
+        child = ["train", args.config, *args.overrides] + (["--resume"] if args.resume else [])
+        return dist.torchrun(nproc, ["ddptune", *child])
 
 
 @contextlib.contextmanager

@@ -1,0 +1,178 @@
+"""One run per output folder: a lock file in it for as long as the run lasts.
+
+`acquire(folder)` creates `folder/.ddptune.lock` atomically (O_CREAT | O_EXCL) with the pid and host
+of this process, so a second run or `--resume` into the same folder is refused with one line (a
+`ConfigError`). A lock whose processes have all ended (on this host) is stale: it is taken over with
+a warning, under a second O_EXCL file so that of two runs finding it at once only one takes it over.
+A lock written on another host cannot be checked there: it is refused with the path to remove.
+`join(folder)`: the worker that writes the run (rank 0 under `--nproc`) adds its pid, so the lock
+stays live while the worker runs even if the launching process is killed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import uuid
+from datetime import datetime
+from pathlib import Path
+
+from ddptune.config import ConfigError
+
+NAME = ".ddptune.lock"  # in output_dir; checks.py does not count it as a file of the run
+STALE_GUARD_S = 30.0  # a takeover guard older than this was left by a process that died taking over
+YOUNG_S = 10.0  # an unreadable lock younger than this is still being written by its owner
+
+
+class Lock:
+    """The held lock; `release()` (or leaving the `with` block) removes it, and the folder if
+    `acquire` made it and the run left nothing in it."""
+
+    def __init__(self, path: Path, token: str, made_folder: bool):
+        self.path, self.token, self.made_folder = path, token, made_folder
+
+    def release(self) -> None:
+        raw, holder = _read(self.path)
+        if holder and holder.get("token") == self.token:
+            os.unlink(self.path)
+        if self.made_folder:
+            try:
+                self.path.parent.rmdir()  # only if empty: a failed start leaves nothing behind
+            except OSError:
+                pass
+
+    def __enter__(self) -> Lock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def acquire(folder: str | os.PathLike) -> Lock:
+    """Lock `folder` (made if missing) for this process, or raise ConfigError saying who holds it."""
+    folder = Path(folder)
+    made = not folder.exists()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError([f"output_dir: {folder} cannot be made ({e.strerror}; choose a folder you can write to)"]) from None
+    path = folder / NAME
+    token = uuid.uuid4().hex
+    info = {"pids": [os.getpid()], "host": socket.gethostname(), "started": time.time(), "token": token}
+    try:
+        for _ in range(5):
+            if _create(path, info):
+                return Lock(path, token, made)
+            raw, holder = _read(path)
+            if raw is None:  # removed meanwhile: try again
+                continue
+            if holder is None and time.time() - _mtime(path) < YOUNG_S:
+                raise ConfigError([f"output_dir: {folder} is being locked by another run right now (choose another output_dir)"])
+            holder = holder or {}
+            if holder.get("host", info["host"]) != info["host"]:
+                raise ConfigError([f"output_dir: {folder} is locked by pid {_pids(holder)} on host {holder['host']} "
+                                   f"(if no run is writing there any more, remove {path})"])
+            if any(_alive(pid) for pid in holder.get("pids", [])):
+                raise ConfigError([f"output_dir: {folder} is in use by the run of pid {_pids(holder)} on {holder.get('host')}, "
+                                   f"started {_when(holder)} (wait for it to end, or choose another output_dir)"])
+            _take_over(path, raw, holder)
+        raise ConfigError([f"output_dir: could not lock {folder}: other runs keep taking it (choose another output_dir)"])
+    except BaseException:
+        if made:
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
+        raise
+
+
+def join(folder: str | os.PathLike) -> None:
+    """Add this process to the lock its launcher holds on `folder` (nothing if there is none)."""
+    path = Path(folder) / NAME
+    _, holder = _read(path)
+    if not holder or holder.get("host") != socket.gethostname():
+        return
+    holder["pids"] = sorted(set(holder.get("pids", [])) | {os.getpid()})
+    tmp = path.with_name(f"{NAME}.{os.getpid()}.tmp")
+    _write(os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o644), holder)
+    os.replace(tmp, path)  # the lock file never disappears meanwhile
+
+
+def _take_over(path: Path, raw: bytes, holder: dict) -> None:
+    """Remove the stale lock `raw`, unless another process changed it first."""
+    guard = path.with_name(NAME + ".takeover")
+    try:
+        fd = os.open(guard, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        if time.time() - _mtime(guard) > STALE_GUARD_S:
+            guard.unlink(missing_ok=True)
+            return
+        raise ConfigError([f"output_dir: {path.parent} is being taken over by another run right now "
+                           "(choose another output_dir)"]) from None
+    try:
+        _write(fd, {"pids": [os.getpid()]})
+        if _read(path)[0] == raw:  # still the stale lock we judged
+            os.unlink(path)
+            print(f"ddptune: warning: output_dir: took over the lock of a run that is no longer running "
+                  f"(pid {_pids(holder) or '?'}, started {_when(holder)})", file=sys.stderr)
+    finally:
+        guard.unlink(missing_ok=True)
+
+
+def _create(path: Path, info: dict) -> bool:
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    _write(fd, info)
+    return True
+
+
+def _write(fd: int, obj: dict) -> None:
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read(path: Path) -> tuple[bytes | None, dict | None]:
+    """(the lock's bytes or None if there is no lock, its content or None if it is not a lock)."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None, None
+    try:
+        holder = json.loads(raw)
+    except ValueError:
+        return raw, None
+    return raw, holder if isinstance(holder, dict) else None
+
+
+def _alive(pid) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return time.time()
+
+
+def _pids(holder: dict) -> str:
+    return ",".join(str(p) for p in holder.get("pids", []))
+
+
+def _when(holder: dict) -> str:
+    started = holder.get("started")
+    return datetime.fromtimestamp(started).strftime("%Y-%m-%d %H:%M:%S") if isinstance(started, (int, float)) else "at an unknown time"

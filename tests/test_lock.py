@@ -1,0 +1,121 @@
+"""One run per output_dir: a live lock refuses a second run or --resume with one line; a stale one
+(its process ended) is taken over with a warning, by exactly one of several racing runs."""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT
+from ddptune import cli, config, dist, lock
+
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def plant(folder, pids: list[int], host: str | None = None) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / lock.NAME).write_text(json.dumps({"pids": pids, "host": host or socket.gethostname(),
+                                                "started": time.time() - 60, "token": "someone-else"}))
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    import ddptune.train
+
+    def tripped(*args, **kwargs):
+        raise AssertionError("a refused run started work")
+
+    for owner, name in ((dist, "torchrun"), (dist, "setup"), (ddptune.train, "run")):
+        monkeypatch.setattr(owner, name, tripped)
+
+
+def test_a_second_run_into_a_locked_folder_is_refused_with_one_line(tmp_path, capsys, no_work):
+    out = tmp_path / "run"
+    with lock.acquire(out):  # the first run, in this process, has just started: its folder holds only the lock
+        code = cli.main(["train", TINY, f"output_dir={out}"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1, err
+        assert f"output_dir: {out} is in use by the run of pid {os.getpid()} on {socket.gethostname()}" in err[0]
+        assert "(wait for it to end, or choose another output_dir)" in err[0]
+        assert [p.name for p in out.iterdir()] == [lock.NAME]
+    assert not out.exists()  # the first run made the folder and left nothing in it: released, removed
+
+
+def test_resume_beside_a_live_run_is_refused(tmp_path, capsys, no_work):
+    part = tmp_path / "part"
+    part.mkdir()
+    (part / "config.yaml").write_text(config.dump(config.load(TINY, [f"output_dir={part}", "train.save_every=2"])))
+    (part / "checkpoints" / "step-000002").mkdir(parents=True)
+    (part / "checkpoints" / "step-000002" / "state.json").write_text(json.dumps({"step": 2, "world_size": 1}))
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # an orphaned worker, still writing
+    try:
+        plant(part, [dead_pid(), worker.pid])  # its launcher was killed; the worker joined the lock
+        before = (part / lock.NAME).read_text()
+        code = cli.main(["train", TINY, f"output_dir={part}", "train.save_every=2", "--resume"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and "is in use by the run of pid" in err[0] and str(worker.pid) in err[0], err
+        assert (part / lock.NAME).read_text() == before  # not taken over
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+def test_a_lock_from_another_host_is_never_taken_over(tmp_path):
+    out = tmp_path / "run"
+    plant(out, [1], host="elsewhere.example")
+    with pytest.raises(config.ConfigError, match=r"locked by pid 1 on host elsewhere.example \(if no run is writing there any more, remove "):
+        lock.acquire(out)
+    assert "elsewhere.example" in (out / lock.NAME).read_text()
+
+
+def test_a_stale_lock_is_taken_over_with_a_warning_and_the_run_completes(tmp_path, capsys):
+    out = tmp_path / "run"
+    plant(out, [dead_pid()])  # a run killed before it wrote anything
+    code = cli.main(["train", TINY, f"output_dir={out}", "train.max_steps=2", "data.val=null"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "ddptune: warning: output_dir: took over the lock of a run that is no longer running" in err
+    assert (out / "summary.json").is_file() and (out / "adapter").is_dir()
+    assert not (out / lock.NAME).exists()  # released at the end
+
+
+def _race(folder: str, start: float, results) -> None:
+    time.sleep(max(0.0, start - time.time()))
+    try:
+        held = lock.acquire(folder)
+    except config.ConfigError as e:
+        results.put(("refused", str(e)))
+        return
+    results.put(("got", os.getpid()))
+    time.sleep(2.0)  # hold it while the others look
+    held.release()
+
+
+def test_racing_runs_take_a_stale_lock_over_once(tmp_path):
+    out = tmp_path / "run"
+    plant(out, [dead_pid()])
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    start = time.time() + 3.0  # every process past its imports by then
+    procs = [ctx.Process(target=_race, args=(str(out), start, results)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    outcomes = [results.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    got = [o for o in outcomes if o[0] == "got"]
+    assert len(got) == 1, outcomes
+    assert all("output_dir: " in o[1] for o in outcomes if o[0] == "refused"), outcomes
+    assert not (out / lock.NAME).exists()
