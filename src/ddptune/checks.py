@@ -178,5 +178,11 @@ def output_problems(cfg: Config, resume: bool, world_size: int | None = None) ->
         saved = config_lib.flatten(config_lib.read_yaml(out / "config.yaml", "output_dir"))
     except ConfigError as e:
         return [f"{e.problems[0]} (resume needs the run's own config.yaml)"]
+    defaults = config_lib.flatten(config_lib.to_dict(Config()))
     return [f"{key}: is {value!r} but the run being resumed used {saved.get(key)!r} (resume with the same config)"
-            for key, value in config_lib.flatten(config_lib.to_dict(cfg)).items() if saved.get(key) != value]
+            for key, value in config_lib.flatten(config_lib.to_dict(cfg)).items()
+            if saved.get(key) != value and key not in RESUME_MAY_CHANGE
+            and not (key not in saved and value == defaults[key])]  # a key newer than the run, at its default
+
+
+RESUME_MAY_CHANGE = {"train.timeout_minutes"}  # keys that change no result: a resume may set them anew

@@ -152,4 +152,7 @@ def _run(cfg, resume: bool) -> int:
         if dist.is_main_process():
             print(f"ddptune: {e}", file=sys.stderr)
         return 1
+    except dist.Stalled as e:  # every process that saw it says so: the one that hung may be rank 0
+        print(f"ddptune: rank {os.environ.get('RANK', '0')}: {e}", file=sys.stderr)
+        return 1
     return 0

@@ -142,6 +142,10 @@ class TrainConfig:
     """auto: bf16 compute on GPU, fp32 on CPU."""
     seed: int = 0
     """Seeds the data order, the adapters' initialisation and dropout."""
+    timeout_minutes: float = 10.0
+    """How long a process may wait for the others at one collective once training has started
+    (gradient all-reduce, checkpoint save, evaluation); a process that hangs or dies then ends the run
+    with an error instead of a silent stall. Raise it if one process legitimately works alone longer."""
     save_every: int = 0
     """Write a resumable checkpoint every N optimizer steps; 0: only the final adapter."""
     keep_checkpoints: int = 2
@@ -402,6 +406,8 @@ def check_values(cfg: Config) -> list[str]:
             problems.append(f"train.{name}: must be 0 or more")
     if t.keep_checkpoints < 1:
         problems.append("train.keep_checkpoints: must be at least 1")
+    if not (math.isfinite(t.timeout_minutes) and t.timeout_minutes > 0):
+        problems.append("train.timeout_minutes: must be a positive number of minutes, e.g. 10")
     if not 0 <= t.seed < 2**32:
         problems.append(f"train.seed: {t.seed} is outside 0..{2**32 - 1} (numpy and torch seeds are 32-bit)")
     if t.packing and t.tokens_per_forward < d.max_length:

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import warnings
+from datetime import timedelta
 
 import torch
 import transformers
@@ -92,6 +93,32 @@ def setup(precision: str = "auto") -> Accelerator:
         logging.disable(logging.WARNING)
         warnings.filterwarnings("ignore")
     return accelerator
+
+
+class Stalled(RuntimeError):
+    """A collective failed: another process hung past the timeout or died. The run stops."""
+
+
+def set_timeout(minutes: float) -> None:
+    """How long any collective of the default process group may wait for the other processes
+    before failing (no-op without a process group)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.distributed_c10d._set_pg_timeout(timedelta(minutes=minutes))
+
+
+def collective_failed(e: BaseException) -> bool:
+    """True for the errors a collective raises when a peer hung past the timeout or went away
+    (gloo raises plain RuntimeErrors; NCCL DistBackendError, when its watchdog lets it)."""
+    if isinstance(e, getattr(torch.distributed, "DistError", ())):
+        return True
+    text = str(e)
+    return any(s in text for s in ("Timed out waiting", "Connection closed by peer", "Connection reset by peer",
+                                   "NCCL communicator was aborted", "Watchdog caught collective operation timeout"))
+
+
+def first_line(e: BaseException) -> str:
+    line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return line.split("] ", 1)[-1][:200]  # without gloo's source location
 
 
 def on_main(accelerator: Accelerator, fn):

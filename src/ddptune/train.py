@@ -222,6 +222,9 @@ def announce(r: Run) -> None:
 def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
     """Run the optimizer steps; return metrics.jsonl's rows and this process's (times, share) per step."""
     cfg, acc = r.cfg, r.accelerator
+    # From here on a process that hangs or dies ends the run within train.timeout_minutes (setup keeps
+    # torch's default: rank 0 may validate, download and tokenize for long while the others wait).
+    dist.set_timeout(cfg.train.timeout_minutes)
     if cfg.eval.enabled and cfg.eval.zero_shot and cfg.train.method != "full" and not r.start:
         with r.model.disable_adapter():  # the base model, before any step
             evaluate.evaluate(r.model, r.tokenizer, evaluate.eval_rows(cfg), cfg, acc, r.out / "eval-base", "zero-shot")
@@ -246,6 +249,7 @@ def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
 
     r.ddp_model.train()
     gc.disable()  # Python's collector would pause each process at its own moment: collect on all at once instead
+    step = r.start
     try:
         with profiling(r) as profiler:
             for step in range(r.start, r.total_steps):
@@ -273,6 +277,13 @@ def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
                     save_checkpoint(r, done)
             if pending:
                 record(pending)
+    except RuntimeError as e:
+        if not dist.collective_failed(e):
+            raise
+        saved = checkpoint.list_checkpoints(r.out / "checkpoints")
+        raise dist.Stalled(f"step {step + 1}: {dist.first_line(e)}: another process hung (it waited more than "
+                           f"train.timeout_minutes={cfg.train.timeout_minutes:g}) or died; newest checkpoint: "
+                           f"{saved[-1] if saved else 'none'} (see that process's output, then continue with --resume)") from None
     finally:
         gc.unfreeze()
         gc.enable()

@@ -1,0 +1,74 @@
+"""Faults during training, in real gloo processes: a process that hangs ends the run with one clear
+error within train.timeout_minutes instead of a silent stall."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import torch.multiprocessing as mp
+
+import multiproc
+from conftest import ROOT
+from ddptune import config, dist, train
+
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+def _stop_once_training(metrics_path: str) -> None:
+    """Freeze this process (SIGSTOP: alive, silent) once rank 0 has logged two steps."""
+    while not (os.path.exists(metrics_path) and len(open(metrics_path).read().splitlines()) >= 2):
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def train_until_a_process_hangs(overrides: list[str], metrics_path: str) -> str:
+    if os.environ["RANK"] == "1":
+        threading.Thread(target=_stop_once_training, args=(metrics_path,), daemon=True).start()
+    started = time.perf_counter()
+    try:
+        train.run(config.load(TINY, overrides))
+    except dist.Stalled as e:
+        return f"{time.perf_counter() - started:.1f} {e}"
+    return "finished"
+
+
+def test_a_hung_process_ends_the_run_with_a_clear_error(tmp_path):
+    out = tmp_path / "run"
+    overrides = [f"output_dir={out}", "train.max_steps=100000", "train.timeout_minutes=0.05", "data.val=null",
+                 "train.save_every=1", "train.keep_checkpoints=1"]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = multiproc.free_port()
+    args = (overrides, str(out / "metrics.jsonl"))
+    procs = [ctx.Process(target=multiproc._worker, args=(train_until_a_process_hangs, rank, 2, port, args, results))
+             for rank in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        rank, error, value = results.get(timeout=300)  # rank 1 is frozen: only rank 0 can answer
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(timeout=30)
+    assert (rank, error) == (0, None), error
+    assert value != "finished"
+    message = value.split(" ", 1)[1]
+    assert "\n" not in message and message.startswith("step "), message
+    assert "Timed out waiting 3000ms" in message and "train.timeout_minutes=0.05" in message, message
+    assert "newest checkpoint: " + str(out / "checkpoints" / "step-") in message and "--resume" in message
+
+
+def test_a_resume_may_set_a_new_timeout_but_not_a_new_learning_rate(tmp_path):
+    import json
+
+    from ddptune import checks
+
+    part = tmp_path / "part"
+    (part / "checkpoints" / "step-000002").mkdir(parents=True)
+    (part / "checkpoints" / "step-000002" / "state.json").write_text(json.dumps({"step": 2, "world_size": 1}))
+    (part / "config.yaml").write_text(config.dump(config.load(TINY, [f"output_dir={part}"])))
+    resumed = lambda *o: checks.output_problems(config.load(TINY, [f"output_dir={part}", *o]), True, 1)  # noqa: E731
+    assert resumed("train.timeout_minutes=60") == []
+    assert resumed("train.lr=0.5") == ["train.lr: is 0.5 but the run being resumed used 0.01 (resume with the same config)"]
