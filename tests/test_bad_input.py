@@ -134,6 +134,7 @@ CASES = [
     ("save every negative", [*TRAIN, "train.save_every=-5"], ["train.save_every: must be 0 or more"]),
     ("keep no checkpoints", [*TRAIN, "train.keep_checkpoints=0"], ["train.keep_checkpoints: must be at least 1"]),
     ("timeout zero", [*TRAIN, "train.timeout_minutes=0"], ["train.timeout_minutes: must be a positive number of minutes"]),
+    ("save interval negative", [*TRAIN, "train.save_every_minutes=-1"], ["train.save_every_minutes: must be 0 (off) or a positive number"]),
     ("seed negative", [*TRAIN, "train.seed=-1"], ["train.seed: -1 is outside 0..4294967295"]),
     ("seed too large", [*TRAIN, "train.seed=4294967296"], ["train.seed: 4294967296 is outside 0..4294967295"]),
     ("unknown method", [*TRAIN, "train.method=lora2"], ["train.method: 'lora2' is not allowed (use one of lora, qlora, full)"]),

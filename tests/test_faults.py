@@ -72,3 +72,49 @@ def test_a_resume_may_set_a_new_timeout_but_not_a_new_learning_rate(tmp_path):
     resumed = lambda *o: checks.output_problems(config.load(TINY, [f"output_dir={part}", *o]), True, 1)  # noqa: E731
     assert resumed("train.timeout_minutes=60") == []
     assert resumed("train.lr=0.5") == ["train.lr: is 0.5 but the run being resumed used 0.01 (resume with the same config)"]
+
+
+def train_until_interrupted(overrides: list[str], resume: bool = False) -> str:
+    try:
+        train.run(config.load(TINY, overrides), resume=resume)
+    except train.Interrupted as e:
+        return str(e)
+    return "finished"
+
+
+def test_a_signal_to_one_process_stops_all_after_a_saved_step_and_resume_finishes(tmp_path):
+    import json
+
+    out = tmp_path / "run"
+    overrides = [f"output_dir={out}", "train.max_steps=60", "data.val=null", "train.save_every=0"]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = multiproc.free_port()
+    procs = [ctx.Process(target=multiproc._worker, args=(train_until_interrupted, rank, 2, port, (overrides,), results))
+             for rank in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        metrics_path = out / "metrics.jsonl"
+        deadline = time.time() + 240
+        while not (metrics_path.exists() and len(metrics_path.read_text().splitlines()) >= 2) and time.time() < deadline:
+            time.sleep(0.02)
+        os.kill(procs[1].pid, signal.SIGINT)  # Ctrl-C reaching one worker only: both must stop at the same step
+        answers = dict((rank, value or error) for rank, error, value in (results.get(timeout=120) for _ in procs))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert answers[0] == answers[1], answers
+    done = int(answers[0].split("after step ")[1].split(" ")[0])
+    assert 2 <= done < 60, answers[0]
+    assert answers[0] == (f"stopped by SIGINT after step {done} of 60; saved {out / 'checkpoints' / f'step-{done:06d}'} "
+                          "(continue with the same command and --resume)")
+    assert json.loads((out / "checkpoints" / f"step-{done:06d}" / "state.json").read_text())["step"] == done
+    assert [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()] == list(range(1, done + 1))
+    assert not (out / "summary.json").exists()
+
+    multiproc.run(train_until_interrupted, 2, overrides, True)  # nothing lost: the run continues where it stopped
+    assert [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()] == list(range(1, 61))
+    assert json.loads((out / "summary.json").read_text())["steps"] == 60

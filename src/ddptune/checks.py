@@ -158,7 +158,7 @@ def output_problems(cfg: Config, resume: bool, world_size: int | None = None) ->
         return [f"output_dir: the run in {out} is complete (it wrote summary.json): nothing to resume "
                 "(raise train.max_steps into a new output_dir to train on)"]
     if not (out / "checkpoints").is_dir():
-        return [f"output_dir: --resume found no checkpoints in {out} (train with train.save_every > 0 first)"]
+        return [f"output_dir: --resume found no checkpoints in {out} (train with train.save_every or train.save_every_minutes > 0 first)"]
     states = []
     for path in reversed(checkpoint.list_checkpoints(out / "checkpoints")):
         try:
@@ -185,4 +185,4 @@ def output_problems(cfg: Config, resume: bool, world_size: int | None = None) ->
             and not (key not in saved and value == defaults[key])]  # a key newer than the run, at its default
 
 
-RESUME_MAY_CHANGE = {"train.timeout_minutes"}  # keys that change no result: a resume may set them anew
+RESUME_MAY_CHANGE = {"train.timeout_minutes", "train.save_every", "train.save_every_minutes", "train.keep_checkpoints"}  # keys that change no result: a resume may set them anew

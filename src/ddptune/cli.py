@@ -152,6 +152,10 @@ def _run(cfg, resume: bool) -> int:
         if dist.is_main_process():
             print(f"ddptune: {e}", file=sys.stderr)
         return 1
+    except train.Interrupted as e:  # the step was finished and saved
+        if dist.is_main_process():
+            print(f"ddptune: {e}", file=sys.stderr)
+        return 128 + e.signum
     except dist.Stalled as e:  # every process that saw it says so: the one that hung may be rank 0
         print(f"ddptune: rank {os.environ.get('RANK', '0')}: {e}", file=sys.stderr)
         return 1

@@ -148,6 +148,9 @@ class TrainConfig:
     with an error instead of a silent stall. Raise it if one process legitimately works alone longer."""
     save_every: int = 0
     """Write a resumable checkpoint every N optimizer steps; 0: only the final adapter."""
+    save_every_minutes: float = 10.0
+    """Also write one when this many minutes have passed since the last (0: off), and always when
+    SIGINT or SIGTERM stops the run: an interrupted run can be continued with --resume."""
     keep_checkpoints: int = 2
     """How many of the newest checkpoints to keep."""
     val_every: int = 0
@@ -408,6 +411,8 @@ def check_values(cfg: Config) -> list[str]:
         problems.append("train.keep_checkpoints: must be at least 1")
     if not (math.isfinite(t.timeout_minutes) and t.timeout_minutes > 0):
         problems.append("train.timeout_minutes: must be a positive number of minutes, e.g. 10")
+    if not (math.isfinite(t.save_every_minutes) and t.save_every_minutes >= 0):
+        problems.append("train.save_every_minutes: must be 0 (off) or a positive number of minutes")
     if not 0 <= t.seed < 2**32:
         problems.append(f"train.seed: {t.seed} is outside 0..{2**32 - 1} (numpy and torch seeds are 32-bit)")
     if t.packing and t.tokens_per_forward < d.max_length:

@@ -121,6 +121,40 @@ def first_line(e: BaseException) -> str:
     return line.split("] ", 1)[-1][:200]  # without gloo's source location
 
 
+class ControlChannel:
+    """What every process must agree on between steps: whether SIGINT or SIGTERM reached any of
+    them (from `ControlChannel()` to `close()` these signals are caught, not fatal: a second one
+    is) and whether a checkpoint is due. One small all-reduce on the host per step, over gloo (a
+    gloo group beside NCCL on GPUs), so the device is never waited for."""
+
+    def __init__(self, timeout_minutes: float):
+        self.signum = 0
+        self.old = {}
+        if threading.current_thread() is threading.main_thread():
+            self.old = {s: signal.signal(s, self._catch) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.group = None
+        self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        if self.world > 1 and torch.distributed.get_backend() != "gloo":
+            self.group = torch.distributed.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes))
+
+    def _catch(self, signum, _frame) -> None:
+        if self.signum:  # a second signal: stop now
+            signal.signal(signum, self.old.get(signum, signal.SIG_DFL))
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def agree(self, due: bool) -> tuple[int, bool]:
+        """(a signal number if any process caught one, else 0; whether any process finds a save due)."""
+        flags = torch.tensor([self.signum, int(due)], dtype=torch.int64)
+        if self.world > 1:
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return int(flags[0]), bool(flags[1])
+
+    def close(self) -> None:
+        for s, handler in self.old.items():
+            signal.signal(s, handler)
+
+
 def on_main(accelerator: Accelerator, fn):
     """Run `fn()` on the main process only; every process returns its result or raises the same
     exception type with the same message (others wait at the broadcast meanwhile)."""

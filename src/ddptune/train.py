@@ -18,6 +18,7 @@ import gc
 import hashlib
 import json
 import math
+import signal
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -36,6 +37,14 @@ from ddptune.config import BatchPlan, Config, ConfigError
 
 class NonFinite(RuntimeError):
     """The loss or gradient norm of a step is not a finite number: training stops."""
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM reached a process: the step was finished and checkpointed, then training stopped."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
 
 
 GC_EVERY = 50  # optimizer steps between collections of Python's young generations (every process at once)
@@ -250,6 +259,8 @@ def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
     r.ddp_model.train()
     gc.disable()  # Python's collector would pause each process at its own moment: collect on all at once instead
     step = r.start
+    control = dist.ControlChannel(cfg.train.timeout_minutes)  # SIGINT/SIGTERM and checkpoint times, agreed by all
+    last_save = time.monotonic()
     try:
         with profiling(r) as profiler:
             for step in range(r.start, r.total_steps):
@@ -264,7 +275,9 @@ def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
                     gc.collect(1)
                 done = step + 1
                 validate_now = cfg.train.val_every and r.val_set and done % cfg.train.val_every == 0 and done < r.total_steps
-                save_now = cfg.train.save_every and done % cfg.train.save_every == 0
+                minutes = cfg.train.save_every_minutes
+                stop, due = control.agree(minutes > 0 and time.monotonic() - last_save >= 60 * minutes)
+                save_now = (cfg.train.save_every and done % cfg.train.save_every == 0) or due or stop
                 if validate_now or save_now:
                     record(pending)
                     pending = None
@@ -275,6 +288,11 @@ def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
                         bar.write(f"step {done}: val_loss {val:.4f}")
                 if save_now:
                     save_checkpoint(r, done)
+                    last_save = time.monotonic()
+                if stop:
+                    raise Interrupted(stop, f"stopped by {signal.Signals(stop).name} after step {done} of {r.total_steps}; "
+                                      f"saved {r.out / 'checkpoints' / f'{checkpoint.PREFIX}{done:06d}'} (continue with "
+                                      "the same command and --resume)")
             if pending:
                 record(pending)
     except RuntimeError as e:
@@ -285,6 +303,7 @@ def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
                            f"train.timeout_minutes={cfg.train.timeout_minutes:g}) or died; newest checkpoint: "
                            f"{saved[-1] if saved else 'none'} (see that process's output, then continue with --resume)") from None
     finally:
+        control.close()
         gc.unfreeze()
         gc.enable()
     bar.close()
