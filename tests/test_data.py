@@ -123,11 +123,11 @@ def test_packing_keeps_samples_apart():
     # position t predicts token t+1, never across a sample boundary; found on the host
     assert batch["target_index"].tolist() == [2, 3, 5, 6] and batch["targets"].tolist() == [7, 8, 7, 8]
     assert sum(len(data.collate_packed(f)["targets"]) for f in forwards) == 6 == data.target_tokens(ex)
-    # for CUDA graphs: padded to a multiple of 16 tokens by a pad sample, boundaries to 16 entries
+    # for CUDA graphs: padded to a multiple of 16 tokens by a pad sample, boundaries to 64 entries
     fixed = data.collate_packed(forwards[0], pad_to=16, max_length=32)
     assert fixed["input_ids"].shape == (1, 16) and fixed["max_length_q"] == 32
     assert fixed["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7]]
-    assert fixed["cu_seq_lens_q"].tolist() == [0, 5, 8] + [16] * 13
+    assert fixed["cu_seq_lens_q"].tolist() == [0, 5, 8] + [16] * 61
     assert fixed["target_index"].tolist() == [2, 3, 5, 6] and fixed["targets"].tolist() == [7, 8, 7, 8]
 
 

@@ -59,7 +59,7 @@ def test_flash_varlen_takes_a_padded_row_with_empty_samples():
     lengths = [37, 200, 5]
     real = sum(lengths)
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
-    padded_cu = torch.tensor([0, 37, 237, 242, 256] + [256] * 11, device="cuda", dtype=torch.int32)
+    padded_cu = torch.tensor([0, 37, 237, 242, 256] + [256] * 59, device="cuda", dtype=torch.int32)
     q, k, v = (torch.randn(256, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True) for _ in range(3))
     out = model_lib._flash_varlen(q[:real], k[:real], v[:real], cu, max(lengths), 0.125)
     fixed = model_lib._flash_varlen(q, k, v, padded_cu, 512, 0.125)

@@ -135,9 +135,9 @@ class TrainConfig:
     cuda_graphs: bool = False
     """With packing and compiled layers on a GPU: replay each decoder layer's kernels as a CUDA
     graph (torch.compile's reduce-overhead mode), one launch per layer instead of dozens, for steps
-    whose time goes to the host issuing kernels (small models, small shares). Each packed row is
-    padded to a multiple of 256 tokens (the pad is a sample of its own, outside the loss) so a few
-    shapes repeat; the recorded graphs keep their own GPU memory."""
+    whose time goes to the host issuing kernels (small models, small shares). Every packed row is
+    padded to the run's longest (rounded up to 256 tokens; the pad is a sample of its own, outside
+    the loss), so one shape repeats; the recorded graphs keep their own GPU memory."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """auto: bf16 compute on GPU, fp32 on CPU."""
     seed: int = 0

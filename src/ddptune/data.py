@@ -292,7 +292,7 @@ def collate_packed(examples: list[dict], pad_to: int = 0, max_length: int = 0) -
 
     For replayed CUDA graphs the shapes must repeat: `pad_to` rounds the row up to a multiple of
     that many tokens with one pad sample (no targets), the boundaries are repeated up to a multiple
-    of 16 entries (empty samples), and `max_length` (the data's) is given as the longest sample."""
+    of 64 entries (empty samples), and `max_length` (the data's) is given as the longest sample."""
     lengths = [len(e["input_ids"]) for e in examples]
     total = sum(lengths)
     pad = -total % pad_to if pad_to else 0
@@ -303,7 +303,7 @@ def collate_packed(examples: list[dict], pad_to: int = 0, max_length: int = 0) -
     for a in cu[1:-1].tolist():  # the last token of a sample predicts nothing in the next one
         labels[0][a] = IGNORE
     if pad_to:
-        cu = torch.cat([cu, cu[-1:].expand(-len(cu) % 16)])
+        cu = torch.cat([cu, cu[-1:].expand(-len(cu) % 64)])
     index, targets = targets_of(labels)
     longest = max_length or max(lengths)
     return {

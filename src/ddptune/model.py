@@ -276,10 +276,14 @@ def load_model(m: ModelConfig, method: str, device: torch.device, precision: str
 def compile_layers(model, cuda_graphs: bool = False) -> None:
     """torch.compile every decoder layer (regional compilation: the layers share one compiled
     graph, so compile time is that of one layer). With `cuda_graphs`, each layer's forward and
-    backward are recorded once per input shape and replayed (mode reduce-overhead)."""
+    backward are recorded once per input shape and replayed (mode reduce-overhead). Graphs are
+    compiled for static shapes, one compile per padded length: in torch 2.11 replaying graphs
+    compiled for dynamic shapes crashed the process (SIGSEGV in the backward, seen on H200)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if cuda_graphs:  # a few padded lengths, times the first layer (whose input needs no gradient)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     for layer in base.get_decoder().layers:
-        layer.compile(dynamic=True, mode="reduce-overhead" if cuda_graphs else None)
+        layer.compile(dynamic=not cuda_graphs, mode="reduce-overhead" if cuda_graphs else None)
 
 
 def activation_bytes(model, tokens: int) -> float:

@@ -48,7 +48,7 @@ class Interrupted(Exception):
 
 
 GC_EVERY = 50  # optimizer steps between collections of Python's young generations (every process at once)
-GRAPH_PAD = 256  # with train.cuda_graphs, packed rows are padded to a multiple of this many tokens
+GRAPH_PAD = 256  # with train.cuda_graphs, every packed row is padded to the run's longest, rounded up to this
 
 
 @dataclass
@@ -76,6 +76,7 @@ class Run:
     compiled: bool
     graphs: bool          # compiled layers replayed as CUDA graphs
     load_s: float
+    graph_tokens: int = 0  # with graphs: the one length every packed row is padded to
 
 
 @dataclass
@@ -144,6 +145,10 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     r = Run(cfg, plan, accelerator, out, tokenizer, train_set, val_set, model, loss_model, ddp_model, optimizer,
             scheduler, clock, flops, costs, targets, start, total_steps, checkpointing, compiled, graphs,
             time.perf_counter() - t0)
+    if graphs:  # one shape for the whole run: each new length would be a compile and a recording
+        longest = max(sum(len(e["input_ids"]) for e in group) for step in range(start, total_steps)
+                      for rank in split_step(r, step).forwards for group in rank)  # same shape on every process
+        r.graph_tokens = -(-longest // GRAPH_PAD) * GRAPH_PAD
     announce(r)
     return r
 
@@ -325,7 +330,7 @@ def train_step(r: Run, step: int) -> dict:
     r.clock.start()
     loss_sum = torch.zeros((), device=acc.device)
     for k, group in enumerate(forwards):
-        batch = to_device(collate(r.cfg, group, r.tokenizer.pad_token_id), acc.device)
+        batch = to_device(collate(r.cfg, group, r.tokenizer.pad_token_id, r.graph_tokens), acc.device)
         if r.graphs:  # a new forward: the previous replay's outputs are no longer needed
             torch.compiler.cudagraph_mark_step_begin()
         last = k == len(forwards) - 1  # the gradient all-reduce runs in this backward only
@@ -382,11 +387,11 @@ def layout(cfg: Config, examples: list[dict]) -> list[list[dict]]:
     return [ordered[i:i + t.micro_batch_size] for i in range(0, len(ordered), t.micro_batch_size)]
 
 
-def collate(cfg: Config, group: list[dict], pad_id: int) -> dict:
+def collate(cfg: Config, group: list[dict], pad_id: int, pad_to: int = 0) -> dict:
     if not cfg.train.packing:
         return data.collate(group, pad_id)
-    if cfg.train.cuda_graphs:  # a few repeating shapes for the recorded graphs
-        return data.collate_packed(group, pad_to=GRAPH_PAD, max_length=cfg.data.max_length)
+    if pad_to:  # one repeating shape for the recorded graphs
+        return data.collate_packed(group, pad_to=pad_to, max_length=cfg.data.max_length)
     return data.collate_packed(group)
 
 
