@@ -1,8 +1,6 @@
 """GPU-only checks (skipped without CUDA; run on the device machine, see BENCHMARKS.md)."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -49,42 +47,3 @@ def test_packed_loss_equals_separate_losses_on_gpu():
         separate = sum(net(**to(data.collate([e], 0)), num_items=1).float() for e in ex)
         packed = net(**to(data.collate_packed(ex)), num_items=1).float()
     assert torch.allclose(packed, separate, rtol=1e-2)
-
-
-@cuda
-def test_flash_varlen_takes_a_padded_row_with_empty_samples():
-    """The fixed shapes of train.cuda_graphs: a pad sample, boundaries repeated (empty samples) and
-    max_length above every sample's length leave the real samples' attention and gradients as they are."""
-    g = torch.Generator(device="cuda").manual_seed(1)
-    lengths = [37, 200, 5]
-    real = sum(lengths)
-    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
-    padded_cu = torch.tensor([0, 37, 237, 242, 256] + [256] * 59, device="cuda", dtype=torch.int32)
-    q, k, v = (torch.randn(256, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True) for _ in range(3))
-    out = model_lib._flash_varlen(q[:real], k[:real], v[:real], cu, max(lengths), 0.125)
-    fixed = model_lib._flash_varlen(q, k, v, padded_cu, 512, 0.125)
-    assert torch.equal(fixed[:real], out)
-    w = torch.randn_like(out)
-    a = torch.autograd.grad((out.float() * w).sum(), (q, k, v))
-    b = torch.autograd.grad((fixed[:real].float() * w).sum(), (q, k, v))
-    for x, y in zip(a, b):
-        assert torch.allclose(x[:real].float(), y[:real].float(), atol=1e-3)
-
-
-@cuda
-def test_cuda_graphs_train_to_the_losses_of_compiled_layers(tmp_path):
-    """train.cuda_graphs changes how kernels are launched, not the math: same losses as compiled
-    layers without graphs (bf16, so within rounding), and the gradients are not overwritten by replays."""
-    from conftest import ROOT
-    from ddptune import config, train
-
-    runs = {}
-    for graphs in (False, True):
-        cfg = config.load(ROOT / "configs" / "tiny.yaml", [
-            f"output_dir={tmp_path / str(graphs)}", "train.max_steps=8", "data.val=null", "train.compile=true",
-            f"train.cuda_graphs={str(graphs).lower()}", "train.micro_batch_size=8"])
-        summary, _ = train.run(cfg)
-        runs[graphs] = [json.loads(l)["loss"] for l in (tmp_path / str(graphs) / "metrics.jsonl").read_text().splitlines()
-                        if '"loss"' in l]
-    assert runs[True] == pytest.approx(runs[False], rel=2e-2)
-    assert runs[True][-1] < runs[True][0]

@@ -147,7 +147,7 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
             torch.nn.functional.scaled_dot_product_attention(
                 q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
                 is_causal=True, scale=scaling, enable_gqa=True).transpose(0, 1)
-            for a, b in zip(bounds[:-1], bounds[1:]) if b > a  # empty samples pad the boundaries
+            for a, b in zip(bounds[:-1], bounds[1:])
         ])
     return out.unsqueeze(0), None
 
@@ -273,17 +273,12 @@ def load_model(m: ModelConfig, method: str, device: torch.device, precision: str
     return model
 
 
-def compile_layers(model, cuda_graphs: bool = False) -> None:
+def compile_layers(model) -> None:
     """torch.compile every decoder layer (regional compilation: the layers share one compiled
-    graph, so compile time is that of one layer). With `cuda_graphs`, each layer's forward and
-    backward are recorded once per input shape and replayed (mode reduce-overhead). Graphs are
-    compiled for static shapes, one compile per padded length: in torch 2.11 replaying graphs
-    compiled for dynamic shapes crashed the process (SIGSEGV in the backward, seen on H200)."""
+    graph, so compile time is that of one layer)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if cuda_graphs:  # a few padded lengths, times the first layer (whose input needs no gradient)
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     for layer in base.get_decoder().layers:
-        layer.compile(dynamic=not cuda_graphs, mode="reduce-overhead" if cuda_graphs else None)
+        layer.compile(dynamic=True)
 
 
 def activation_bytes(model, tokens: int) -> float:
