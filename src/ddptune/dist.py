@@ -125,7 +125,9 @@ class ControlChannel:
     """What every process must agree on between steps: whether SIGINT or SIGTERM reached any of
     them (from `ControlChannel()` to `close()` these signals are caught, not fatal: a second one
     is) and whether a checkpoint is due. One small all-reduce on the host per step, over gloo (a
-    gloo group beside NCCL on GPUs), so the device is never waited for."""
+    gloo group beside NCCL on GPUs), so the device is never waited for; it travels while the next
+    step runs and is read after it, so the processes' hosts are never held in step with each other
+    (every process acts on the same answer after the same step, one step after it was asked)."""
 
     def __init__(self, timeout_minutes: float):
         self.signum = 0
@@ -133,6 +135,7 @@ class ControlChannel:
         if threading.current_thread() is threading.main_thread():
             self.old = {s: signal.signal(s, self._catch) for s in (signal.SIGINT, signal.SIGTERM)}
         self.group = None
+        self.pending = None  # the previous step's question, on its way
         self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         if self.world > 1 and torch.distributed.get_backend() != "gloo":
             self.group = torch.distributed.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes))
@@ -146,9 +149,16 @@ class ControlChannel:
     def agree(self, due: bool) -> tuple[int, bool]:
         """(a signal number if any process caught one, else 0; whether any process finds a save due)."""
         flags = torch.tensor([self.signum, int(due)], dtype=torch.int64)
+        work = None
         if self.world > 1:
-            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self.group)
-        return int(flags[0]), bool(flags[1])
+            work = torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self.group, async_op=True)
+        previous, self.pending = self.pending, (flags, work)
+        if previous is None:
+            return 0, False
+        answer, work = previous
+        if work is not None:
+            work.wait()
+        return int(answer[0]), bool(answer[1])
 
     def close(self) -> None:
         for s, handler in self.old.items():
