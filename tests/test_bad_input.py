@@ -53,7 +53,7 @@ def make_world(tmp: Path) -> dict[str, str]:
                                                             "rougeLsum": 1.0, "n": 4, "generation_time_s": 1.0}))
     part = run_dir("part", ["train.save_every=2"])  # stopped after its step-2 checkpoint, written by 2 processes
     (part / "checkpoints" / "step-000002").mkdir(parents=True)
-    (part / "checkpoints" / "step-000002" / "state.json").write_text(json.dumps({"step": 2, "world_size": 2}))
+    (part / "checkpoints" / "step-000002" / "state.json").write_text(json.dumps({"step": 2, "world_size": 2, "global_batch": 8}))
     (part / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n')
     bare = run_dir("bare", ["train.save_every=2"])  # killed during its first save: only a temporary folder
     (bare / "checkpoints" / ".step-000002.tmp-x").mkdir(parents=True)
@@ -191,7 +191,8 @@ CASES = [
     ("resume with no complete checkpoint", ["train", "{cfg}", "output_dir={bare}", "train.save_every=2", "--resume"],
      ["--resume: no checkpoint in ", "can be read back", "start afresh into a new output_dir"]),
     ("resume at another process count", ["train", "{cfg}", "output_dir={part}", "train.save_every=2", "--resume"],
-     ["--resume: ", "was written by 2 processes, not 1 (resume with --nproc 2)"]),
+     ["--resume: ", "was written by 2 processes with 8 samples per optimizer step; 1 process(es) would not take the same: "
+      "set train.effective_batch_size=8 (or resume with --nproc 2)"]),
     ("resume with another config", ["train", "{cfg}", "output_dir={part}", "train.save_every=2", "train.lr=0.5", "--resume", "--nproc", "2"],
      ["train.lr: is 0.5 but the run being resumed used 0.01 (resume with the same config)"]),
     ("resume with a torn config.yaml", ["train", "{cfg}", "output_dir={torn}", "train.save_every=2", "--resume"],

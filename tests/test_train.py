@@ -145,6 +145,33 @@ def test_resume_ends_with_the_weights_of_an_unbroken_run(tmp_path):
         assert torch.equal(wa[k], wb[k]), k
 
 
+def test_resume_at_another_process_count_keeps_the_global_batch_and_the_losses(tmp_path):
+    """Stopped at 2 processes, resumed at 1 with the same samples per step: the data order is a
+    function of seed, step and global batch, and the loss a sum over it, so the run continues as if
+    unbroken (dropout 0; only the summation order differs)."""
+    args = ["train.max_steps=6", "train.save_every=3", "train.keep_checkpoints=5", "lora.dropout=0.0", "data.val=null",
+            "train.grad_accum=null", "train.effective_batch_size=8"]
+    full = tmp_path / "full"
+    multiproc.run(train_tiny, 2, [f"output_dir={full}", *args])
+    part = tmp_path / "part"
+    (part / "checkpoints").mkdir(parents=True)
+    shutil.copytree(full / "checkpoints" / "step-000003", part / "checkpoints" / "step-000003")
+    saved = yaml.safe_load((full / "config.yaml").read_text()) | {"output_dir": str(part)}
+    (part / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+    (part / "metrics.jsonl").write_text("".join(l + "\n" for l in (full / "metrics.jsonl").read_text().splitlines()[:3]))
+    # another global batch at the new count is refused, naming the key
+    with pytest.raises(ConfigError, match="set train.effective_batch_size=8"):
+        checks.validate(config.load(TINY, [f"output_dir={part}", *args[:-2]]), 1, resume=True)
+
+    multiproc.run(train_tiny, 1, [f"output_dir={part}", *args], True)
+    assert [r["step"] for r in metrics(part) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert losses(part) == pytest.approx(losses(full), abs=1e-5)
+    wa = load_file(full / "adapter" / "adapter_model.safetensors")
+    wb = load_file(part / "adapter" / "adapter_model.safetensors")
+    for k in wa:
+        assert torch.allclose(wa[k], wb[k], atol=1e-5), k
+
+
 def validate_under_a_launcher(overrides: list[str]) -> str:
     try:
         train.run(config.load(TINY, overrides))

@@ -169,9 +169,21 @@ def output_problems(cfg: Config, resume: bool, world_size: int | None = None) ->
         return [f"--resume: no checkpoint in {out / 'checkpoints'} can be read back (a run stopped during "
                 "its first save leaves none): start afresh into a new output_dir"]
     path, state = states[0]
-    if world_size is not None and isinstance(state, dict) and state.get("world_size", world_size) != world_size:
-        return [f"--resume: {path} was written by {state['world_size']} processes, not {world_size} "
-                f"(resume with --nproc {state['world_size']})"]
+    if not isinstance(state, dict):
+        state = {}
+    same_batch = False  # whether the new process count and batch keys give the run's global batch
+    if world_size is not None and "global_batch" in state:
+        try:
+            same_batch = config_lib.batch_plan(cfg.train, world_size).global_batch == state["global_batch"]
+        except ConfigError:
+            pass  # the batch keys' own problem is reported by validate
+    if world_size is not None and state.get("world_size", world_size) != world_size and not same_batch:
+        if "global_batch" not in state:
+            return [f"--resume: {path} was written by {state['world_size']} processes, not {world_size} "
+                    f"(resume with --nproc {state['world_size']})"]
+        return [f"--resume: {path} was written by {state['world_size']} processes with {state['global_batch']} samples "
+                f"per optimizer step; {world_size} process(es) would not take the same: set "
+                f"train.effective_batch_size={state['global_batch']} (or resume with --nproc {state['world_size']})"]
     if not (out / "config.yaml").exists():
         return []
     try:
@@ -181,8 +193,11 @@ def output_problems(cfg: Config, resume: bool, world_size: int | None = None) ->
     defaults = config_lib.flatten(config_lib.to_dict(Config()))
     return [f"{key}: is {value!r} but the run being resumed used {saved.get(key)!r} (resume with the same config)"
             for key, value in config_lib.flatten(config_lib.to_dict(cfg)).items()
-            if saved.get(key) != value and key not in RESUME_MAY_CHANGE
+            if saved.get(key) != value and key not in RESUME_MAY_CHANGE and not (same_batch and key in BATCH_KEYS)
             and not (key not in saved and value == defaults[key])]  # a key newer than the run, at its default
 
 
 RESUME_MAY_CHANGE = {"train.timeout_minutes", "train.save_every", "train.save_every_minutes", "train.keep_checkpoints"}  # keys that change no result: a resume may set them anew
+# How the global batch is split among processes and forwards: a resume (at another process count too)
+# may change them while the samples per optimizer step stay the same (the loss is a sum over them).
+BATCH_KEYS = {"train.micro_batch_size", "train.grad_accum", "train.effective_batch_size"}

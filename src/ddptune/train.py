@@ -131,7 +131,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     clock = dist.StepClock(accelerator.device)
     dist.time_gradient_sync(ddp_model, clock)
 
-    start = resume_from(out, model, optimizer, scheduler, accelerator) if resume else 0
+    start = resume_from(out, model, optimizer, scheduler, accelerator, plan.global_batch) if resume else 0
     targets = [data.target_tokens([e]) for e in train_set]
     costs = [flops.sample(len(e["input_ids"]), t) for e, t in zip(train_set, targets)]
     r = Run(cfg, plan, accelerator, out, tokenizer, train_set, val_set, model, loss_model, ddp_model, optimizer,
@@ -141,9 +141,9 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     return r
 
 
-def resume_from(out: Path, model, optimizer, scheduler, accelerator: Accelerator) -> int:
+def resume_from(out: Path, model, optimizer, scheduler, accelerator: Accelerator, global_batch: int) -> int:
     """Restore the newest checkpoint that reads back whole (an older one, with a warning, when the
-    newest is damaged); return its step."""
+    newest is damaged); return its step. Any process count may resume it with the run's global batch."""
     problems = []
     for path in reversed(checkpoint.list_checkpoints(out / "checkpoints")):
         try:
@@ -152,9 +152,11 @@ def resume_from(out: Path, model, optimizer, scheduler, accelerator: Accelerator
             problems.append(str(e))
             accelerator.print(f"ddptune: warning: {e}; trying the one before")
             continue
-        if state["world_size"] != accelerator.num_processes:
-            raise ConfigError([f"--resume: {path} was written by {state['world_size']} processes; "
-                               f"resume with --nproc {state['world_size']}"])
+        if state.get("global_batch", global_batch) != global_batch or (
+                "global_batch" not in state and state["world_size"] != accelerator.num_processes):
+            raise ConfigError([f"--resume: {path} was written by {state['world_size']} processes with "
+                               f"{state.get('global_batch', '?')} samples per optimizer step: set train.effective_batch_size to "
+                               f"that, or resume with --nproc {state['world_size']}"])
         return state["step"]
     raise ConfigError([f"--resume: no checkpoint in {out / 'checkpoints'} can be read back"] + problems)
 
@@ -436,7 +438,7 @@ def save_checkpoint(r: Run, step: int) -> None:
     if r.accelerator.is_main_process:
         folder = r.out / "checkpoints"
         checkpoint.save(folder, step, model_lib.trainable_state(r.model), r.optimizer, r.scheduler, rngs,
-                        {"world_size": r.accelerator.num_processes})
+                        {"world_size": r.accelerator.num_processes, "global_batch": r.plan.global_batch})
         checkpoint.prune(folder, r.cfg.train.keep_checkpoints)
     r.accelerator.wait_for_everyone()
 
