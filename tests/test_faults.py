@@ -7,6 +7,7 @@ import signal
 import threading
 import time
 
+import pytest
 import torch.multiprocessing as mp
 
 import multiproc
@@ -118,3 +119,72 @@ def test_a_signal_to_one_process_stops_all_after_a_saved_step_and_resume_finishe
     multiproc.run(train_until_interrupted, 2, overrides, True)  # nothing lost: the run continues where it stopped
     assert [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()] == list(range(1, 61))
     assert json.loads((out / "summary.json").read_text())["steps"] == 60
+
+
+# --- the whole CLI: signals and kills reaching `ddptune train --nproc 2` from outside ---------------
+
+def _launch(out, *extra: str):
+    """`ddptune train tiny --nproc 2` in the background; returns it once rank 0 has logged 3 steps."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "ddptune", "train", TINY, "--nproc", "2", "train.max_steps=400",
+                             "data.val=null", f"output_dir={out}", *extra], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    path = out / "metrics.jsonl"
+    while not (path.exists() and len(path.read_text().splitlines()) >= 3) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    return proc
+
+
+def _workers(proc) -> list:
+    import psutil
+
+    def is_worker(p) -> bool:
+        try:
+            return "LOCAL_RANK" in p.environ() and "ddptune.launcher" not in " ".join(p.cmdline())
+        except psutil.Error:
+            return False
+
+    return [p for p in psutil.Process(proc.pid).children(recursive=True) if is_worker(p)]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM])  # SIGINT takes the same path (and is tested in-process above)
+def test_a_signal_to_the_launcher_alone_stops_every_worker_after_a_checkpoint(tmp_path, sig):
+    out = tmp_path / "run"
+    proc = _launch(out)
+    workers = _workers(proc)
+    sent = time.time()
+    proc.send_signal(sig)  # to the launcher only, as `kill` or a scheduler would
+    _, err = proc.communicate(timeout=60)
+    assert time.time() - sent < 10, err[-2000:]
+    assert proc.returncode == 128 + sig, err[-2000:]
+    lines = [l for l in err.splitlines() if l.startswith("ddptune: stopped by")]  # a line of its own, not after the bar
+    assert len(lines) == 1 and f"stopped by {sig.name} after step" in lines[0], err[-2000:]
+    assert "Traceback" not in err and "ChildFailedError" not in err and "exitcode" not in err
+    done = int(lines[0].split("after step ")[1].split(" ")[0])
+    assert (out / "checkpoints" / f"step-{done:06d}" / "state.json").is_file()
+    assert not any(w.is_running() and w.status() != "zombie" for w in workers)
+
+
+def test_killing_the_launcher_or_a_worker_ends_the_whole_job(tmp_path):
+    import psutil
+
+    proc = _launch(tmp_path / "a")  # SIGKILL to the launcher: the kernel tells torchrun, which stops the workers
+    workers = _workers(proc)
+    assert len(workers) == 2
+    proc.kill()
+    proc.wait()
+    gone, alive = psutil.wait_procs(workers, timeout=60)
+    assert not alive
+
+    out = tmp_path / "b"
+    proc = _launch(out, "train.save_every=2")  # SIGKILL to one worker: the other cannot go on alone
+    os.kill(_workers(proc)[-1].pid, signal.SIGKILL)
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode != 0 and "Traceback" not in err, err[-3000:]
+    assert any(l.startswith("ddptune: rank 0: step") and "or died; newest checkpoint: " in l for l in err.splitlines()), err[-3000:]
+    assert (out / "checkpoints").is_dir() and any(p.name.startswith("step-") for p in (out / "checkpoints").iterdir())

@@ -51,24 +51,49 @@ def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = No
 
     `module_args` starts with the module name, e.g. ["ddptune", "train", "cfg.yaml"]. The children
     share the cores: each gets `threads_per_process` BLAS threads (default: cores // nproc) unless
-    OMP_NUM_THREADS is set. SIGTERM sent to this process is passed on to torchrun, which stops its
-    workers; Ctrl-C reaches them all from the terminal, and this process waits for them to stop.
+    OMP_NUM_THREADS is set.
+
+    Signals: torchrun runs in a session of its own, so a Ctrl-C at the terminal reaches this process
+    only, and SIGINT or SIGTERM sent to this process is passed to every worker exactly once (each
+    then finishes its step, saves and stops; torchrun's own handling would SIGKILL them 30 s later).
+    If this process dies even by SIGKILL, the kernel sends torchrun SIGTERM, which it passes on.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", *module_args]
+    cmd = [sys.executable, "-m", "ddptune.launcher", "--standalone", f"--nproc_per_node={nproc}", "-m", *module_args]
     child_env = dict(os.environ if env is None else env)
     threads = threads_per_process or max(1, (os.cpu_count() or 1) // nproc)
     child_env.setdefault("OMP_NUM_THREADS", str(threads))
     child_env[VALIDATED] = "1"
-    proc = subprocess.Popen(cmd, env=child_env)
+    proc = subprocess.Popen(cmd, env=child_env, start_new_session=True, preexec_fn=_term_when_parent_dies)
+
+    def forward(signum, _frame) -> None:
+        import psutil
+
+        try:
+            workers = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.Error:
+            workers = []
+        for w in workers or [proc]:
+            try:
+                w.send_signal(signum)
+            except psutil.Error:
+                pass
+
     old = {}
     if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
-        old = {signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, _frame: proc.send_signal(signum)),
-               signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN)}
+        old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return proc.wait()
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
+
+
+def _term_when_parent_dies() -> None:
+    """In the child before exec (Linux): SIGTERM when the parent dies, however it died."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def setup(precision: str = "auto") -> Accelerator:

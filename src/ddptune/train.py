@@ -298,9 +298,9 @@ def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
                            f"{saved[-1] if saved else 'none'} (see that process's output, then continue with --resume)") from None
     finally:
         control.close()
+        bar.close()  # whatever is printed next starts on a line of its own
         gc.unfreeze()
         gc.enable()
-    bar.close()
     if log:
         log.close()
     return history, times

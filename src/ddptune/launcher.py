@@ -1,0 +1,35 @@
+"""`python -m ddptune.launcher TORCHRUN_ARGS...`: torch's own launcher (`torch.distributed.run`,
+what `torchrun` runs), without its tracebacks. When a worker fails, the worker has already told the
+user why in one line; torchrun would add 30-40 lines of its own (ChildFailedError, SignalException)
+around it. This exits with the first failed worker's exit code instead (2: bad input, 130/143:
+stopped by SIGINT/SIGTERM after a checkpoint, 1: anything else), and keeps the elastic agent's
+warnings out of the console. `dist.torchrun` starts it for `--nproc N`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+
+def main(argv: list[str]) -> int:
+    os.environ.setdefault("LOGLEVEL", "CRITICAL")  # the elastic agent's own logger (workers inherit it, harmlessly)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # "Sending process ... SIGTERM", "failed (exitcode: 2)"
+
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as e:
+        _, failure = e.get_first_failure()
+        code = failure.exitcode
+        return code if 0 < code < 256 else 128 - code if code < 0 else 1  # a worker killed by signal N: 128 + N
+    except SignalException as e:  # torchrun itself was signalled (e.g. its parent died): workers got it too
+        return 128 + int(e.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
