@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,3 +106,39 @@ def test_a_finished_run_is_not_resumed_over(tmp_path):
     with pytest.raises(ConfigError, match="is complete .* nothing to resume"):
         checks.validate(config.load(TINY, args), 1, resume=True)
     assert (out / "summary.json").read_text() == before
+
+
+def _save_forever(folder: str) -> None:
+    """Write checkpoints of a 128 MB weight, step after step, until killed."""
+    w = torch.nn.Parameter(torch.randn(32 * 1024 * 1024))
+    opt = torch.optim.SGD([w], lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    for step in range(1, 10_000):
+        checkpoint.save(Path(folder), step, {"w": w.detach()}, opt, sched, [checkpoint.rng_state()], {"world_size": 1})
+
+
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint_whole(tmp_path):
+    import multiprocessing
+    import signal
+    import time
+
+    folder = tmp_path / "checkpoints"
+    proc = multiprocessing.get_context("spawn").Process(target=_save_forever, args=(str(folder),))
+    proc.start()
+    deadline = time.time() + 120
+    # wait until one checkpoint is complete and the next is being written, then kill -9
+    while time.time() < deadline and not (checkpoint.list_checkpoints(folder) and list(folder.glob(".step-*.tmp-*"))):
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join()
+    complete = checkpoint.list_checkpoints(folder)
+    assert complete and list(folder.glob(".step-*.tmp-*")), "the kill did not land during a save"
+    w = torch.nn.Parameter(torch.zeros(32 * 1024 * 1024))
+    opt = torch.optim.SGD([w], lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    model = torch.nn.Module()
+    model.w = w
+    state = checkpoint.load(complete[-1], model, opt, sched, 0)  # the newest complete one reads back whole
+    assert state["step"] == int(complete[-1].name.split("-")[1]) and w.abs().sum() > 0
+    checkpoint.prune(folder, keep=1)
+    assert not list(folder.glob(".step-*.tmp-*")) and checkpoint.list_checkpoints(folder) == complete[-1:]
