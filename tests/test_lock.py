@@ -119,3 +119,19 @@ def test_racing_runs_take_a_stale_lock_over_once(tmp_path):
     assert len(got) == 1, outcomes
     assert all("output_dir: " in o[1] for o in outcomes if o[0] == "refused"), outcomes
     assert not (out / lock.NAME).exists()
+
+
+def test_overwrite_restarts_a_failed_run_and_is_never_implied(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.yaml").write_text("train:\n  lr: 0.5\n")  # what a run that failed after validation leaves
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+    args = ["train", TINY, f"output_dir={out}", "train.max_steps=2", "data.val=null"]
+    assert cli.main(args) == 2  # refused, untouched, and the way out is named
+    assert "or --overwrite to delete it and start again" in capsys.readouterr().err
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1, "loss": 9.0}\n'
+    assert cli.main([*args, "--overwrite", "--resume"]) == 2
+    assert "--overwrite: cannot be combined with --resume" in capsys.readouterr().err
+    assert cli.main([*args, "--overwrite"]) == 0
+    assert [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2 and not (out / lock.NAME).exists()

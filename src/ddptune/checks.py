@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from ddptune.config import BatchPlan, Config, ConfigError
 from ddptune.lock import NAME as LOCK_NAME
 
 
-def validate(cfg: Config, world_size: int, resume: bool = False) -> BatchPlan:
+def validate(cfg: Config, world_size: int, resume: bool = False, overwrite: bool = False) -> BatchPlan:
     problems = config_lib.check_values(cfg)
     if cfg.train.method == "qlora":
         try:
@@ -32,7 +33,7 @@ def validate(cfg: Config, world_size: int, resume: bool = False) -> BatchPlan:
     if not problems:
         data_problems, n_train = data_lib.check(cfg.data)
         problems += data_problems
-    problems += output_problems(cfg, resume, world_size)
+    problems += output_problems(cfg, resume, world_size, overwrite)
     plan = None
     try:
         plan = config_lib.batch_plan(cfg.train, world_size)
@@ -141,18 +142,27 @@ def folder_problems(where: str, folder: Path) -> list[str]:
     return []
 
 
+def clear_run_folder(out: str | Path) -> None:
+    """What --overwrite asked for: delete everything in `out` but the lock this run holds."""
+    for p in run_files(Path(out)):
+        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+
+
 def run_files(out: Path) -> list[Path]:
     """What a folder holds, besides a run's lock."""
     return [p for p in out.iterdir() if p.name != LOCK_NAME] if out.is_dir() else []
 
 
-def output_problems(cfg: Config, resume: bool, world_size: int | None = None) -> list[str]:
+def output_problems(cfg: Config, resume: bool, world_size: int | None = None, overwrite: bool = False) -> list[str]:
     out = Path(cfg.output_dir)
     if problems := folder_problems("output_dir", out):
         return problems
+    if resume and overwrite:
+        return ["--overwrite: cannot be combined with --resume (continue the run, or start it again, not both)"]
     if not resume:
-        if run_files(out):
-            return [f"output_dir: {out} already holds files (choose a new output_dir, or pass --resume to continue that run)"]
+        if run_files(out) and not overwrite:
+            return [f"output_dir: {out} already holds files (choose a new output_dir, pass --resume to continue that run, "
+                    "or --overwrite to delete it and start again)"]
         return []
     if (out / "summary.json").is_file():
         return [f"output_dir: the run in {out} is complete (it wrote summary.json): nothing to resume "

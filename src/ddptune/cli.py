@@ -42,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.lr=1e-4")
     t.add_argument("--nproc", type=int, default=None, help="start N processes (one per GPU; CPU processes without GPUs)")
     t.add_argument("--resume", action="store_true", help="continue the run in output_dir from its newest checkpoint")
+    t.add_argument("--overwrite", action="store_true", help="delete what output_dir holds and start again (never the default)")
     e = sub.add_parser("eval", help="generate summaries and score ROUGE")
     e.add_argument("target", help="a run folder (from train) or a YAML config")
     e.add_argument("overrides", nargs="*")
@@ -114,12 +115,18 @@ def _train(args) -> int:
             return _run(cfg, args.resume)
         # under torchrun or accelerate launch: rank 0 locks output_dir, then validates (in train.run)
         with lock.acquire(cfg.output_dir) if dist.is_main_process() else contextlib.nullcontext():
+            if args.overwrite and dist.is_main_process():  # the others wait at validation meanwhile
+                if problems := checks.output_problems(cfg, args.resume, None, overwrite=True):
+                    raise ConfigError(problems)
+                checks.clear_run_folder(cfg.output_dir)
             return _run(cfg, args.resume)
     nproc = 1 if args.nproc is None else args.nproc
     if nproc < 1:
         raise ConfigError([f"--nproc: must be at least 1 (got {nproc})"])
-    checks.validate(cfg, nproc, resume=args.resume)  # once, here, before any process starts
+    checks.validate(cfg, nproc, resume=args.resume, overwrite=args.overwrite)  # once, here, before any process starts
     with lock.acquire(cfg.output_dir):  # held until the run ends; a second run or --resume is refused
+        if args.overwrite:
+            checks.clear_run_folder(cfg.output_dir)
         if problems := checks.output_problems(cfg, args.resume, nproc):  # a run that ended since we validated
             raise ConfigError(problems)
         if args.nproc is None:
