@@ -54,6 +54,25 @@ def rows_problems(n_rows: int, plan: BatchPlan) -> list[str]:
     return []
 
 
+def memory_problems(cfg: Config, world_size: int, gpu_gib: float) -> list[str]:
+    """`ddptune plan`'s verdict for GPUs of `gpu_gib` GiB, as one line naming the way out when the run
+    will not fit; none when it fits as configured, or when checkpointing is `auto` and turning it on is
+    enough (build_model does). Reads the model's config only; a hub model's that cannot be fetched is not checked."""
+    from ddptune import plan as plan_lib
+
+    try:
+        shape = plan_lib.model_shape(cfg)
+    except Exception:  # noqa: BLE001 - no config to size the model by: the load will say what is wrong
+        return []
+    p = plan_lib.plan(cfg, shape, world_size, gpu_gib)
+    if p["options"][0]["fits"] or (p["verdict"] == "ddp_checkpointing" and cfg.train.gradient_checkpointing == "auto"):
+        return []
+    need, chosen = p["options"][0]["total"], next((o for o in p["options"] if o["fits"]), None)
+    fix = p["recommendation"] + (f" ({chosen['total']:.1f} GiB per GPU)" if chosen else "")
+    return [f"memory: {cfg.train.method} fine-tuning of {cfg.model.source} needs about {need:.1f} GiB per GPU, more than "
+            f"{gpu_gib:.1f} GiB; the way out: {fix} (`ddptune plan` shows each term)"]
+
+
 def model_problems(cfg: Config) -> list[str]:
     """The model source can be used, and every lora.target_modules name matches one of its layers
     (read from its config on the meta device: no weights are loaded). Hub models are not fetched here."""

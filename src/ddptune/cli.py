@@ -4,6 +4,7 @@
     ddptune eval RUN_DIR|CONFIG.yaml [key=value ...] [--nproc N] [--base]
     ddptune compare RUN_DIR ... [--json PATH]
     ddptune scale CONFIG.yaml --nproc 1,2,4 [--mode same-per-device|same-global]
+    ddptune plan CONFIG.yaml [key=value ...] [--gpus N] [--gpu-memory GiB] [--json PATH]
     ddptune env
 
 With --nproc the command re-runs itself in N processes through torchrun (a free port on this
@@ -16,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
+from pathlib import Path
 
 from ddptune import checks, config as config_lib, dist, lock
 from ddptune.config import ConfigError
@@ -42,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.lr=1e-4")
     t.add_argument("--nproc", type=int, default=None, help="start N processes (one per GPU; CPU processes without GPUs)")
     t.add_argument("--resume", action="store_true", help="continue the run in output_dir from its newest checkpoint")
+    t.add_argument("--gpu-memory", type=float, default=None, metavar="GiB",
+                   help="refuse to start when `ddptune plan` says the run will not fit GPUs of this size (on CUDA the check "
+                        "always runs, against the GPU's free memory)")
     t.add_argument("--overwrite", action="store_true", help="delete what output_dir holds and start again (never the default)")
     e = sub.add_parser("eval", help="generate summaries and score ROUGE")
     e.add_argument("target", help="a run folder (from train) or a YAML config")
@@ -62,6 +68,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int, default=None, help="measured steps of the largest batch (default 30)")
     s.add_argument("--warmup", type=int, default=None, help="steps of the largest batch before the measured window (default 3)")
     s.add_argument("--bandwidth-sizes", default="1MB,4MB,16MB,64MB,256MB,1GB", help="all-reduce sizes to time")
+    m = sub.add_parser("plan", help="predict peak memory per GPU before loading anything, and how to run it")
+    m.add_argument("config")
+    m.add_argument("overrides", nargs="*")
+    m.add_argument("--gpus", type=int, default=1, help="GPUs to run on (default 1)")
+    m.add_argument("--gpu-memory", type=float, default=None, metavar="GiB",
+                   help="memory of one GPU (default: this machine's GPU; without one, an H200's 139.8 GiB)")
+    m.add_argument("--json", default=None, help="also write the plan as JSON here")
     sub.add_parser("env", help="devices, interconnect and versions for a bug report", add_help=False)
     return p
 
@@ -99,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             from ddptune import scale
 
             return scale.main(args)
+        if args.command == "plan":
+            return _plan(args)
     except ConfigError as e:
         if dist.is_main_process():
             print(f"ddptune: {e}", file=sys.stderr)
@@ -124,6 +139,8 @@ def _train(args) -> int:
     if nproc < 1:
         raise ConfigError([f"--nproc: must be at least 1 (got {nproc})"])
     checks.validate(cfg, nproc, resume=args.resume, overwrite=args.overwrite)  # once, here, before any process starts
+    if args.gpu_memory is not None and (problems := checks.memory_problems(cfg, nproc, args.gpu_memory)):
+        raise ConfigError(problems)  # on CUDA train.setup checks the GPU's own free memory
     with lock.acquire(cfg.output_dir):  # held until the run ends; a second run or --resume is refused
         if args.overwrite:
             checks.clear_run_folder(cfg.output_dir)
@@ -134,6 +151,26 @@ def _train(args) -> int:
                 return _run(cfg, args.resume)
         child = ["train", args.config, *args.overrides] + (["--resume"] if args.resume else [])
         return dist.torchrun(nproc, ["ddptune", *child])
+
+
+def _plan(args) -> int:
+    """`ddptune plan`: the memory table and recommendation (plan.py), from the model's config alone."""
+    from ddptune import plan
+
+    cfg = config_lib.load(args.config, args.overrides)
+    if problems := config_lib.check_values(cfg):
+        raise ConfigError(problems)
+    if args.gpus < 1 or (args.gpu_memory is not None and args.gpu_memory <= 0):
+        raise ConfigError(["--gpus and --gpu-memory: must be positive"])
+    try:
+        shape = plan.model_shape(cfg)
+    except Exception as e:  # noqa: BLE001 - no config.json, an unreadable GGUF header, an unknown architecture
+        raise ConfigError([f"model.source: the model's config cannot be read ({type(e).__name__}: {' '.join(str(e).split())[:200]})"])
+    result = plan.plan(cfg, shape, args.gpus, args.gpu_memory or plan.local_gpu_gib() or plan.DEFAULT_GPU_GIB)
+    print(plan.table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
 
 
 @contextlib.contextmanager

@@ -281,22 +281,16 @@ def compile_layers(model) -> None:
         layer.compile(dynamic=True)
 
 
-def activation_bytes(model, tokens: int) -> float:
-    """A rough upper estimate of the activations one forward keeps for backward (bf16):
-    per token and layer about 14 hidden-sized and 5 MLP-sized tensors, LoRA input copies included."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return 2.0 * tokens * cfg.num_hidden_layers * (14 * cfg.hidden_size + 5 * cfg.intermediate_size)
-
-
-def use_checkpointing(setting: bool | str, model, tokens_per_forward: int, device: torch.device) -> bool:
-    """Resolve gradient_checkpointing: auto turns it on only when activations would not fit in
-    60% of the GPU memory still free after loading the model (never on CPU)."""
+def use_checkpointing(setting: bool | str, added_bytes: float, device: torch.device) -> bool:
+    """Resolve gradient_checkpointing: auto turns it on only when what training adds to the loaded
+    model without it (`added_bytes`: activations, gradients, optimizer states, from plan.estimate)
+    would not fit in 90% of the GPU memory still free (the rest: the allocator's slack). Never on CPU."""
     if setting != "auto":
         return bool(setting)
     if device.type != "cuda":
         return False
     free, _ = torch.cuda.mem_get_info(device)
-    return activation_bytes(model, tokens_per_forward) > 0.6 * free
+    return added_bytes > 0.9 * free
 
 
 def add_adapters(model, method: str, lora: LoraConfig, gradient_checkpointing: bool):

@@ -31,7 +31,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from ddptune import checkpoint, checks, config as config_lib, data, dist, evaluate, metrics, model as model_lib
+from ddptune import checkpoint, checks, config as config_lib, data, dist, evaluate, metrics, model as model_lib, plan as plan_lib
 from ddptune.config import BatchPlan, Config, ConfigError
 
 
@@ -104,6 +104,10 @@ def setup(cfg: Config, resume: bool = False) -> Run:
         plan = config_lib.batch_plan(cfg.train, world)
     else:  # the process that talks to the user validates; the others wait for its verdict
         plan = dist.on_main(accelerator, lambda: checks.validate(cfg, world, resume))
+    if accelerator.device.type == "cuda":  # `ddptune plan` against this GPU's free memory, before loading (CPUs have no fixed budget)
+        free = torch.cuda.mem_get_info(accelerator.device)[0] / plan_lib.GIB + plan_lib.CUDA_CONTEXT_GIB  # our context is in use already
+        if problems := dist.on_main(accelerator, lambda: checks.memory_problems(cfg, world, free)):
+            raise ConfigError(problems)
     out = Path(cfg.output_dir)
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
@@ -180,8 +184,10 @@ def build_model(cfg: Config, accelerator: Accelerator, plan: BatchPlan):
     t = cfg.train
     with accelerator.main_process_first():  # a preset checkpoint or hub download is made once
         base = model_lib.load_model(cfg.model, t.method, accelerator.device, t.precision, t.seed)
-    tokens = plan.tokens_per_forward or plan.micro_batch_size * cfg.data.max_length
-    checkpointing = model_lib.use_checkpointing(t.gradient_checkpointing, base, tokens, accelerator.device)
+    # what training adds to the loaded model without checkpointing: activations, gradients, optimizer states
+    est = plan_lib.estimate(plan_lib.shape_of(base.config), plan_lib.job_of(cfg, plan.world_size, checkpointing=False))
+    added = est["activations"] + est["gradients"] + est["optimizer"]
+    checkpointing = model_lib.use_checkpointing(t.gradient_checkpointing, added, accelerator.device)
     set_seed(t.seed)  # adapters start equal on every process
     model = model_lib.add_adapters(base, t.method, cfg.lora, checkpointing)
     compiled = t.compile is True or (t.compile == "auto" and accelerator.device.type == "cuda")

@@ -1,0 +1,80 @@
+"""`ddptune plan`: its predictions against the peaks measured on an H200, its recommendations, and
+`ddptune train` refusing a run the plan says will not fit (before loading anything)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from conftest import ROOT, SHARED_DATA
+from ddptune import cli, config, plan
+
+
+def _plan_check():
+    spec = importlib.util.spec_from_file_location("plan_check", ROOT / "benchmarks" / "plan_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="../shared/data is not beside this checkout")
+def test_prediction_within_15_percent_of_every_measured_peak():
+    """Each peak measured on an H200 (benchmarks/results), read from its raw file with the settings
+    its run used; the largest forward recomputed from the same data and tokenizer."""
+    check = _plan_check()
+    runs = check.measured_runs()
+    assert {r["file"] for r in runs} >= {"h200_llama31_8b_qlora_v2.json", "h200_llama31_8b_lora_bf16.json"}
+    assert any(r["checkpointing"] for r in runs) and any(not r["checkpointing"] for r in runs)
+    misses = []
+    for r in runs:
+        predicted = check.predict(r)
+        if abs(predicted / r["measured_gib"] - 1) > 0.15:
+            misses.append(f"{r['name']}: predicted {predicted:.2f} GiB, measured {r['measured_gib']:.2f} GiB")
+    assert not misses, misses
+
+
+def test_8b_full_fine_tuning_does_not_fit_one_h200_and_names_the_fsdp_gpu_count():
+    cfg = config.load(ROOT / "configs" / "samsum_qlora_llama31_8b.yaml", ["train.method=full", "train.optimizer=adamw"])
+    shape = plan.model_shape(cfg)
+    p = plan.plan(cfg, shape, gpus=1, gpu_gib=plan.DEFAULT_GPU_GIB)
+    assert p["verdict"] == "does_not_fit"
+    assert p["options"][0]["total"] > plan.DEFAULT_GPU_GIB
+    # weights, gradients and AdamW states alone are 16 bytes a weight: more than one H200
+    assert sum(p["options"][0][k] for k in ("weights", "gradients", "optimizer")) * plan.GIB > 16 * shape.params
+    n = p["fsdp_gpus_needed"]
+    assert n == 2 and p["options"][-1]["fits"] and p["options"][-1]["shards"] == n
+    assert p["recommendation"].startswith("does not fit on 1 GPU") and f"FSDP (full shard) over {n} GPUs" in p["recommendation"]
+    # with those GPUs given, FSDP over them is the recommendation itself
+    assert plan.plan(cfg, shape, gpus=n, gpu_gib=plan.DEFAULT_GPU_GIB)["verdict"] == "fsdp"
+
+
+def test_tiny_runs_ddp_as_is_and_checkpointing_is_recommended_when_activations_do_not_fit():
+    tiny = config.load(ROOT / "configs" / "tiny.yaml")
+    assert plan.plan(tiny, plan.model_shape(tiny))["verdict"] == "ddp"
+    cfg = config.load(ROOT / "configs" / "samsum_qlora_llama31_8b.yaml", ["train.gradient_checkpointing=false"])
+    p = plan.plan(cfg, plan.model_shape(cfg), gpus=1, gpu_gib=40)
+    assert p["verdict"] == "ddp_checkpointing"
+    off, on = p["options"]
+    assert off["activations"] > 5 * on["activations"] and off["weights"] == on["weights"]
+
+
+def test_plan_command_prints_the_table_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert cli.main(["plan", str(ROOT / "configs" / "samsum_qlora_llama31_8b.yaml"), "--gpu-memory", "80",
+                     "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "weights" in text and "activations" in text and "recommendation: DDP as is" in text
+    saved = json.loads(out.read_text())
+    assert saved["verdict"] == "ddp" and saved["gpu_memory_gib"] == 80 and saved["tokens_per_forward"] == 8192
+
+
+def test_train_refuses_a_run_that_will_not_fit_in_one_line_before_loading(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = cli.main(["train", str(ROOT / "configs" / "samsum_qlora_llama31_8b.yaml"), "train.method=full",
+                     "data.train=demo", "data.train_rows=null", "data.val=null", "data.val_rows=null",
+                     f"output_dir={out}", "--gpu-memory", str(plan.DEFAULT_GPU_GIB)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and "memory:" in err and "FSDP (full shard) over 2 GPUs" in err
+    assert not out.exists() or not any(out.iterdir())
