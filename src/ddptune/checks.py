@@ -230,3 +230,19 @@ RESUME_MAY_CHANGE = {"train.timeout_minutes", "train.save_every", "train.save_ev
 # How the global batch is split among processes and forwards: a resume (at another process count too)
 # may change them while the samples per optimizer step stay the same (the loss is a sum over them).
 BATCH_KEYS = {"train.micro_batch_size", "train.grad_accum", "train.effective_batch_size"}
+
+
+def trained_run(run_dir: Path, where: str, overrides: list[str] = ()) -> Config:
+    """A finished run's config (its config.yaml, with overrides), or ConfigError naming what is missing:
+    the folder, its config.yaml, or the trained weights (`model/` or `adapter/`)."""
+    if not run_dir.is_dir():
+        raise ConfigError([f"{where}: {run_dir} is not a folder (give a run folder written by ddptune train)"])
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError([f"{where}: {run_dir} has no config.yaml (give a run folder written by ddptune train)"])
+    cfg = config_lib.load(run_dir / "config.yaml", overrides)
+    if problems := config_lib.check_values(cfg):
+        raise ConfigError(problems)
+    weights = model_lib.trained_weights_dir(run_dir, cfg.train.method)
+    if not weights.is_dir():
+        raise ConfigError([f"{where}: {weights} not found (has the run finished? train it to the end, or give a finished run)"])
+    return cfg

@@ -5,6 +5,8 @@
     ddptune compare RUN_DIR ... [--json PATH]
     ddptune scale CONFIG.yaml --nproc 1,2,4 [--mode same-per-device|same-global]
     ddptune plan CONFIG.yaml [key=value ...] [--gpus N] [--gpu-memory GiB] [--json PATH]
+    ddptune export RUN_DIR OUT [--merge] [--dtype auto|bf16|fp32]
+    ddptune predict RUN_DIR [FILE.jsonl|-] [key=value ...] [--out FILE] [--nproc N]
     ddptune env
 
 With --nproc the command re-runs itself in N processes through torchrun (a free port on this
@@ -75,6 +77,20 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--gpu-memory", type=float, default=None, metavar="GiB",
                    help="memory of one GPU (default: this machine's GPU; without one, an H200's 139.8 GiB)")
     m.add_argument("--json", default=None, help="also write the plan as JSON here")
+    x = sub.add_parser("export", help="a run's adapter as a portable folder, or merged into its base (--merge)")
+    x.add_argument("run", help="a finished run folder (from train)")
+    x.add_argument("out", help="the folder to write (new or empty)")
+    x.add_argument("--merge", action="store_true",
+                   help="merge the adapter into the base: safetensors that AutoModelForCausalLM.from_pretrained loads alone")
+    x.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="merged weights' dtype; auto: the run's compute dtype here (bf16 on GPU, fp32 on CPU)")
+    r = sub.add_parser("predict", help="summaries of new dialogues (JSON lines) with a finished run's model")
+    r.add_argument("run", help="a finished run folder (from train)")
+    r.add_argument("overrides", nargs="*", metavar="INPUT|key=value",
+                   help="a .jsonl file of {\"dialogue\": ...} rows or - for stdin; overrides such as eval.max_new_tokens=32")
+    r.add_argument("--input", default=None, help="the .jsonl file, or - for stdin (default: stdin when it is piped)")
+    r.add_argument("--out", default=None, help="write the JSON lines to this new file (default: stdout)")
+    r.add_argument("--nproc", type=int, default=None, help="share the dialogues out over N processes")
     sub.add_parser("env", help="devices, interconnect and versions for a bug report", add_help=False)
     return p
 
@@ -88,8 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     try:
         args, extra = parser.parse_known_args(argv)
-        # key=value overrides may also follow the flags (argparse stops collecting them at a flag)
-        stray = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")]
+        # key=value overrides may also follow the flags (argparse stops collecting them at a flag);
+        # so may predict's input (a file, or - for stdin)
+        stray = [a for a in extra if (a.startswith("-") or "=" not in a or not hasattr(args, "overrides"))
+                 and not (args.command == "predict" and (a == "-" or not a.startswith("-")))]
         if stray:
             parser.error(f"unrecognized arguments: {' '.join(stray)}")
     except UsageError as e:
@@ -112,6 +130,14 @@ def main(argv: list[str] | None = None) -> int:
             from ddptune import scale
 
             return scale.main(args)
+        if args.command == "export":
+            from ddptune import export
+
+            return export.main(args)
+        if args.command == "predict":
+            from ddptune import predict
+
+            return predict.main(args)
         if args.command == "plan":
             return _plan(args)
     except ConfigError as e:

@@ -94,12 +94,11 @@ def generate(model, tokenizer, prompts: list[list[int]], batch: list[int], max_n
     return [tokenizer.decode(seq[width:], skip_special_tokens=True).strip() for seq in out]
 
 
-def evaluate(model, tokenizer, rows: list[dict], cfg: Config, accelerator: Accelerator, out_dir: Path, label: str) -> dict:
-    """Generate for `rows` on every process, score on rank 0, write predictions and metrics there."""
-    net = accelerator.unwrap_model(model)
+def generate_all(net, tokenizer, prompts: list[list[int]], cfg: Config, accelerator: Accelerator) -> tuple[list[str] | None, float]:
+    """Greedy texts for every prompt, the work shared out over the processes (every process calls
+    this): on rank 0 the texts in prompt order, None on the others; and the generation seconds."""
     was_training = net.training
     net.eval()
-    prompts = prompt_ids(rows, tokenizer, cfg.data)
     batches = fixed_batches(prompts, cfg.eval.batch_size)
     world, rank = accelerator.num_processes, accelerator.process_index
     calls = math.ceil(len(batches) / world)  # the same on every process
@@ -119,9 +118,18 @@ def evaluate(model, tokenizer, rows: list[dict], cfg: Config, accelerator: Accel
     everything = gather_object(done)
     net.train(was_training)
     if not accelerator.is_main_process:
-        return {}
+        return None, gen_s
     preds = dict(everything)  # repeats of the last batch collapse onto the same row index
-    predictions = [preds[i] for i in range(len(rows))]
+    return [preds[i] for i in range(len(prompts))], gen_s
+
+
+def evaluate(model, tokenizer, rows: list[dict], cfg: Config, accelerator: Accelerator, out_dir: Path, label: str) -> dict:
+    """Generate for `rows` on every process, score on rank 0, write predictions and metrics there."""
+    net = accelerator.unwrap_model(model)
+    world = accelerator.num_processes
+    predictions, gen_s = generate_all(net, tokenizer, prompt_ids(rows, tokenizer, cfg.data), cfg, accelerator)
+    if not accelerator.is_main_process:
+        return {}
     scores = rouge(predictions, [r["summary"] for r in rows])
     result = {
         "label": label, **scores, "n": len(rows), "world_size": world,

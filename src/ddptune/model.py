@@ -385,12 +385,19 @@ def trained_weights_dir(run_dir: Path, method: str) -> Path:
     return Path(run_dir) / ("model" if method == "full" else "adapter")
 
 
-def load_trained(run_dir: Path, m: ModelConfig, method: str, device: torch.device, precision: str, seed: int):
+def load_trained(run_dir: Path, m: ModelConfig, method: str, device: torch.device, precision: str, seed: int,
+                 dequantize: bool = False):
     """A finished run's model, as that run trained it: the base with its adapter (LoRA, QLoRA),
-    or the fully fine-tuned weights loaded as a full fine-tune (with the run's model settings)."""
+    or the fully fine-tuned weights loaded as a full fine-tune (with the run's model settings).
+    `dequantize`: a QLoRA base is turned back from NF4 into plain weights of its compute dtype
+    (the values the adapter was trained against) before the adapter goes on, so that
+    `merge_and_unload` adds into plain weights instead of re-quantizing the sum to 4 bits."""
     weights = trained_weights_dir(run_dir, method)
     if method == "full":
         return load_model(dataclasses.replace(m, source=str(weights), gguf_file=None), "full", device, precision, seed)
     from peft import PeftModel
 
-    return PeftModel.from_pretrained(load_model(m, method, device, precision, seed), weights)
+    base = load_model(m, method, device, precision, seed)
+    if dequantize and method == "qlora":
+        base = base.dequantize(dtype=compute_dtype(precision, device))
+    return PeftModel.from_pretrained(base, weights)

