@@ -19,7 +19,10 @@ from ddptune.config import BatchPlan, Config, ConfigError
 from ddptune.lock import NAME as LOCK_NAME
 
 
-def validate(cfg: Config, world_size: int, resume: bool = False, overwrite: bool = False) -> BatchPlan:
+def validate(cfg: Config, world_size: int, resume: bool = False, overwrite: bool = False,
+             output: bool = True) -> BatchPlan:
+    """Every problem of a run's config, its data, its model source and (unless `output` is false: a
+    node other than the first of a multi-node job, which writes nothing) its output_dir."""
     problems = config_lib.check_values(cfg)
     if cfg.train.method == "qlora":
         try:
@@ -33,7 +36,8 @@ def validate(cfg: Config, world_size: int, resume: bool = False, overwrite: bool
     if not problems:
         data_problems, n_train = data_lib.check(cfg.data)
         problems += data_problems
-    problems += output_problems(cfg, resume, world_size, overwrite)
+    if output:
+        problems += output_problems(cfg, resume, world_size, overwrite)
     plan = None
     try:
         plan = config_lib.batch_plan(cfg.train, world_size)
@@ -159,6 +163,30 @@ def folder_problems(where: str, folder: Path) -> list[str]:
     except OSError as e:
         return [f"{where}: {parent} is not writable ({e.strerror}; choose a folder you can write to)"]
     return []
+
+
+def launch_problems(nnodes: int, node_rank: int, master: str | None, max_restarts: int) -> list[str]:
+    """The multi-node and restart flags of `ddptune train`."""
+    if nnodes < 1:
+        return [f"--nnodes: must be at least 1 (got {nnodes})"]
+    if not 0 <= node_rank < nnodes:
+        return [f"--node-rank: must be in 0..{nnodes - 1} (got {node_rank}; node 0 is the one that writes output_dir)"]
+    if max_restarts < 0:
+        return [f"--max-restarts: must be 0 or more (got {max_restarts})"]
+    if nnodes > 1 and master is None:
+        return [f"--master: needed with --nnodes {nnodes} (HOST:PORT of node 0, e.g. --master 10.0.0.1:29500, "
+                "the same on every node)"]
+    if master is not None:
+        host, _, port = master.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            return [f"--master: {master!r} is not HOST:PORT (e.g. 10.0.0.1:29500)"]
+        if nnodes == 1:
+            return ["--master: only with --nnodes 2 or more (one machine finds a free port itself)"]
+    return []
+
+
+def has_checkpoint(output_dir: str | Path) -> bool:
+    return bool(checkpoint.list_checkpoints(Path(output_dir) / "checkpoints"))
 
 
 def clear_run_folder(out: str | Path) -> None:

@@ -51,6 +51,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="refuse to start when `ddptune plan` says the run will not fit GPUs of this size (on CUDA the check "
                         "always runs, against the GPU's free memory)")
     t.add_argument("--overwrite", action="store_true", help="delete what output_dir holds and start again (never the default)")
+    t.add_argument("--nnodes", type=int, default=1, help="machines in the job (run the same command on each, with its --node-rank)")
+    t.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1; node 0 writes output_dir")
+    t.add_argument("--master", default=None, metavar="HOST:PORT", help="node 0's address and a free port, reachable from every node")
+    t.add_argument("--max-restarts", type=int, default=0,
+                   help="restart the workers up to K times after one fails; they resume from the newest checkpoint")
     e = sub.add_parser("eval", help="generate summaries and score ROUGE")
     e.add_argument("target", help="a run folder (from train) or a YAML config")
     e.add_argument("overrides", nargs="*")
@@ -153,7 +158,9 @@ def _train(args) -> int:
         if dist.validated_by_parent():  # a worker of --nproc: the parent validated and holds the lock
             if dist.is_main_process():
                 lock.join(cfg.output_dir)  # the lock stays live while this worker writes, whatever befalls the parent
-            return _run(cfg, args.resume)
+            # restarted by torchrun (--max-restarts) after a worker failed: continue from the newest checkpoint
+            restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+            return _run(cfg, args.resume or (restarted and checks.has_checkpoint(cfg.output_dir)))
         # under torchrun or accelerate launch: rank 0 locks output_dir, then validates (in train.run)
         with lock.acquire(cfg.output_dir) if dist.is_main_process() else contextlib.nullcontext():
             if args.overwrite and dist.is_main_process():  # the others wait at validation meanwhile
@@ -164,19 +171,26 @@ def _train(args) -> int:
     nproc = 1 if args.nproc is None else args.nproc
     if nproc < 1:
         raise ConfigError([f"--nproc: must be at least 1 (got {nproc})"])
-    checks.validate(cfg, nproc, resume=args.resume, overwrite=args.overwrite)  # once, here, before any process starts
-    if args.gpu_memory is not None and (problems := checks.memory_problems(cfg, nproc, args.gpu_memory)):
+    if problems := checks.launch_problems(args.nnodes, args.node_rank, args.master, args.max_restarts):
+        raise ConfigError(problems)
+    first = args.node_rank == 0  # node 0 holds rank 0, which writes: it alone checks and locks output_dir
+    nproc_total = nproc * args.nnodes
+    # once per node, here, before any process starts
+    checks.validate(cfg, nproc_total, resume=args.resume, overwrite=args.overwrite, output=first)
+    if args.gpu_memory is not None and (problems := checks.memory_problems(cfg, nproc_total, args.gpu_memory)):
         raise ConfigError(problems)  # on CUDA train.setup checks the GPU's own free memory
-    with lock.acquire(cfg.output_dir):  # held until the run ends; a second run or --resume is refused
-        if args.overwrite:
+    # held until the run ends; a second run or --resume is refused
+    with lock.acquire(cfg.output_dir) if first else contextlib.nullcontext():
+        if args.overwrite and first:
             checks.clear_run_folder(cfg.output_dir)
-        if problems := checks.output_problems(cfg, args.resume, nproc):  # a run that ended since we validated
+        if first and (problems := checks.output_problems(cfg, args.resume, nproc_total)):  # a run that ended since
             raise ConfigError(problems)
-        if args.nproc is None:
+        if args.nproc is None and args.nnodes == 1 and not args.max_restarts:
             with _validated():
                 return _run(cfg, args.resume)
         child = ["train", args.config, *args.overrides] + (["--resume"] if args.resume else [])
-        return dist.torchrun(nproc, ["ddptune", *child])
+        return dist.torchrun(nproc, ["ddptune", *child], nnodes=args.nnodes, node_rank=args.node_rank,
+                             master=args.master, max_restarts=args.max_restarts)
 
 
 def _plan(args) -> int:

@@ -46,8 +46,14 @@ def validated_by_parent() -> bool:
 
 
 def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = None,
-             threads_per_process: int | None = None) -> int:
+             threads_per_process: int | None = None, nnodes: int = 1, node_rank: int = 0,
+             master: str | None = None, max_restarts: int = 0) -> int:
     """Run `python -m <module_args...>` in `nproc` processes on this host; return the exit code.
+
+    One machine: torchrun's standalone rendezvous on a free local port. Several (`nnodes`, the same
+    command on each with its `node_rank`): torchrun's static rendezvous at `master` (HOST:PORT of
+    node 0), so global rank 0, the one that writes, is on node 0. `max_restarts`: torchrun restarts
+    every worker after one fails, up to that many times (they resume from the newest checkpoint).
 
     `module_args` starts with the module name, e.g. ["ddptune", "train", "cfg.yaml"]. The children
     share the cores: each gets `threads_per_process` BLAS threads (default: cores // nproc) unless
@@ -58,11 +64,22 @@ def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = No
     then finishes its step, saves and stops; torchrun's own handling would SIGKILL them 30 s later).
     If this process dies even by SIGKILL, the kernel sends torchrun SIGTERM, which it passes on.
     """
-    cmd = [sys.executable, "-m", "ddptune.launcher", "--standalone", f"--nproc_per_node={nproc}", "-m", *module_args]
+    if nnodes == 1:
+        rendezvous = ["--standalone"]
+    else:
+        host, _, port = master.rpartition(":")
+        rendezvous = [f"--nnodes={nnodes}", f"--node_rank={node_rank}", f"--master_addr={host}", f"--master_port={port}"]
+    cmd = [sys.executable, "-m", "ddptune.launcher", *rendezvous, f"--nproc_per_node={nproc}",
+           f"--max_restarts={max_restarts}", "-m", *module_args]
     child_env = dict(os.environ if env is None else env)
     threads = threads_per_process or max(1, (os.cpu_count() or 1) // nproc)
     child_env.setdefault("OMP_NUM_THREADS", str(threads))
     child_env[VALIDATED] = "1"
+    if max_restarts:
+        # torchrun (torch 2.13) shares one TCP store across rendezvous rounds without a per-round
+        # prefix: restarted workers read the dead round's gloo/NCCL addresses and cannot connect.
+        # A store per round (torch's documented opt-out) gives them fresh ones.
+        child_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     proc = subprocess.Popen(cmd, env=child_env, start_new_session=True, preexec_fn=_term_when_parent_dies)
 
     def forward(signum, _frame) -> None:
