@@ -69,8 +69,32 @@ def test_zero_shot_base_and_compare_table(trained_run, tmp_path):
     proc = check(ddptune("compare", str(trained_run), "--json", str(out)))
     assert "| ROUGE-1 |" in proc.stdout and "zero-shot" in proc.stdout and "fine-tuned" in proc.stdout
     rows = json.loads(out.read_text())
-    assert {r["model"] for r in rows} == {"zero-shot", "fine-tuned"}
-    assert all(r["processes"] == 1 and r["steps"] == 4 for r in rows)
+    assert {r["model"] for r in rows} == {"zero-shot (base)", "fine-tuned"}
+    (tuned,) = [r for r in rows if r["model"] == "fine-tuned"]
+    (base,) = [r for r in rows if r["model"] != "fine-tuned"]
+    assert tuned["processes"] == 1 and tuned["steps"] == 4
+    assert base["processes"] is None and base["steps"] is None  # the base was not trained: no training columns
+
+
+def test_compare_shows_the_config_keys_that_differ_and_plots_the_losses(tmp_path, capsys):
+    from ddptune import cli
+
+    runs = []
+    for name, lr in (("a", 0.01), ("b", 0.02)):
+        run = tmp_path / name
+        (run / "eval").mkdir(parents=True)
+        cfg = config.load(ROOT / "configs" / "tiny.yaml", [f"output_dir={run}", f"train.lr={lr}"])
+        (run / "config.yaml").write_text(config.dump(cfg))
+        (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 5.0 - s * lr}) + "\n" for s in (1, 2, 3)))
+        (run / "summary.json").write_text(json.dumps({"world_size": 2, "global_batch": 8, "steps": 3}))
+        (run / "eval" / "metrics.json").write_text(json.dumps(
+            {"label": "fine-tuned", "n": 4, "generation_time_s": 1.0, **{k: 0.5 for k in evaluate.ROUGE_KEYS}}))
+        runs.append(str(run))
+    png = tmp_path / "losses.png"
+    assert cli.main(["compare", *runs, "--plot", str(png)]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "| train.lr |" in header and "output_dir" not in header and "train.max_steps" not in header
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_train_runs_evaluation_before_and_after(tmp_path):

@@ -64,7 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--out", default=None, help="folder for predictions.jsonl and metrics.json")
     c = sub.add_parser("compare", help="ROUGE and loss of several runs side by side")
     c.add_argument("runs", nargs="+")
-    c.add_argument("--json", default=None)
+    c.add_argument("--json", default=None, help="also write the table's rows to this JSON file")
+    c.add_argument("--plot", default=None, metavar="PNG", help="draw the runs' training loss curves to this PNG")
     s = sub.add_parser("scale", help="the same training at several process counts, and where the time goes")
     s.add_argument("config")
     s.add_argument("overrides", nargs="*")
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "compare":
             from ddptune import evaluate
 
-            return evaluate.compare_main(args.runs, args.json)
+            return evaluate.compare_main(args.runs, args.json, args.plot)
         if args.command == "scale":
             from ddptune import scale
 

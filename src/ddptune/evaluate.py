@@ -238,14 +238,45 @@ def compare_rows(paths: list[str]) -> list[dict]:
             run = m.parent.parent if m.parent.name.startswith("eval") else m.parent
             summary = _read_json(run / "summary.json") if (run / "summary.json").is_file() else {}
             e = _read_json(m, ("label", *ROUGE_KEYS, "n", "generation_time_s"))
+            base = e["label"] == "zero-shot"
+            # the base model was not trained: the run's training columns do not describe it
+            trained = {} if base else summary
             rows.append({
-                "run": str(run), "eval": m.parent.name, "model": "zero-shot" if e["label"] == "zero-shot" else "fine-tuned",
-                "processes": summary.get("world_size"), "global_batch": summary.get("global_batch"),
-                "steps": summary.get("steps"), "train_time_s": summary.get("train_time_s"),
-                "val_loss": summary.get("val_loss"),
+                "run": str(run), "eval": m.parent.name, "model": "zero-shot (base)" if base else "fine-tuned",
+                "processes": trained.get("world_size"), "global_batch": trained.get("global_batch"),
+                "steps": trained.get("steps"), "train_time_s": trained.get("train_time_s"),
+                "val_loss": trained.get("val_loss"),
                 **{k: e[k] for k in ROUGE_KEYS}, "n": e["n"], "generation_time_s": e["generation_time_s"],
             })
     return rows
+
+
+def config_differences(rows: list[dict]) -> list[str]:
+    """The config keys (section.key) whose values differ between the compared runs, and each
+    row's values of them under those keys (runs without a readable config.yaml are left out)."""
+    configs = {}
+    for run in dict.fromkeys(r["run"] for r in rows):
+        try:
+            configs[run] = config_lib.flatten(config_lib.read_yaml(Path(run) / "config.yaml", "compare"))
+        except ConfigError:
+            continue
+    keys = sorted({k for c in configs.values() for k in c} - {"output_dir"})
+    differing = [k for k in keys if len({repr(c.get(k)) for c in configs.values()}) > 1]
+    for r in rows:
+        for k in differing:
+            r[k] = configs.get(r["run"], {}).get(k)
+    return differing
+
+
+def loss_curves(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """Each compared run's training loss per step, from its metrics.jsonl."""
+    curves = {}
+    for run in dict.fromkeys(r["run"] for r in rows):
+        path = Path(run) / "metrics.jsonl"
+        if path.is_file():
+            lines = (json.loads(l) for l in path.read_text().splitlines() if l.strip())
+            curves[run] = [(r["step"], r["loss"]) for r in lines if "loss" in r]
+    return curves
 
 
 COMPARE_COLUMNS = [("run", "run"), ("model", "model"), ("processes", "GPUs/procs"), ("global_batch", "global batch"),
@@ -254,15 +285,21 @@ COMPARE_COLUMNS = [("run", "run"), ("model", "model"), ("processes", "GPUs/procs
                    ("generation_time_s", "gen s")]
 
 
-def compare_main(paths: list[str], json_path: str | None) -> int:
-    if json_path:
-        target = Path(json_path)
-        if target.is_dir():
-            raise ConfigError([f"--json: {target} is a folder (give a file path, e.g. {target / 'compare.json'})"])
-        if problems := checks.folder_problems("--json", target.parent):
-            raise ConfigError(problems)
+def compare_main(paths: list[str], json_path: str | None, plot_path: str | None = None) -> int:
+    """Print the runs' table (ROUGE, loss, and a column for each config key whose value differs);
+    optionally write it as JSON, and the runs' loss curves as a PNG."""
+    for flag, value, example in (("--json", json_path, "compare.json"), ("--plot", plot_path, "losses.png")):
+        if value:
+            target = Path(value)
+            if target.is_dir():
+                raise ConfigError([f"{flag}: {target} is a folder (give a file path, e.g. {target / example})"])
+            if problems := checks.folder_problems(flag, target.parent):
+                raise ConfigError(problems)
     rows = compare_rows(paths)
-    print(report.markdown_table(rows, COMPARE_COLUMNS))
+    differing = config_differences(rows)
+    print(report.markdown_table(rows, COMPARE_COLUMNS[:2] + [(k, k) for k in differing] + COMPARE_COLUMNS[2:]))
     if json_path:
         report.write_json(Path(json_path), rows)
+    if plot_path:
+        report.plot_losses(Path(plot_path), loss_curves(rows))
     return 0

@@ -107,6 +107,26 @@ PARTS = [("compute_s", "compute (mean process)"), ("imbalance_s", "imbalance (sl
          ("exposed_comm_s", "exposed communication"), ("rest_s", "rest (optimizer, data, gaps)")]
 
 
+def plot_losses(path: str | os.PathLike[str], curves: dict[str, Sequence[tuple[int, float]]]) -> Path:
+    """Write a PNG of training loss against optimizer step, one line per run (label: points)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    for label, points in curves.items():
+        if points:
+            ax.plot(*zip(*points), label=label)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    return _atomic_write_bytes(path, buf.getvalue())
+
+
 def plot_scaling(path: str | os.PathLike[str], groups: dict[str, Sequence[dict[str, Any]]],
                  title: str = "Data-parallel scaling") -> Path:
     """Write a PNG with, for each group (a scaling mode) of rows, (a) speedup against processes
