@@ -115,7 +115,7 @@ def measured_runs() -> list[dict]:
         row = doc["rows"][index]
         ranks = [json.loads(line) for line in (RESULTS / ranks_file).read_text().splitlines() if line.strip()]
         tokens = max(max(r["tokens"]) for r in ranks)
-        ex = examples(config["data"]["train_rows"])
+        ex = examples("0:700")  # the rows those scale runs trained on (scaling_x2.sh: data.train_rows=0:700)
         share = sum(t for _, t in ex) / sum(n for n, _ in ex)  # targets: SAMSum's mean summary share
         runs.append({"name": f"{file.removesuffix('.json')} / n={row['nproc']}", "file": file, "date": "2026-11-29",
                      "device": doc.get("device", "2x NVIDIA H200 (nvidia-h200-x2)"), "preset": "llama-3.1-8b",

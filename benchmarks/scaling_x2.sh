@@ -33,7 +33,7 @@ recipe)
   done
   ;;
 qlora-8b)
-  python3 -m ddptune scale configs/samsum_qlora_llama31_8b.yaml model.tokenizer=$TOK data.train=$DATA data.val=null $EXTRA \
+  python3 -m ddptune scale configs/samsum_qlora_llama31_8b.yaml model.tokenizer=$TOK data.train=$DATA data.train_rows=0:700 data.val=null $EXTRA \
     --nproc 1,2 --mode ${MODE:-both} --steps "$STEPS" --warmup 3 --out /tmp/scale-8b 2>&1 | quiet | grep -v '^ddptune:' | tail -30
   cp /tmp/scale-8b/scaling.json "$OUT/scale_8b.json"; cp /tmp/scale-8b/scaling.md "$OUT/scale_8b.md"
   cp /tmp/scale-8b/scaling.png "$OUT/scale_8b.png"

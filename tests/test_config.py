@@ -1,6 +1,7 @@
 """Config loading and validation: every shipped YAML loads; bad input fails before any process starts."""
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -27,6 +28,10 @@ def test_every_shipped_config_loads_and_validates(path, tmp_path):
     cfg = config.load(path, [f"output_dir={tmp_path / 'out'}"])
     if "shared/data" in (cfg.data.train or "") and not SHARED_DATA.is_dir():
         pytest.skip("../shared/data is not beside this checkout")
+    if (cfg.data.train or "").startswith("hub:") and importlib.util.find_spec("datasets") is None:
+        # hub data needs datasets and internet; validate everything else with local rows in its place
+        cfg = config.load(path, [f"output_dir={tmp_path / 'out'}", "data.train=demo", "data.val=demo",
+                                 "data.train_rows=null", "data.val_rows=null"])
     plan = checks.validate(cfg, world_size=1)
     assert plan.global_batch >= 1
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import importlib.util
 import json
 import os
 import tempfile
@@ -74,7 +75,12 @@ def check(d: DataConfig) -> tuple[list[str], int | None]:
     when unknown before loading: hub data). Reads each file once; tokenizes nothing."""
     problems, n_train = [], None
     for field, source, rows in (("data.train", d.train, d.train_rows), ("data.val", d.val, d.val_rows)):
-        if source is None or source.startswith("hub:"):
+        if source is None:
+            continue
+        if source.startswith("hub:"):
+            if importlib.util.find_spec("datasets") is None:
+                problems.append(f"{field}: {source} needs the datasets package (pip install 'ddptune[hub]', and internet), "
+                                "or give a local .json/.jsonl file")
             continue
         if source != "demo" and not Path(source).is_file():
             problems.append(f"{field}: file {source!r} not found (give a .json/.jsonl path, `demo`, or hub:ID)")
