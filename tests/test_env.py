@@ -1,6 +1,7 @@
 """`ddptune env` collects a bug-report block; with --nproc 2 on CPU it measures gloo all-reduce."""
 from __future__ import annotations
 
+import importlib.metadata
 import json
 from pathlib import Path
 
@@ -23,8 +24,14 @@ def test_env_no_bandwidth(tmp_path: Path, capsys: pytest.CaptureFixture[str],
     assert set(info["packages"]) == set(env.PACKAGES)
     assert info["env_vars"]["NCCL_DEBUG"] == "INFO"
     assert info["bandwidth"]["status"].startswith("skipped")
+    assert info["ddptune"] == importlib.metadata.version("ddptune")
+    from ddptune import cli
+
+    capsys.readouterr()
+    assert cli.main(["--version"]) == 0 and capsys.readouterr().out == f"ddptune {info['ddptune']}\n"
+    assert env.main(["--no-bandwidth"]) == 0
     text = capsys.readouterr().out
-    assert "## ddptune env" in text and "torch" in text and "NCCL_DEBUG=INFO" in text
+    assert "## ddptune env" in text and f"- ddptune: {info['ddptune']}" in text and "torch" in text and "NCCL_DEBUG=INFO" in text
 
 
 def test_env_single_device(tmp_path: Path) -> None:

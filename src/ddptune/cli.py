@@ -103,6 +103,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["--version"], ["-V"]):
+        import importlib.metadata
+
+        print(f"ddptune {importlib.metadata.version('ddptune')}")
+        return 0
     if argv[:1] == ["env"]:
         from ddptune import env
 

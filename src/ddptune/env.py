@@ -64,6 +64,7 @@ def collect(bandwidth: bool = True, nproc: int | None = None) -> dict[str, Any]:
             nccl = "unknown"
     topo = comm.topology()
     info: dict[str, Any] = {
+        "ddptune": _version("ddptune"),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
@@ -103,6 +104,7 @@ def format_report(info: dict[str, Any]) -> str:
     gpus = info["gpus"]
     lines = [
         "## ddptune env", "",
+        f"- ddptune: {info['ddptune']}",
         f"- Python: {info['python']}",
         f"- Platform: {info['platform']}",
         f"- CPUs: {info['cpu_count']}, RAM: "
