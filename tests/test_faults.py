@@ -188,3 +188,31 @@ def test_killing_the_launcher_or_a_worker_ends_the_whole_job(tmp_path):
     assert proc.returncode != 0 and "Traceback" not in err, err[-3000:]
     assert any(l.startswith("ddptune: rank 0: step") and "or died; newest checkpoint: " in l for l in err.splitlines()), err[-3000:]
     assert (out / "checkpoints").is_dir() and any(p.name.startswith("step-") for p in (out / "checkpoints").iterdir())
+
+
+def train_with_a_slow_rank_1(overrides: list[str], metrics_path: str) -> None:
+    """Rank 1 is frozen for 2 s in the middle of a step once rank 0 has logged 3 steps."""
+    if os.environ["RANK"] == "1":
+        def pause() -> None:
+            while not (os.path.exists(metrics_path) and len(open(metrics_path).read().splitlines()) >= 3):
+                time.sleep(0.01)
+            import subprocess
+
+            subprocess.Popen(["sh", "-c", f"sleep 2; kill -CONT {os.getpid()}"])
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+        threading.Thread(target=pause, daemon=True).start()
+    train.run(config.load(TINY, overrides))
+
+
+def test_a_straggling_process_is_named(tmp_path):
+    import json
+
+    out = tmp_path / "run"
+    multiproc.run(train_with_a_slow_rank_1, 2, [f"output_dir={out}", "train.max_steps=40", "data.val=null"],
+                  str(out / "metrics.jsonl"))
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    slow = [r for r in rows if "slow_rank" in r]
+    assert slow and {r["slow_rank"] for r in slow} == {1}, slow
+    assert slow[0]["slow_compute_s"] > 1.5 and slow[0]["others_median_s"] < 0.75
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 41))  # the run itself went on

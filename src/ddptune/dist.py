@@ -166,7 +166,8 @@ def first_line(e: BaseException) -> str:
 class ControlChannel:
     """What every process must agree on between steps: whether SIGINT or SIGTERM reached any of
     them (from `ControlChannel()` to `close()` these signals are caught, not fatal: a second one
-    is) and whether a checkpoint is due. One small all-reduce on the host per step, over gloo (a
+    is), whether a checkpoint is due, and each process's compute time of its newest recorded step
+    (so a straggler is named). One small all-reduce on the host per step, over gloo (a
     gloo group beside NCCL on GPUs), so the device is never waited for; it travels while the next
     step runs and is read after it, so the processes' hosts are never held in step with each other
     (every process acts on the same answer after the same step, one step after it was asked)."""
@@ -188,19 +189,22 @@ class ControlChannel:
             raise KeyboardInterrupt
         self.signum = signum
 
-    def agree(self, due: bool) -> tuple[int, bool]:
-        """(a signal number if any process caught one, else 0; whether any process finds a save due)."""
-        flags = torch.tensor([self.signum, int(due)], dtype=torch.int64)
+    def agree(self, due: bool, seconds: float = 0.0) -> tuple[int, bool, list[float]]:
+        """(a signal number if any process caught one, else 0; whether any process finds a save due;
+        every process's `seconds`, by rank), all from the previous call ((0, False, []) at the first)."""
+        rank = torch.distributed.get_rank() if self.world > 1 else 0
+        flags = torch.zeros(2 + self.world, dtype=torch.int64)
+        flags[0], flags[1], flags[2 + rank] = self.signum, int(due), round(seconds * 1e6)
         work = None
         if self.world > 1:
             work = torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self.group, async_op=True)
         previous, self.pending = self.pending, (flags, work)
         if previous is None:
-            return 0, False
+            return 0, False, []
         answer, work = previous
         if work is not None:
             work.wait()
-        return int(answer[0]), bool(answer[1])
+        return int(answer[0]), bool(answer[1]), [t / 1e6 for t in answer[2:].tolist()]
 
     def close(self) -> None:
         for s, handler in self.old.items():

@@ -102,6 +102,18 @@ def step_row(step: int, loss: float, lr: float, grad_norm: float, samples: int, 
     return row
 
 
+def slow_rank(seconds: list[float], factor: float = 2.0, margin_s: float = 0.5) -> tuple[int, float, float] | None:
+    """(rank, its seconds, the others' median) when one process's step took more than `factor`
+    times the others' median and `margin_s` longer (a slow or busy machine), else None."""
+    if len(seconds) < 2:
+        return None
+    rank = max(range(len(seconds)), key=seconds.__getitem__)
+    others = statistics.median(s for i, s in enumerate(seconds) if i != rank)
+    if seconds[rank] > factor * others and seconds[rank] - others > margin_s:
+        return rank, seconds[rank], others
+    return None
+
+
 def rank_rows(first_step: int, per_rank: list[list[dict]], shares: list[dict]) -> list[dict]:
     """ranks.jsonl: for each step, every process's times and share side by side (lists in rank order)."""
     rows = []

@@ -260,7 +260,7 @@ def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
     gc.disable()  # Python's collector would pause each process at its own moment: collect on all at once instead
     step = r.start
     control = dist.ControlChannel(cfg.train.timeout_minutes)  # SIGINT/SIGTERM and checkpoint times, agreed by all
-    last_save = time.monotonic()
+    last_save, asked = time.monotonic(), 0
     try:
         with profiling(r) as profiler:
             for step in range(r.start, r.total_steps):
@@ -276,7 +276,15 @@ def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
                 done = step + 1
                 validate_now = cfg.train.val_every and r.val_set and done % cfg.train.val_every == 0 and done < r.total_steps
                 minutes = cfg.train.save_every_minutes
-                stop, due = control.agree(minutes > 0 and time.monotonic() - last_save >= 60 * minutes)
+                # the newest recorded step's compute time of every process (they all wait for the slowest
+                # at the all-reduce, so their step times are alike; its compute names the straggler)
+                computed = times[-1][0]["compute_s"] if times else 0.0
+                stop, due, seconds = control.agree(minutes > 0 and time.monotonic() - last_save >= 60 * minutes, computed)
+                asked, answered = (history[-1]["step"] if history else 0), asked
+                if log and (slow := metrics.slow_rank(seconds)):
+                    log.write({"step": answered, "slow_rank": slow[0], "slow_compute_s": slow[1], "others_median_s": slow[2]})
+                    bar.write(f"ddptune: warning: step {answered}: rank {slow[0]} computed for {slow[1]:.2f} s, the others "
+                              f"{slow[2]:.2f} s (a slow or busy machine, or a straggling GPU?)")
                 save_now = (cfg.train.save_every and done % cfg.train.save_every == 0) or due or stop
                 if validate_now or save_now:
                     record(pending)
