@@ -8,6 +8,7 @@ rank 0 calls it and the others wait for its answer (`dist.on_main`).
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -29,6 +30,10 @@ def validate(cfg: Config, world_size: int, resume: bool = False, overwrite: bool
             import bitsandbytes  # noqa: F401
         except ImportError:
             problems.append("train.method: qlora needs bitsandbytes (pip install bitsandbytes) or use method=lora")
+    if cfg.train.log_with != "none":
+        if importlib.util.find_spec(cfg.train.log_with) is None:  # the tracker's package, found without importing it
+            problems.append(f"train.log_with: {cfg.train.log_with} is not installed (pip install {cfg.train.log_with}) "
+                            "or use train.log_with=none")
     problems += model_problems(cfg)
     n_train = None
     if not problems:

@@ -102,6 +102,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    code = _main(argv)
+    dist.teardown()  # a finished command leaves its process group (NCCL warns at exit otherwise)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["--version"], ["-V"]):
         import importlib.metadata

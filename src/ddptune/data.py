@@ -142,12 +142,17 @@ def tokenize_example(tokenizer, pieces: tuple[str, str, str], dialogue: str, sum
     return {"input_ids": prompt + target, "labels": [IGNORE] * len(prompt) + target, "prompt_len": len(prompt)}
 
 
-def tokenize(rows: list[dict], tokenizer, d: DataConfig) -> list[dict]:
+def tokenize(rows: list[dict], tokenizer, d: DataConfig, progress: bool = False) -> list[dict]:
+    """Every row tokenized; `progress`: a bar on stderr (tens of thousands of rows take a while)."""
+    from tqdm.auto import tqdm
+
     pieces = prompt_pieces(tokenizer, d.instruction)
-    return [tokenize_example(tokenizer, pieces, r["dialogue"], r["summary"], d.max_length) for r in rows]
+    return [tokenize_example(tokenizer, pieces, r["dialogue"], r["summary"], d.max_length)
+            for r in tqdm(rows, desc="tokenize", disable=not progress, leave=False, dynamic_ncols=True)]
 
 
-def tokenize_cached(rows: list[dict], tokenizer, d: DataConfig, cache_dir: str | os.PathLike, tok_id: str) -> list[dict]:
+def tokenize_cached(rows: list[dict], tokenizer, d: DataConfig, cache_dir: str | os.PathLike, tok_id: str,
+                    progress: bool = False) -> list[dict]:
     """Tokenize once and keep the result in `cache_dir` as JSON (data only: nothing is unpickled);
     later callers (other processes) read it. The caller makes one process go first; the file is
     written atomically, and one that cannot be read is made again."""
@@ -163,7 +168,7 @@ def tokenize_cached(rows: list[dict], tokenizer, d: DataConfig, cache_dir: str |
                 return cached
         except (ValueError, UnicodeDecodeError):
             pass
-    out = tokenize(rows, tokenizer, d)
+    out = tokenize(rows, tokenizer, d, progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     with os.fdopen(fd, "w") as f:

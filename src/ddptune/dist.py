@@ -113,9 +113,11 @@ def _term_when_parent_dies() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def setup(precision: str = "auto") -> Accelerator:
+def setup(precision: str = "auto", log_with: str = "none", logging_dir=None) -> Accelerator:
     """This process's Accelerator: the process group (NCCL on GPUs, gloo on CPU), its device, bf16
-    autocast when `precision` resolves to bf16, and a quiet console on every process but rank 0."""
+    autocast when `precision` resolves to bf16, and a quiet console on every process but rank 0.
+    `log_with` (tensorboard, wandb, mlflow; none: no tracker): accelerate's tracker, which
+    `init_trackers` starts on the main process only, TensorBoard's in `logging_dir`."""
     cuda = torch.cuda.is_available()
     if cuda:
         # cuDNN's attention spends ~25 ms of CPU per call building a plan for every new sequence
@@ -128,13 +130,22 @@ def setup(precision: str = "auto") -> Accelerator:
     warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
     # Gradients as views of the all-reduce buckets: no copy of every gradient into its bucket.
     ddp = DistributedDataParallelKwargs(broadcast_buffers=False, gradient_as_bucket_view=True)
-    accelerator = Accelerator(cpu=not cuda, mixed_precision="bf16" if bf16 else "no", kwargs_handlers=[ddp])
+    accelerator = Accelerator(cpu=not cuda, mixed_precision="bf16" if bf16 else "no", kwargs_handlers=[ddp],
+                              log_with=None if log_with == "none" else log_with, project_dir=logging_dir)
     if not accelerator.is_main_process:
         transformers.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()
         logging.disable(logging.WARNING)
         warnings.filterwarnings("ignore")
     return accelerator
+
+
+def teardown() -> None:
+    """Leave the process group at the end of a command, as every process of a finished job must:
+    NCCL warns at exit ("destroy_process_group() was not called") and may leak its resources
+    otherwise. A no-op without a process group."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 class Stalled(RuntimeError):

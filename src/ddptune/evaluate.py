@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
+from tqdm.auto import tqdm
 
 from ddptune import checks, config as config_lib, data, dist, model as model_lib, report
 from ddptune.config import Config, ConfigError
@@ -94,9 +95,11 @@ def generate(model, tokenizer, prompts: list[list[int]], batch: list[int], max_n
     return [tokenizer.decode(seq[width:], skip_special_tokens=True).strip() for seq in out]
 
 
-def generate_all(net, tokenizer, prompts: list[list[int]], cfg: Config, accelerator: Accelerator) -> tuple[list[str] | None, float]:
+def generate_all(net, tokenizer, prompts: list[list[int]], cfg: Config, accelerator: Accelerator,
+                 desc: str = "generate") -> tuple[list[str] | None, float]:
     """Greedy texts for every prompt, the work shared out over the processes (every process calls
-    this): on rank 0 the texts in prompt order, None on the others; and the generation seconds."""
+    this): on rank 0 the texts in prompt order, None on the others; and the generation seconds.
+    Rank 0 shows a bar over its generate calls (every process makes as many)."""
     was_training = net.training
     net.eval()
     batches = fixed_batches(prompts, cfg.eval.batch_size)
@@ -109,7 +112,8 @@ def generate_all(net, tokenizer, prompts: list[list[int]], cfg: Config, accelera
     done = []
     # generation runs the layers eagerly: compiled training graphs (train.compile) do not fit a KV cache
     with accelerator.autocast(), torch.compiler.set_stance("force_eager"):
-        for batch in mine:
+        for batch in tqdm(mine, desc=desc, unit="batch", disable=not accelerator.is_main_process, leave=False,
+                          dynamic_ncols=True):
             texts = generate(net, tokenizer, prompts, batch, cfg.eval.max_new_tokens, eos, accelerator.device)
             done += list(zip(batch, texts))
     if accelerator.device.type == "cuda":
@@ -127,7 +131,8 @@ def evaluate(model, tokenizer, rows: list[dict], cfg: Config, accelerator: Accel
     """Generate for `rows` on every process, score on rank 0, write predictions and metrics there."""
     net = accelerator.unwrap_model(model)
     world = accelerator.num_processes
-    predictions, gen_s = generate_all(net, tokenizer, prompt_ids(rows, tokenizer, cfg.data), cfg, accelerator)
+    predictions, gen_s = generate_all(net, tokenizer, prompt_ids(rows, tokenizer, cfg.data), cfg, accelerator,
+                                      f"generate ({label.split(' (')[0]})")
     if not accelerator.is_main_process:
         return {}
     scores = rouge(predictions, [r["summary"] for r in rows])
@@ -195,11 +200,15 @@ def main(args) -> int:
     accelerator = dist.setup(cfg.train.precision)
     tokenizer = model_lib.load_tokenizer(cfg.model)
     t = cfg.train
+    t0 = time.perf_counter()
+    accelerator.print(f"ddptune: loading {cfg.model.source}" + (f" with {model_lib.trained_weights_dir(run_dir, t.method)}" if trained else "")
+                      + " ...")
     with accelerator.main_process_first():
         if trained:
             net = model_lib.load_trained(run_dir, cfg.model, t.method, accelerator.device, t.precision, t.seed)
         else:
             net = model_lib.load_model(cfg.model, t.method, accelerator.device, t.precision, t.seed)
+    accelerator.print(f"ddptune: loaded in {time.perf_counter() - t0:.1f}s")
     label = f"fine-tuned ({model_lib.trained_weights_dir(run_dir, t.method)})" if trained else "zero-shot"
     evaluate(net, tokenizer, eval_rows(cfg), cfg, accelerator, out, label)
     accelerator.wait_for_everyone()

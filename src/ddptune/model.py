@@ -6,13 +6,16 @@ Sources: `preset:NAME` (real architecture shapes, random weights), a local folde
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
 import inspect
+import logging
 import os
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +25,30 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from ddptune.config import LoraConfig, ModelConfig
+
+
+class _DropHubKernelNotice(logging.Filter):
+    """bitsandbytes (which peft imports whenever it is installed, even for LoRA) tries, on CPUs with
+    AVX512-BF16, to fetch an optional 4-bit matmul kernel from the Hugging Face Hub through the
+    `kernels` package, and logs "pip install kernels" when that is absent, on every import. ddptune
+    downloads nothing at run time and its CPU path works without that kernel: drop that one record
+    (set here, before anything imports bitsandbytes; its other messages still show)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "kernels-community" not in record.getMessage()
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropHubKernelNotice())
+
+
+@contextlib.contextmanager
+def _peft_quietly():
+    """peft (0.21) reads `model.is_gradient_checkpointing` when it wraps a model, which
+    transformers 5 deprecates with a FutureWarning on every run; the fix is peft's to make
+    (`is_activation_checkpointing`). Ignore that one warning around peft's wrapping only."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 # Architecture shapes of real models; weights are random (same compute as the real ones).
 PRESETS: dict[str, dict] = {
@@ -117,6 +144,12 @@ def load_tokenizer(m: ModelConfig):
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "right"
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None and type(backend.model).__name__ == "BPE":
+        # transformers 5 never applies clean_up_tokenization_spaces to BPE tokenizers (it would strip
+        # real spaces before punctuation) and says so once per process at the first decode when the
+        # tokenizer's config asks for it (Llama 3's does): what decode does is unchanged by this.
+        tok.clean_up_tokenization_spaces = False
     return tok
 
 
@@ -304,8 +337,12 @@ def add_adapters(model, method: str, lora: LoraConfig, gradient_checkpointing: b
     for p in model.parameters():
         p.requires_grad_(False)
     if gradient_checkpointing:
-        # reentrant checkpointing breaks DDP ("marked ready twice"); non-reentrant needs no input grads
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # reentrant checkpointing breaks DDP ("marked ready twice"); non-reentrant needs no input grads.
+        # transformers 5 renames the switch (the old name warns FutureWarning); older ones have only the old.
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if method == "full":
         for p in model.parameters():
             p.requires_grad_(True)
@@ -318,7 +355,8 @@ def add_adapters(model, method: str, lora: LoraConfig, gradient_checkpointing: b
         target_modules="all-linear" if targets == ["all-linear"] else targets,
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, peft_cfg)
+    with _peft_quietly():
+        return get_peft_model(model, peft_cfg)
 
 
 class CausalLMLoss(torch.nn.Module):
@@ -400,4 +438,18 @@ def load_trained(run_dir: Path, m: ModelConfig, method: str, device: torch.devic
     base = load_model(m, method, device, precision, seed)
     if dequantize and method == "qlora":
         base = base.dequantize(dtype=compute_dtype(precision, device))
-    return PeftModel.from_pretrained(base, weights)
+    with _peft_quietly():
+        return PeftModel.from_pretrained(base, weights)
+
+
+def save_trained(model, folder: Path, state_dict: dict | None = None) -> None:
+    """`save_pretrained` of the trained model: PEFT adapter files, or the full model's.
+
+    An adapter is saved without embedding layers: ddptune never resizes the vocabulary and LoRA
+    does not change the embeddings, so there is nothing to add. peft's "auto" would find that out by
+    reading the base model's config.json from `base_model_name_or_path`, which a GGUF base (a folder
+    holding only the .gguf file) lacks, and warns "Could not find a config file" on every save."""
+    kwargs = {"state_dict": state_dict} if state_dict is not None else {}
+    if hasattr(model, "peft_config"):
+        kwargs["save_embedding_layers"] = False
+    model.save_pretrained(folder, **kwargs)

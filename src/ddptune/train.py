@@ -74,6 +74,8 @@ class Run:
     checkpointing: bool
     compiled: bool
     load_s: float
+    started: float = 0.0  # perf_counter when setup began: the run's wall time counts from here
+    eval_s: float = 0.0   # validation and generation (zero-shot, final), the run's "eval" time
 
 
 @dataclass
@@ -93,12 +95,48 @@ class Share:
 def run(cfg: Config, resume: bool = False):
     """Train as configured; every process calls this. Returns (summary, trained model)."""
     r = setup(cfg, resume)
-    history, times = fit(r)
-    return finish(r, history, times)
+    try:
+        history, times = fit(r)
+        return finish(r, history, times)
+    finally:
+        stop_trackers(r)
+
+
+def start_trackers(r: Run) -> None:
+    """train.log_with: accelerate's tracker on the main process, with the resolved config as its
+    hyperparameters. TensorBoard writes output_dir/tensorboard/ (its project name is the folder);
+    W&B and MLflow log to project / experiment `ddptune`, the run named after output_dir."""
+    log_with = r.cfg.train.log_with
+    if log_with == "none":
+        return
+    flat = {}
+    for section, values in config_lib.to_dict(r.cfg).items():
+        for key, value in values.items() if isinstance(values, dict) else [(None, values)]:
+            # hyperparameters must be numbers, strings or booleans (TensorBoard's add_hparams)
+            flat[f"{section}.{key}" if key else section] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    name = r.out.resolve().name
+    init = {"wandb": {"name": name}, "mlflow": {"run_name": name}}
+    r.accelerator.init_trackers("tensorboard" if log_with == "tensorboard" else "ddptune", config=flat, init_kwargs=init)
+
+
+def stop_trackers(r: Run) -> None:
+    """Flush and close the trackers, also after an error. (Not accelerator.end_training, which
+    also destroys the process group: the CLI leaves it when the command ends, dist.teardown.)"""
+    for tracker in r.accelerator.trackers:
+        tracker.finish()
+    r.accelerator.trackers.clear()
+
+
+def track(r: Run, row: dict) -> None:
+    """One metrics.jsonl row to the trackers (main process only; its numbers, at its step)."""
+    if r.cfg.train.log_with != "none":
+        values = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        r.accelerator.log(values, step=row["step"])
 
 
 def setup(cfg: Config, resume: bool = False) -> Run:
-    accelerator = dist.setup(cfg.train.precision)
+    started = time.perf_counter()
+    accelerator = dist.setup(cfg.train.precision, log_with=cfg.train.log_with, logging_dir=cfg.output_dir)
     world = accelerator.num_processes
     if dist.validated_by_parent():  # `--nproc`: the parent validated before starting us
         plan = config_lib.batch_plan(cfg.train, world)
@@ -116,6 +154,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
 
     tokenizer = model_lib.load_tokenizer(cfg.model)
     train_set, val_set = load_data(cfg, tokenizer, accelerator)
+    accelerator.print(f"ddptune: data ready in {time.perf_counter() - t0:.1f}s; loading {cfg.model.source} ...")
     if cfg.data.train.startswith("hub:"):  # file data was counted by checks.validate
         if problems := checks.rows_problems(len(train_set), plan):
             raise ConfigError(problems)
@@ -124,7 +163,9 @@ def setup(cfg: Config, resume: bool = False) -> Run:
         raise ConfigError([f"train.profile_steps: {cfg.train.profile_steps} steps after {config_lib.PROFILE_WAIT} warm-up steps "
                            f"do not fit a run of {total_steps} steps (profile fewer steps or train longer)"])
 
+    t1 = time.perf_counter()
     model, checkpointing, compiled = build_model(cfg, accelerator, plan)
+    accelerator.print(f"ddptune: model loaded in {time.perf_counter() - t1:.1f}s")
     optimizer, scheduler = build_optimizer(cfg, model, total_steps)
     flops = metrics.FlopModel.of(model, cfg.train.method)
     loss_model = model_lib.CausalLMLoss(model)
@@ -140,7 +181,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     costs = [flops.sample(len(e["input_ids"]), t) for e, t in zip(train_set, targets)]
     r = Run(cfg, plan, accelerator, out, tokenizer, train_set, val_set, model, loss_model, ddp_model, optimizer,
             scheduler, clock, flops, costs, targets, start, total_steps, checkpointing, compiled,
-            time.perf_counter() - t0)
+            time.perf_counter() - t0, started)
     announce(r)
     return r
 
@@ -171,11 +212,11 @@ def load_data(cfg: Config, tokenizer, accelerator: Accelerator) -> tuple[list[di
     tok_id = model_lib.fingerprint(tokenizer)
     with accelerator.main_process_first():
         train_rows = data.load_split(cfg.data.train, cfg.data.train_rows, cfg.data)
-        train = data.tokenize_cached(train_rows, tokenizer, cfg.data, cache, tok_id)
+        train = data.tokenize_cached(train_rows, tokenizer, cfg.data, cache, tok_id, accelerator.is_main_process)
         val = []
         if cfg.data.val:
             val_rows = data.load_split(cfg.data.val, cfg.data.val_rows, cfg.data)
-            val = data.tokenize_cached(val_rows, tokenizer, cfg.data, cache, tok_id)
+            val = data.tokenize_cached(val_rows, tokenizer, cfg.data, cache, tok_id, accelerator.is_main_process)
     return train, val
 
 
@@ -235,9 +276,12 @@ def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
     # torch's default: rank 0 may validate, download and tokenize for long while the others wait).
     dist.set_timeout(cfg.train.timeout_minutes)
     if cfg.eval.enabled and cfg.eval.zero_shot and cfg.train.method != "full" and not r.start:
+        t0 = time.perf_counter()
         with r.model.disable_adapter():  # the base model, before any step
             evaluate.evaluate(r.model, r.tokenizer, evaluate.eval_rows(cfg), cfg, acc, r.out / "eval-base", "zero-shot")
+        r.eval_s += time.perf_counter() - t0
     log = metrics.JsonlWriter(r.out / "metrics.jsonl", keep_until_step=r.start) if acc.is_main_process else None
+    start_trackers(r)
     bar = tqdm(total=r.total_steps, initial=r.start, desc="train", disable=not acc.is_main_process, dynamic_ncols=True)
     history, times, pending = [], [], None
     peak = metrics.peak_tflops(acc.device)
@@ -253,6 +297,7 @@ def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
         times.append(mine)
         if log:
             log.write(row)
+            track(r, row)
         bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", lr=f"{row['lr']:.2e}")
         bar.update(1)
 
@@ -290,9 +335,12 @@ def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
                     record(pending)
                     pending = None
                 if validate_now:
+                    t0 = time.perf_counter()
                     val = validation_loss(r.loss_model, r.val_set, cfg.train.micro_batch_size, r.tokenizer.pad_token_id, acc)
+                    r.eval_s += time.perf_counter() - t0
                     if log:
                         log.write({"step": done, "val_loss": val})
+                        track(r, {"step": done, "val_loss": val})
                         bar.write(f"step {done}: val_loss {val:.4f}")
                 if save_now:
                     save_checkpoint(r, done)
@@ -435,7 +483,8 @@ def validation_loss(loss_model, examples: list[dict], micro: int, pad_id: int, a
     mine = examples[accelerator.process_index::accelerator.num_processes]
     loss_total = torch.zeros((), dtype=torch.float64, device=accelerator.device)  # summed on the device: no sync a batch
     targets = 0  # counted on the host
-    for i in range(0, len(mine), micro):
+    for i in tqdm(range(0, len(mine), micro), desc="validation", unit="batch", disable=not accelerator.is_main_process,
+                  leave=False, dynamic_ncols=True):
         chunk = mine[i:i + micro]
         batch = to_device(data.collate(chunk, pad_id), accelerator.device)
         with accelerator.autocast():
@@ -466,11 +515,14 @@ def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
     cfg, acc, out = r.cfg, r.accelerator, r.out
     train_s = sum(row["step_time_s"] for row in history)
     val_loss = float("nan")
+    t0 = time.perf_counter()
     if r.val_set:
         val_loss = validation_loss(r.loss_model, r.val_set, cfg.train.micro_batch_size, r.tokenizer.pad_token_id, acc)
         if acc.is_main_process:
             with open(out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps({"step": r.total_steps, "val_loss": val_loss}) + "\n")
+            track(r, {"step": r.total_steps, "val_loss": val_loss})
+    r.eval_s += time.perf_counter() - t0
     fingerprints = dist.gather(replica_fingerprint(r.model))
     peaks = dist.gather(metrics.peak_memory_gib(acc.device))
     per_rank = dist.gather([t for t, _ in times])
@@ -479,7 +531,9 @@ def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
     final = save_final(r)
     scores = None
     if cfg.eval.enabled:
+        t0 = time.perf_counter()
         scores = evaluate.evaluate(r.model, r.tokenizer, evaluate.eval_rows(cfg), cfg, acc, out / "eval", "fine-tuned")
+        r.eval_s += time.perf_counter() - t0
     if not acc.is_main_process:
         acc.wait_for_everyone()
         return {}, r.model
@@ -492,6 +546,7 @@ def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
         "per_process": r.plan.per_process, "grad_accum": r.plan.grad_accum, "micro_batch_size": r.plan.micro_batch_size,
         "packing": cfg.train.packing, "final_loss": history[-1]["loss"] if history else float("nan"), "val_loss": val_loss,
         "load_time_s": r.load_s, "train_time_s": train_s, **metrics.summarize_steps(history, warm, acc.num_processes),
+        "eval_time_s": r.eval_s, "wall_time_s": time.perf_counter() - r.started,
         "time_split": metrics.split(ranks[warm:]),
         "peak_mem_gib": max(peaks) if None not in peaks else None, "peak_mem_gib_per_process": peaks,
         "train_rows": len(r.train_set), "steps_per_epoch": len(r.train_set) / r.plan.global_batch,
@@ -502,11 +557,37 @@ def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
     if scores:
         summary["rouge"] = {k: scores[k] for k in evaluate.ROUGE_KEYS}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    acc.print(f"ddptune: done in {train_s:.1f}s of training: final loss {summary['final_loss']:.4f}"
-              + (f", val loss {val_loss:.4f}" if r.val_set else "")
-              + f", {summary['tokens_per_s_per_gpu']:.0f} tokens/s per process; saved {final}")
+    acc.print("\n".join(closing_lines(r, summary, final)))
     acc.wait_for_everyone()
     return summary, r.model
+
+
+def closing_lines(r: Run, summary: dict, final: Path) -> list[str]:
+    """What the end of a run prints: its wall time and where it went, its figures, where each
+    output is, and one command to try next."""
+    wall, load, train_s, eval_s = summary["wall_time_s"], r.load_s, summary["train_time_s"], r.eval_s
+    out = r.out
+    lines = [f"ddptune: done in {_duration(wall)}: load {load:.1f}s, train {train_s:.1f}s, eval {eval_s:.1f}s "
+             f"(validation and generation), other {max(wall - load - train_s - eval_s, 0):.1f}s (setup, checks, saving)",
+             f"ddptune: final loss {summary['final_loss']:.4f}" + (f", val loss {summary['val_loss']:.4f}" if r.val_set else "")
+             + f", {summary['tokens_per_s_per_gpu']:.0f} tokens/s per process"
+             + (f", ROUGE-1 {summary['rouge']['rouge1']:.1f}" if "rouge" in summary else "")]
+    wrote = [("metrics.jsonl", "a line per step"), ("summary.json", "the run's figures"),
+             (final.name + "/", "the trained " + ("model" if r.cfg.train.method == "full" else "adapter")),
+             ("eval/", "fine-tuned predictions and ROUGE"), ("eval-base/", "zero-shot predictions and ROUGE"),
+             ("tensorboard/", "tensorboard --logdir " + str(out)), ("checkpoints/", "resumable with --resume")]
+    lines.append(f"ddptune: wrote {out}/: " + ", ".join(f"{name} ({what})" for name, what in wrote
+                                                        if (out / name).exists()))
+    if r.cfg.eval.enabled or not r.cfg.data.val:
+        lines.append(f"ddptune: next: summarize a dialogue with it: echo '{{\"dialogue\": \"Ann: lunch at 1?\\nBo: sure\"}}' "
+                     f"| ddptune predict {out} -")
+    else:
+        lines.append(f"ddptune: next: score it with ROUGE: ddptune eval {out}")
+    return lines
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.1f}s" if seconds < 60 else f"{int(seconds // 60)} min {seconds % 60:.0f} s"
 
 
 def replica_fingerprint(model) -> str:
@@ -524,7 +605,7 @@ def save_final(r: Run) -> Path:
     final = model_lib.trained_weights_dir(r.out, r.cfg.train.method)
     if r.accelerator.is_main_process:
         tmp = checkpoint.atomic_dir(final)
-        r.model.save_pretrained(tmp)
+        model_lib.save_trained(r.model, tmp)
         r.tokenizer.save_pretrained(tmp)
         (tmp / "ddptune.yaml").write_text(config_lib.dump(r.cfg))
         checkpoint.commit(tmp, final)

@@ -1,0 +1,101 @@
+"""What a user sees and keeps beside the files: a 2-process run's console holds progress and a
+closing summary but no warnings, its rows reach TensorBoard, and the notices of the libraries
+underneath are fixed where they come from."""
+from __future__ import annotations
+
+import json
+import re
+import warnings
+
+import pytest
+
+from conftest import ROOT, check, ddptune, metrics
+from ddptune import checks, config, model as model_lib
+
+TINY = str(ROOT / "configs" / "tiny.yaml")
+WARNING = re.compile(r"warn|pip install", re.IGNORECASE)
+
+
+def test_a_two_process_run_is_quiet_shows_its_phases_and_logs_to_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    proc = check(ddptune("train", TINY, "--nproc", "2", f"output_dir={out}", "train.max_steps=6", "train.val_every=3",
+                         "eval.enabled=true", "eval.max_samples=8", "train.log_with=tensorboard"))
+    noisy = [line for line in proc.stderr.replace("\r", "\n").splitlines() if WARNING.search(line)]
+    assert noisy == [], noisy
+    # progress of the long phases (rank 0 only: one bar each), and the closing lines
+    for bar in ("generate (zero-shot)", "train", "validation", "generate (fine-tuned)"):
+        assert f"{bar}:" in proc.stderr, bar
+    assert "model loaded in" in proc.stdout and proc.stdout.count("ddptune: model loaded in") == 1
+    done = next(l for l in proc.stdout.splitlines() if l.startswith("ddptune: done in"))
+    assert re.search(r"load \d+\.\ds, train \d+\.\ds, eval \d+\.\ds", done)
+    wrote = next(l for l in proc.stdout.splitlines() if l.startswith(f"ddptune: wrote {out}/"))
+    for name in ("metrics.jsonl", "summary.json", "adapter/", "eval/", "eval-base/", "tensorboard/"):
+        assert name in wrote
+    assert f"ddptune predict {out} -" in proc.stdout.splitlines()[-1]
+
+    # TensorBoard holds metrics.jsonl's rows: the loss of every step, and each validation loss
+    rows = metrics(out)
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    loss = {e.step: e.value for e in events.Scalars("loss")}
+    assert loss == pytest.approx({r["step"]: r["loss"] for r in rows if "loss" in r}, rel=1e-6)
+    assert sorted(loss) == list(range(1, 7))
+    val = {e.step: e.value for e in events.Scalars("val_loss")}
+    assert val == pytest.approx({r["step"]: r["val_loss"] for r in rows if "val_loss" in r}, rel=1e-6)
+    assert sorted(val) == [3, 6]
+    assert {"lr", "grad_norm", "tokens_per_s"} <= set(events.Tags()["scalars"])
+
+
+def test_a_tracker_that_is_not_installed_is_refused_with_its_fix(tmp_path):
+    pytest.importorskip("tensorboard")
+    import importlib.util
+
+    missing = next((t for t in ("wandb", "mlflow") if importlib.util.find_spec(t) is None), None)
+    if missing is None:
+        pytest.skip("wandb and mlflow are both installed")
+    cfg = config.load(TINY, [f"output_dir={tmp_path / 'out'}", f"train.log_with={missing}"])
+    with pytest.raises(config.ConfigError, match=f"train.log_with: {missing} is not installed \\(pip install {missing}\\)"):
+        checks.validate(cfg, world_size=1)
+
+
+def test_an_adapter_over_a_base_without_config_json_saves_without_warnings(tmp_path):
+    """A GGUF base's folder holds no config.json; peft's embedding check would warn on every save."""
+    import torch
+
+    base = model_lib.build_preset("tiny", 0, torch.float32, torch.device("cpu"))
+    net = model_lib.add_adapters(base, "lora", config.LoraConfig(r=4), gradient_checkpointing=False)
+    gguf_folder = tmp_path / "gguf-package"
+    gguf_folder.mkdir()
+    net.peft_config["default"].base_model_name_or_path = str(gguf_folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model_lib.save_trained(net, tmp_path / "adapter")
+        model_lib.add_adapters(model_lib.build_preset("tiny", 0, torch.float32, torch.device("cpu")), "lora",
+                               config.LoraConfig(r=4), gradient_checkpointing=True)
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_a_bpe_tokenizer_that_asks_for_space_cleanup_decodes_without_the_notice(tmp_path):
+    import logging
+
+    from transformers import AutoTokenizer
+
+    model_lib.byte_tokenizer().save_pretrained(tmp_path / "tok")  # byte-level BPE, like Llama 3's
+    config_file = tmp_path / "tok" / "tokenizer_config.json"
+    config_file.write_text(json.dumps(json.loads(config_file.read_text()) | {"clean_up_tokenization_spaces": True}))
+    notices = []
+    handler = logging.Handler()
+    handler.emit = lambda record: notices.append(record.getMessage())
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        ours = model_lib.load_tokenizer(config.ModelConfig(source="preset:tiny", tokenizer=str(tmp_path / "tok")))
+        ids = ours("Hi , there .")["input_ids"]
+        assert ours.decode(ids) == "Hi , there ."  # what transformers does for BPE anyway: no cleanup
+        assert not [n for n in notices if "clean_up_tokenization_spaces" in n]
+        plain = AutoTokenizer.from_pretrained(tmp_path / "tok")
+        assert plain.decode(ids) == "Hi , there ."
+        assert [n for n in notices if "clean_up_tokenization_spaces" in n]  # the notice this avoids
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
