@@ -6,6 +6,11 @@ in safetensors files, everything else in JSON. Nothing read back is unpickled, s
 checkpoint cannot run code (`torch.load`'s pickle could). The folder is written under a temporary
 name, each file fsynced, and renamed when complete, so a crash never leaves a half-written
 checkpoint that `--resume` would pick up. Only the caller decides which process writes.
+
+A sharded model (FSDP2: parameters and optimizer states are DTensors, each process holds a part)
+is saved as one weights and optimizer file set per process (`weights.shard-00001.safetensors`, ...),
+each holding that process's own parts (`save_shard`), beside the one scheduler, RNG and state
+files; it is resumed by the same number of processes, each reading its own set back into place.
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ def split_tensors(obj, prefix: str, tensors: dict):
     """`obj` with every tensor replaced by {"tensor": key}; the tensors go to `tensors[key]`.
     Dicts keep keys of any JSON type ({"dict": [[key, value], ...]}) and tuples stay tuples."""
     if torch.is_tensor(obj):
-        tensors[prefix] = obj.detach().cpu().contiguous()
+        tensors[prefix] = local(obj).detach().cpu().contiguous()
         return {"tensor": prefix}
     if isinstance(obj, dict):
         return {"dict": [[k, split_tensors(v, f"{prefix}.{k}", tensors)] for k, v in obj.items()]}
@@ -56,6 +61,27 @@ def join_tensors(skeleton, tensors: dict):
             return tuple(join_tensors(v, tensors) for v in skeleton["tuple"])
         raise ValueError(f"unknown entry {sorted(skeleton)}")
     return skeleton
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This process's own part of a sharded tensor (DTensor); any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(value: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """`value` (a local part read back) as a DTensor sharded like `ref`, when `ref` is one."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(ref, DTensor) or value.shape != ref.to_local().shape:
+        return value
+    return DTensor.from_local(value.to(ref.device), ref.device_mesh, ref.placements, run_check=False,
+                              shape=ref.shape, stride=ref.stride())
+
+
+def shard_name(stem: str, index: int, suffix: str) -> str:
+    return f"{stem}.shard-{index:05d}.{suffix}"
 
 
 def _write_json(path: Path, obj) -> None:
@@ -123,14 +149,21 @@ def commit(tmp: Path, final: Path) -> None:
         os.close(fd)
 
 
-def save(folder: Path, step: int, weights: dict, optimizer, scheduler, rng_states: list[dict], extra: dict) -> Path:
-    """Write checkpoint `step` atomically under `folder`; return its path."""
-    final = folder / f"{PREFIX}{step:06d}"
-    tmp = atomic_dir(final)
-    _write_tensors(tmp / "weights.safetensors", {k: v.detach().cpu().contiguous() for k, v in weights.items()})
-    tensors: dict = {}
-    _write_json(tmp / "optimizer.json", split_tensors(optimizer.state_dict(), "optimizer", tensors))
-    _write_tensors(tmp / "optimizer.safetensors", tensors)
+def path_of(folder: Path, step: int) -> Path:
+    return folder / f"{PREFIX}{step:06d}"
+
+
+def save(folder: Path, step: int, weights: dict | None, optimizer, scheduler, rng_states: list[dict], extra: dict,
+         tmp: Path | None = None) -> Path:
+    """Write checkpoint `step` atomically under `folder`; return its path. Sharded: `weights` and
+    `optimizer` are None, every process has written its shard into `tmp` (save_shard)."""
+    final = path_of(folder, step)
+    tmp = tmp or atomic_dir(final)
+    if weights is not None:
+        _write_tensors(tmp / "weights.safetensors", {k: v.detach().cpu().contiguous() for k, v in weights.items()})
+        tensors: dict = {}
+        _write_json(tmp / "optimizer.json", split_tensors(optimizer.state_dict(), "optimizer", tensors))
+        _write_tensors(tmp / "optimizer.safetensors", tensors)
     _write_json(tmp / "scheduler.json", split_tensors(scheduler.state_dict(), "scheduler", {}))
     tensors = {}
     _write_json(tmp / "rng.json", split_tensors([_numpy_state_as_json(s) for s in rng_states], "rng", tensors))
@@ -138,6 +171,15 @@ def save(folder: Path, step: int, weights: dict, optimizer, scheduler, rng_state
     _write_json(tmp / "state.json", {"step": step, **extra})
     commit(tmp, final)
     return final
+
+
+def save_shard(tmp: Path, index: int, weights: dict, optimizer) -> None:
+    """Process `index`'s own parts of the sharded weights and optimizer states, into `tmp`."""
+    _write_tensors(tmp / shard_name("weights", index, "safetensors"),
+                   {k: local(v).detach().cpu().contiguous() for k, v in weights.items()})
+    tensors: dict = {}
+    _write_json(tmp / shard_name("optimizer", index, "json"), split_tensors(optimizer.state_dict(), "optimizer", tensors))
+    _write_tensors(tmp / shard_name("optimizer", index, "safetensors"), tensors)
 
 
 def prune(folder: Path, keep: int) -> None:
@@ -157,12 +199,16 @@ def load(path: Path, model, optimizer, scheduler, process_index: int) -> dict:
     """Restore weights, optimizer, scheduler and this process's RNG; return state.json.
     Raises ValueError naming the checkpoint when a file is missing or not what it should be."""
     try:
-        weights = load_file(str(path / "weights.safetensors"))
-        optimizer_state = join_tensors(json.loads((path / "optimizer.json").read_text()),
-                                       load_file(str(path / "optimizer.safetensors")))
+        state = json.loads((path / "state.json").read_text())
+        shards = state.get("shards")
+        if shards is not None and not 0 <= process_index < shards:
+            raise ValueError(f"it holds the shards of {shards} processes, not of process {process_index}")
+        name = (lambda stem, suffix: shard_name(stem, process_index, suffix)) if shards else (lambda stem, suffix: f"{stem}.{suffix}")  # noqa: E731
+        weights = load_file(str(path / name("weights", "safetensors")))
+        optimizer_state = join_tensors(json.loads((path / name("optimizer", "json")).read_text()),
+                                       load_file(str(path / name("optimizer", "safetensors"))))
         scheduler_state = join_tensors(json.loads((path / "scheduler.json").read_text()), {})
         rngs = join_tensors(json.loads((path / "rng.json").read_text()), load_file(str(path / "rng.safetensors")))
-        state = json.loads((path / "state.json").read_text())
     except Exception as e:  # noqa: BLE001 - missing, truncated or foreign files (safetensors has its own error type)
         reason = (str(e).splitlines() or [""])[0][:200]
         raise ValueError(f"checkpoint {path} cannot be read ({type(e).__name__}: {reason})") from None
@@ -172,7 +218,10 @@ def load(path: Path, model, optimizer, scheduler, process_index: int) -> dict:
         raise ValueError(f"checkpoint {path} has weights the model lacks, e.g. {missing[0]}: was the config changed?")
     with torch.no_grad():
         for k, v in weights.items():
-            params[k].copy_(v)
+            local(params[k]).copy_(v)  # sharded: this process's part, in place
+    by_index = [p for group in optimizer.param_groups for p in group["params"]]
+    for i, values in optimizer_state["state"].items():  # sharded parameters' states are sharded likewise
+        optimizer_state["state"][i] = {k: _like(v, by_index[i]) if torch.is_tensor(v) else v for k, v in values.items()}
     optimizer.load_state_dict(optimizer_state)
     scheduler.load_state_dict(scheduler_state)
     # At another process count (same global batch) a process takes some writer's RNG: dropout masks

@@ -233,6 +233,9 @@ def output_problems(cfg: Config, resume: bool, world_size: int | None = None, ov
     path, state = states[0]
     if not isinstance(state, dict):
         state = {}
+    if world_size is not None and state.get("shards", world_size) != world_size:  # train.strategy=fsdp
+        return [f"--resume: {path} holds the weights and optimizer states of {state['shards']} FSDP processes, "
+                f"one part each, not {world_size} (resume with --nproc {state['shards']})"]
     same_batch = False  # whether the new process count and batch keys give the run's global batch
     if world_size is not None and "global_batch" in state:
         try:

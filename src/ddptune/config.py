@@ -95,6 +95,12 @@ class DataConfig:
 class TrainConfig:
     method: Literal["lora", "qlora", "full"] = "lora"
     """lora: frozen base + adapters; qlora: 4-bit NF4 base + adapters; full: every weight."""
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """ddp: every process holds the whole model, gradients are all-reduced. fsdp: PyTorch's FSDP2
+    (fully_shard, through accelerate) shards weights, gradients and optimizer states over the
+    processes, one unit per decoder layer: each forward and backward all-gathers a layer's weights,
+    and gradients are reduce-scattered. For a model whose training state does not fit one GPU;
+    lora and full (not qlora). Same steps and losses as ddp; checkpoints are one file set per process."""
     micro_batch_size: int = 4
     """Samples per process per forward with padded batches. With packing it only counts samples:
     micro_batch_size x grad_accum samples per process per optimizer step."""
@@ -418,6 +424,13 @@ def check_values(cfg: Config) -> list[str]:
     if t.packing and cfg.model.attn_implementation not in PACKED_ATTENTION:
         problems.append(f"train.packing: needs model.attn_implementation in {list(PACKED_ATTENTION)} "
                         f"({cfg.model.attn_implementation} would attend across the whole packed row): use varlen, or set train.packing=false")
+    if t.strategy == "fsdp" and t.method == "qlora":
+        problems.append("train.strategy: fsdp covers lora and full, not qlora (its 4-bit weights are stored as "
+                        "uint8, which FSDP cannot shard): use train.strategy=ddp, or train.method=lora")
+    if t.strategy == "fsdp" and cfg.eval.enabled:
+        problems.append("eval.enabled: generation is not run under train.strategy=fsdp (the processes' greedy "
+                        "decodes would have to stay in step); set eval.enabled=false and score the saved model "
+                        "afterwards with `ddptune eval OUTPUT_DIR`")
     if cfg.lora.r < 1:
         problems.append("lora.r: must be at least 1")
     if not 0 <= cfg.lora.dropout < 1:

@@ -3,8 +3,9 @@
 - `torchrun(nproc, args)`: `--nproc N` re-runs a command in N processes through torch's own launcher
   (`torch.distributed.run --standalone`, a free rendezvous port on this host). Under `accelerate
   launch` or `torchrun` the launcher has set RANK, LOCAL_RANK and WORLD_SIZE; nothing is re-run.
-- `setup(precision)`: joins the process group the launcher described (a group of one without a
-  launcher) through an Accelerator, which also sets this process's CUDA device before any CUDA work.
+- `setup(precision, strategy)`: joins the process group the launcher described (a group of one
+  without a launcher) through an Accelerator, which also sets this process's CUDA device before any
+  CUDA work; with strategy fsdp the Accelerator shards the model with FSDP2 in `prepare`.
 - `on_main(accelerator, fn)`: the process that talks to the user does something (validation), the
   others wait for its answer.
 - `StepClock`: each process times its own share of an optimizer step on its device's clock:
@@ -25,8 +26,9 @@ from datetime import timedelta
 
 import torch
 import transformers
-from accelerate import Accelerator
-from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list, gather_object
+from accelerate import Accelerator, FullyShardedDataParallelPlugin
+from accelerate.state import PartialState
+from accelerate.utils import DistributedDataParallelKwargs, DistributedType, broadcast_object_list, gather_object
 
 VALIDATED = "DDPTUNE_VALIDATED"  # set by `torchrun` below: the parent process has validated the config
 
@@ -113,9 +115,10 @@ def _term_when_parent_dies() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def setup(precision: str = "auto", log_with: str = "none", logging_dir=None) -> Accelerator:
+def setup(precision: str = "auto", strategy: str = "ddp", log_with: str = "none", logging_dir=None) -> Accelerator:
     """This process's Accelerator: the process group (NCCL on GPUs, gloo on CPU), its device, bf16
     autocast when `precision` resolves to bf16, and a quiet console on every process but rank 0.
+    With strategy fsdp, `accelerator.prepare(model, optimizer)` shards them (`fsdp_plugin`).
     `log_with` (tensorboard, wandb, mlflow; none: no tracker): accelerate's tracker, which
     `init_trackers` starts on the main process only, TensorBoard's in `logging_dir`."""
     cuda = torch.cuda.is_available()
@@ -130,8 +133,27 @@ def setup(precision: str = "auto", log_with: str = "none", logging_dir=None) -> 
     warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
     # Gradients as views of the all-reduce buckets: no copy of every gradient into its bucket.
     ddp = DistributedDataParallelKwargs(broadcast_buffers=False, gradient_as_bucket_view=True)
+    plugin = fsdp_plugin(bf16) if strategy == "fsdp" else None
+    if plugin is not None and not in_launched_process():
+        # FSDP shards over a process group, also over a group of one: form it as a launcher would
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
+                          WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
     accelerator = Accelerator(cpu=not cuda, mixed_precision="bf16" if bf16 else "no", kwargs_handlers=[ddp],
-                              log_with=None if log_with == "none" else log_with, project_dir=logging_dir)
+                              fsdp_plugin=plugin, log_with=None if log_with == "none" else log_with,
+                              project_dir=logging_dir)
+    if plugin is not None and not accelerator.is_fsdp2:
+        # accelerate (1.15) takes up an FSDP plugin only for accelerator device types (its state.py
+        # switches MULTI_GPU, MULTI_NPU, ... to FSDP, not MULTI_CPU) and drops it silently on CPU,
+        # though torch's fully_shard runs over gloo there. Say FSDP so that prepare, no_sync and
+        # clip_grad_norm_ take their FSDP2 paths on CPU too: the same code the GPUs run. Both states
+        # are set, as accelerate does for GPUs (each new AcceleratorState copies PartialState's).
+        accelerator.state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
+        accelerator.state.fsdp_plugin = plugin
     if not accelerator.is_main_process:
         transformers.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()
@@ -146,6 +168,59 @@ def teardown() -> None:
     otherwise. A no-op without a process group."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def fsdp_plugin(bf16: bool) -> FullyShardedDataParallelPlugin:
+    """FSDP2 as ddptune uses it.
+
+    - One shard unit per decoder layer (the model's `_no_split_modules`), plus the root for the
+      embeddings, final norm and head; each unit's weights are all-gathered just before its forward,
+      freed after it (reshard_after_forward) and gathered again for its backward. Frozen base
+      weights and LoRA adapters share a unit: FSDP2 shards each parameter on its own (a DTensor),
+      so mixing requires_grad in one unit needs nothing like FSDP1's use_orig_params.
+    - bf16: weights are cast to bf16 for the all-gather and the compute, gradients are
+      reduce-scattered in fp32 (as DDP all-reduces fp32 gradients) into fp32 master weights.
+    - Gradients are averaged over the processes by the reduce-scatter, as DDP's all-reduce does, so
+      the loss scaling in train.train_step holds for both.
+    - Activation checkpointing stays with train.gradient_checkpointing (transformers' non-reentrant
+      checkpointing, set on the model): accelerate's own wraps layers with preserve_rng_state=False,
+      so the recomputed dropout masks (LoRA's) would differ from the forward's.
+    - Checkpoints are written by ddptune (safetensors + JSON per process), not accelerate's
+      save_state: its sharded format (torch.distributed.checkpoint) pickles its metadata.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    return FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                          reshard_after_forward=True, mixed_precision_policy=policy,
+                                          activation_checkpointing=False, cpu_ram_efficient_loading=False)
+
+
+def sharded(model) -> bool:
+    """True for a model that FSDP2 shards (its parameters are DTensors, each process holds a part)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: a DTensor gathered whole (a collective), anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def gathered_state_dict(model, trainable_only: bool) -> dict[str, torch.Tensor]:
+    """`model`'s state dict with whole tensors on the main process, for a save that loads without
+    ddptune. Sharded (FSDP2): each tensor is all-gathered to rank 0's CPU (a collective; the other
+    processes get {}); `trainable_only` leaves out the frozen base. Otherwise the state as it is."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        return model.state_dict()
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+    return get_model_state_dict(model, options=options)
 
 
 class Stalled(RuntimeError):

@@ -378,6 +378,8 @@ class CausalLMLoss(torch.nn.Module):
         self.decoder = base.get_decoder()
         self.head = base.get_output_embeddings()
         self.varlen = base.config._attn_implementation == "varlen"
+        # the blocks a device map or a sharding must keep whole (transformers' name): the decoder layers
+        self._no_split_modules = getattr(base, "_no_split_modules", None)
 
     def forward(self, input_ids, target_index, targets, num_items, attention_mask=None, position_ids=None, **packed):
         # packed: a packed row's sample boundaries (cu_seq_lens_q/k, max_length_q/k) for attention

@@ -178,18 +178,24 @@ def main(args) -> int:
 
 
 def communication(rows: list[dict], summary: dict, bandwidth: dict, link_label: str, mode: str) -> dict:
-    """The cost model (comm.predict) beside each measured row, and what other links would give."""
+    """The cost model (comm.predict; comm.predict_fsdp for train.strategy=fsdp) beside each measured
+    row, and what other links would give (DDP's all-reduce)."""
     method, ckpt = summary["method"], summary["gradient_checkpointing"]
     grad_bytes = comm.grad_bytes(summary["trainable_params"], 4)
-    busbw = (bandwidth.get("peak_busbw_GBps") or 0) * 1e9
     frac = backward_fraction(method, ckpt)
+    if summary.get("strategy") == "fsdp":  # every weight travels too: all-gathered for forward and backward
+        param_bytes = summary["total_params"] * (2 if summary.get("mixed_precision") == "bf16" else 4)
+        model = lambda c, nbytes, n, bps: comm.predict_fsdp(c, param_bytes, nbytes, n, bps)  # noqa: E731
+    else:
+        model = lambda c, nbytes, n, bps: comm.predict(c, frac * c, nbytes, n, bps)  # noqa: E731
+    busbw = (bandwidth.get("peak_busbw_GBps") or 0) * 1e9
     measured = []
     for r in rows:
         if r["nproc"] > 1 and busbw <= 0:
             continue
         base = next(b for b in rows if b["mode"] == r["mode"] and b["nproc"] == 1)
         c = base["step_s"] * r["per_process"] / base["per_process"]  # the n = 1 step, scaled to this count's share
-        pred = comm.predict(c, frac * c, grad_bytes, r["nproc"], busbw if busbw > 0 else 1.0)
+        pred = model(c, grad_bytes, r["nproc"], busbw if busbw > 0 else 1.0)
         r["predicted_speedup"] = pred["speedup"]
         measured.append({"mode": r["mode"], "nproc": r["nproc"], "busbw_GBps": busbw / 1e9 if r["nproc"] > 1 else None,
                          "pred_comm_s": pred["comm_s"], "pred_exposed_s": pred["exposed_comm_s"],

@@ -62,7 +62,8 @@ class Run:
     val_set: list[dict]
     model: Any            # what is saved, checkpointed and evaluated (a PEFT model, or the full model)
     loss_model: Any       # model_lib.CausalLMLoss around `model`
-    ddp_model: Any        # `loss_model` as accelerator.prepare wrapped it: DDP with several processes
+    ddp_model: Any        # `loss_model` as accelerator.prepare wrapped it: DDP with several processes;
+                          # with strategy fsdp `loss_model` itself, sharded in place (FSDP2)
     optimizer: Any
     scheduler: Any
     clock: dist.StepClock
@@ -136,7 +137,7 @@ def track(r: Run, row: dict) -> None:
 
 def setup(cfg: Config, resume: bool = False) -> Run:
     started = time.perf_counter()
-    accelerator = dist.setup(cfg.train.precision, log_with=cfg.train.log_with, logging_dir=cfg.output_dir)
+    accelerator = dist.setup(cfg.train.precision, cfg.train.strategy, log_with=cfg.train.log_with, logging_dir=cfg.output_dir)
     world = accelerator.num_processes
     if dist.validated_by_parent():  # `--nproc`: the parent validated before starting us
         plan = config_lib.batch_plan(cfg.train, world)
@@ -381,15 +382,19 @@ def train_step(r: Run, step: int) -> dict:
     r.clock.start()
     loss_sum = torch.zeros((), device=acc.device)
     for k, group in enumerate(forwards):
-        batch = to_device(collate(r.cfg, group, r.tokenizer.pad_token_id), acc.device)
+        # an empty group (sharded runs only, see lockstep): a forward in step with the others that counts nothing
+        batch = to_device(collate(r.cfg, group or forwards[0][:1], r.tokenizer.pad_token_id), acc.device)
         last = k == len(forwards) - 1  # the gradient all-reduce runs in this backward only
         with (nullcontext() if last else acc.no_sync(r.ddp_model)), acc.autocast():
             loss = r.ddp_model(**batch, num_items=share.targets)
-        # DDP averages gradients over processes; scaling by their number makes it a sum.
-        acc.backward(loss * world)
-        loss_sum += loss.detach()
+        # DDP's all-reduce averages gradients over processes, and so does FSDP2's reduce-scatter
+        # (its default divide factor is the process count); scaling by their number makes it a sum.
+        acc.backward(loss * (world if group else 0))
+        if group:
+            loss_sum += loss.detach()
     r.clock.mark("synced")
     grad_norm = acc.clip_grad_norm_(r.optimizer.param_groups[0]["params"], r.cfg.train.max_grad_norm or float("inf"))
+    grad_norm = dist.full_tensor(grad_norm)  # sharded gradients give a DTensor norm: the whole one
     lr = r.scheduler.get_last_lr()[0]
     r.optimizer.step()
     r.scheduler.step()
@@ -420,10 +425,32 @@ def split_step(r: Run, step: int) -> Share:
     groups = data.balance([r.costs[i] for i in idx], world, equal_sizes=not r.cfg.train.packing)
     ranks = [[idx[j] for j in g] for g in groups]
     forwards = [layout(r.cfg, [r.train_set[i] for i in rank]) for rank in ranks]
+    if dist.sharded(r.loss_model):
+        forwards = lockstep(forwards)
     longest = lambda group: max(len(e["input_ids"]) for e in group)  # noqa: E731
     tokens = [sum(len(r.train_set[i]["input_ids"]) for i in rank) for rank in ranks]
     computed = sum(tokens) if r.cfg.train.packing else sum(len(g) * longest(g) for rank in forwards for g in rank)
     return Share(forwards, sum(r.targets[i] for i in idx), tokens, computed, [sum(r.costs[i] for i in rank) for rank in ranks])
+
+
+def lockstep(forwards: list[list[list[dict]]]) -> list[list[list[dict]]]:
+    """Every process's forwards, as many for each as the busiest has. Sharded (FSDP), each forward
+    and backward gathers weights from all processes, so they must run the same number (DDP only
+    meets them at the last backward). A process with fewer splits its rows of the most samples in
+    two (the same samples, in smaller forwards); one left with rows of single samples gets empty
+    groups: forwards that count nothing."""
+    n = max(len(rows) for rows in forwards)
+    out = []
+    for rows in forwards:
+        rows = list(rows)
+        while len(rows) < n:
+            i = max(range(len(rows)), key=lambda j: len(rows[j]))
+            half = len(rows[i]) // 2
+            rows[i:i + 1] = [rows[i][:half], rows[i][half:]] if half else [rows[i]]
+            if not half:
+                rows.append([])
+        out.append(rows)
+    return out
 
 
 def layout(cfg: Config, examples: list[dict]) -> list[list[dict]]:
@@ -477,19 +504,26 @@ def profiling(r: Run):
 def validation_loss(loss_model, examples: list[dict], micro: int, pad_id: int, accelerator: Accelerator) -> float:
     """Token-weighted loss over all validation examples: each process sums its share's token
     losses and counts, the sums are reduced, then divided (never an average of averages).
-    `loss_model` is not the DDP wrapper: processes may run different numbers of batches."""
+    `loss_model` is not the DDP wrapper: processes may run different numbers of batches. Sharded
+    (FSDP), every forward gathers weights from all processes: each runs as many forwards as the
+    busiest one, the extra ones (on one validation example) counting nothing."""
     was_training = loss_model.training
     loss_model.eval()
-    mine = examples[accelerator.process_index::accelerator.num_processes]
+    world = accelerator.num_processes
+    mine = examples[accelerator.process_index::world]
+    chunks = [mine[i:i + micro] for i in range(0, len(mine), micro)]
+    rounds = math.ceil(math.ceil(len(examples) / world) / micro) if dist.sharded(loss_model) else len(chunks)
     loss_total = torch.zeros((), dtype=torch.float64, device=accelerator.device)  # summed on the device: no sync a batch
     targets = 0  # counted on the host
-    for i in tqdm(range(0, len(mine), micro), desc="validation", unit="batch", disable=not accelerator.is_main_process,
-                  leave=False, dynamic_ncols=True):
-        chunk = mine[i:i + micro]
-        batch = to_device(data.collate(chunk, pad_id), accelerator.device)
+    for k in tqdm(range(rounds), desc="validation", unit="batch", disable=not accelerator.is_main_process, leave=False,
+                  dynamic_ncols=True):
+        chunk = chunks[k] if k < len(chunks) else None
+        batch = to_device(data.collate(chunk or examples[:1], pad_id), accelerator.device)
         with accelerator.autocast():
-            loss_total += loss_model(**batch, num_items=1).double()
-        targets += data.target_tokens(chunk)
+            loss = loss_model(**batch, num_items=1).double()
+        if chunk:
+            loss_total += loss
+            targets += data.target_tokens(chunk)
     loss_model.train(was_training)
     sums = torch.stack([loss_total, torch.tensor(float(targets), dtype=torch.float64, device=accelerator.device)])
     sums = accelerator.reduce(sums, "sum")
@@ -497,13 +531,21 @@ def validation_loss(loss_model, examples: list[dict], micro: int, pad_id: int, a
 
 
 def save_checkpoint(r: Run, step: int) -> None:
+    """Rank 0 writes the checkpoint; sharded (FSDP), every process first writes its own part of the
+    weights and optimizer states into the folder rank 0 made, which rank 0 then completes."""
+    acc, folder = r.accelerator, r.out / "checkpoints"
     rngs = dist.gather(checkpoint.rng_state())  # every process's RNG, in rank order
-    if r.accelerator.is_main_process:
-        folder = r.out / "checkpoints"
-        checkpoint.save(folder, step, model_lib.trainable_state(r.model), r.optimizer, r.scheduler, rngs,
-                        {"world_size": r.accelerator.num_processes, "global_batch": r.plan.global_batch})
+    extra = {"world_size": acc.num_processes, "global_batch": r.plan.global_batch}
+    weights, optimizer, tmp = model_lib.trainable_state(r.model), r.optimizer, None
+    if dist.sharded(r.loss_model):
+        tmp = dist.on_main(acc, lambda: checkpoint.atomic_dir(checkpoint.path_of(folder, step)))
+        checkpoint.save_shard(tmp, acc.process_index, weights, optimizer)
+        acc.wait_for_everyone()
+        weights, optimizer, extra["shards"] = None, None, acc.num_processes
+    if acc.is_main_process:
+        checkpoint.save(folder, step, weights, optimizer, r.scheduler, rngs, extra, tmp)
         checkpoint.prune(folder, r.cfg.train.keep_checkpoints)
-    r.accelerator.wait_for_everyone()
+    acc.wait_for_everyone()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -523,10 +565,11 @@ def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
                 f.write(json.dumps({"step": r.total_steps, "val_loss": val_loss}) + "\n")
             track(r, {"step": r.total_steps, "val_loss": val_loss})
     r.eval_s += time.perf_counter() - t0
-    fingerprints = dist.gather(replica_fingerprint(r.model))
+    sharded = dist.sharded(r.loss_model)  # FSDP: each process holds a part, there are no replicas to compare
+    fingerprints = None if sharded else dist.gather(replica_fingerprint(r.model))
     peaks = dist.gather(metrics.peak_memory_gib(acc.device))
     per_rank = dist.gather([t for t, _ in times])
-    if len(set(fingerprints)) != 1:
+    if fingerprints and len(set(fingerprints)) != 1:
         raise RuntimeError(f"replicas diverged: weight hashes per process {fingerprints}")
     final = save_final(r)
     scores = None
@@ -550,7 +593,8 @@ def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
         "time_split": metrics.split(ranks[warm:]),
         "peak_mem_gib": max(peaks) if None not in peaks else None, "peak_mem_gib_per_process": peaks,
         "train_rows": len(r.train_set), "steps_per_epoch": len(r.train_set) / r.plan.global_batch,
-        "method": cfg.train.method, "gradient_checkpointing": r.checkpointing, "compiled": r.compiled,
+        "method": cfg.train.method, "strategy": cfg.train.strategy, "mixed_precision": acc.mixed_precision,
+        "gradient_checkpointing": r.checkpointing, "compiled": r.compiled,
         "trainable_params": trainable, "total_params": total,
         "output": str(final), "replica_fingerprints": fingerprints,
     }
@@ -601,11 +645,15 @@ def replica_fingerprint(model) -> str:
 
 
 def save_final(r: Run) -> Path:
-    """The adapter (PEFT format) or full model, with tokenizer and resolved config, renamed into place."""
+    """The adapter (PEFT format) or full model, with tokenizer and resolved config, renamed into place.
+    Sharded (FSDP), the trained weights are first gathered whole onto rank 0: one plain file set."""
     final = model_lib.trained_weights_dir(r.out, r.cfg.train.method)
+    state = None
+    if dist.sharded(r.loss_model):
+        state = dist.gathered_state_dict(r.model, trainable_only=r.cfg.train.method != "full")
     if r.accelerator.is_main_process:
         tmp = checkpoint.atomic_dir(final)
-        model_lib.save_trained(r.model, tmp)
+        model_lib.save_trained(r.model, tmp, state)
         r.tokenizer.save_pretrained(tmp)
         (tmp / "ddptune.yaml").write_text(config_lib.dump(r.cfg))
         checkpoint.commit(tmp, final)
