@@ -152,7 +152,7 @@ def _workers(proc) -> list:
     return [p for p in psutil.Process(proc.pid).children(recursive=True) if is_worker(p)]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM])  # SIGINT takes the same path (and is tested in-process above)
+@pytest.mark.parametrize("sig", [signal.SIGTERM], ids=lambda s: s.name)  # SIGINT takes the same path (and is tested in-process above)
 def test_a_signal_to_the_launcher_alone_stops_every_worker_after_a_checkpoint(tmp_path, sig):
     out = tmp_path / "run"
     proc = _launch(out)

@@ -272,86 +272,31 @@ def announce(r: Run) -> None:
 
 def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
     """Run the optimizer steps; return metrics.jsonl's rows and this process's (times, share) per step."""
-    cfg, acc = r.cfg, r.accelerator
+    cfg = r.cfg
     # From here on a process that hangs or dies ends the run within train.timeout_minutes (setup keeps
     # torch's default: rank 0 may validate, download and tokenize for long while the others wait).
     dist.set_timeout(cfg.train.timeout_minutes)
     if cfg.eval.enabled and cfg.eval.zero_shot and cfg.train.method != "full" and not r.start:
         t0 = time.perf_counter()
         with r.model.disable_adapter():  # the base model, before any step
-            evaluate.evaluate(r.model, r.tokenizer, evaluate.eval_rows(cfg), cfg, acc, r.out / "eval-base", "zero-shot")
+            evaluate.evaluate(r.model, r.tokenizer, evaluate.eval_rows(cfg), cfg, r.accelerator, r.out / "eval-base",
+                              "zero-shot")
         r.eval_s += time.perf_counter() - t0
-    log = metrics.JsonlWriter(r.out / "metrics.jsonl", keep_until_step=r.start) if acc.is_main_process else None
-    start_trackers(r)
-    bar = tqdm(total=r.total_steps, initial=r.start, desc="train", disable=not acc.is_main_process, dynamic_ncols=True)
-    history, times, pending = [], [], None
-    peak = metrics.peak_tflops(acc.device)
-
-    def record(p) -> None:  # read a finished step's figures (waits for it) and log them
-        row, mine = read_step(r, p, peak)
-        if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
-            saved = checkpoint.list_checkpoints(r.out / "checkpoints")
-            raise NonFinite(f"step {row['step']}: loss {row['loss']}, gradient norm {row['grad_norm']}: stopping before "
-                            f"anything non-finite is saved; newest checkpoint: {saved[-1] if saved else 'none'} "
-                            "(lower train.lr or train.max_grad_norm, or look at the data)")
-        history.append(row)
-        times.append(mine)
-        if log:
-            log.write(row)
-            track(r, row)
-        bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", lr=f"{row['lr']:.2e}")
-        bar.update(1)
-
+    book = Bookkeeping(r)
     r.ddp_model.train()
     gc.disable()  # Python's collector would pause each process at its own moment: collect on all at once instead
     step = r.start
-    control = dist.ControlChannel(cfg.train.timeout_minutes)  # SIGINT/SIGTERM and checkpoint times, agreed by all
-    last_save, asked = time.monotonic(), 0
     try:
         with profiling(r) as profiler:
             for step in range(r.start, r.total_steps):
-                launched = train_step(r, step)
-                if pending:  # the previous step, read while this one runs on the device
-                    record(pending)
-                pending = launched
+                book.launched(train_step(r, step))  # and the previous step is read while this one runs
                 profiler.step()
                 if step == r.start:
                     gc.freeze()  # the model, data and compiled graphs live all run: never scan them again
                 if step % GC_EVERY == 0:
                     gc.collect(1)
-                done = step + 1
-                validate_now = cfg.train.val_every and r.val_set and done % cfg.train.val_every == 0 and done < r.total_steps
-                minutes = cfg.train.save_every_minutes
-                # the newest recorded step's compute time of every process (they all wait for the slowest
-                # at the all-reduce, so their step times are alike; its compute names the straggler)
-                computed = times[-1][0]["compute_s"] if times else 0.0
-                stop, due, seconds = control.agree(minutes > 0 and time.monotonic() - last_save >= 60 * minutes, computed)
-                asked, answered = (history[-1]["step"] if history else 0), asked
-                if log and (slow := metrics.slow_rank(seconds)):
-                    log.write({"step": answered, "slow_rank": slow[0], "slow_compute_s": slow[1], "others_median_s": slow[2]})
-                    bar.write(f"ddptune: warning: step {answered}: rank {slow[0]} computed for {slow[1]:.2f} s, the others "
-                              f"{slow[2]:.2f} s (a slow or busy machine, or a straggling GPU?)")
-                save_now = (cfg.train.save_every and done % cfg.train.save_every == 0) or due or stop
-                if validate_now or save_now:
-                    record(pending)
-                    pending = None
-                if validate_now:
-                    t0 = time.perf_counter()
-                    val = validation_loss(r.loss_model, r.val_set, cfg.train.micro_batch_size, r.tokenizer.pad_token_id, acc)
-                    r.eval_s += time.perf_counter() - t0
-                    if log:
-                        log.write({"step": done, "val_loss": val})
-                        track(r, {"step": done, "val_loss": val})
-                        bar.write(f"step {done}: val_loss {val:.4f}")
-                if save_now:
-                    save_checkpoint(r, done)
-                    last_save = time.monotonic()
-                if stop:
-                    raise Interrupted(stop, f"stopped by {signal.Signals(stop).name} after step {done} of {r.total_steps}; "
-                                      f"saved {r.out / 'checkpoints' / f'{checkpoint.PREFIX}{done:06d}'} (continue with "
-                                      "the same command and --resume)")
-            if pending:
-                record(pending)
+                book.between_steps(step + 1)
+            book.read_pending()
     except RuntimeError as e:
         if not dist.collective_failed(e):
             raise
@@ -360,13 +305,92 @@ def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
                            f"train.timeout_minutes={cfg.train.timeout_minutes:g}) or died; newest checkpoint: "
                            f"{saved[-1] if saved else 'none'} (see that process's output, then continue with --resume)") from None
     finally:
-        control.close()
-        bar.close()  # whatever is printed next starts on a line of its own
+        book.close()
         gc.unfreeze()
         gc.enable()
-    if log:
-        log.close()
-    return history, times
+    return book.history, book.times
+
+
+class Bookkeeping:
+    """Everything fit does around the steps, on every process: read each launched step one step
+    late and log it (rank 0: metrics.jsonl, trackers, the bar); between steps, agree with the other
+    processes (dist.ControlChannel) on stopping, on a checkpoint falling due and on who straggles,
+    then validate, save or stop, all at the same step everywhere."""
+
+    def __init__(self, r: Run):
+        self.r, main = r, r.accelerator.is_main_process
+        self.log = metrics.JsonlWriter(r.out / "metrics.jsonl", keep_until_step=r.start) if main else None
+        start_trackers(r)
+        self.bar = tqdm(total=r.total_steps, initial=r.start, desc="train", disable=not main, dynamic_ncols=True)
+        self.history, self.times, self.pending = [], [], None
+        self.peak = metrics.peak_tflops(r.accelerator.device)
+        self.control = dist.ControlChannel(r.cfg.train.timeout_minutes)  # SIGINT/SIGTERM, checkpoint times
+        self.last_save, self.asked = time.monotonic(), 0
+
+    def launched(self, p: dict) -> None:
+        previous, self.pending = self.pending, p
+        if previous:
+            self.record(previous)
+
+    def read_pending(self) -> None:
+        if self.pending:
+            self.record(self.pending)
+            self.pending = None
+
+    def record(self, p: dict) -> None:
+        """Read a launched step's figures (waits for the device to finish it) and log them."""
+        r = self.r
+        row, mine = read_step(r, p, self.peak)
+        if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
+            saved = checkpoint.list_checkpoints(r.out / "checkpoints")
+            raise NonFinite(f"step {row['step']}: loss {row['loss']}, gradient norm {row['grad_norm']}: stopping before "
+                            f"anything non-finite is saved; newest checkpoint: {saved[-1] if saved else 'none'} "
+                            "(lower train.lr or train.max_grad_norm, or look at the data)")
+        self.history.append(row)
+        self.times.append(mine)
+        if self.log:
+            self.log.write(row)
+            track(r, row)
+        self.bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", lr=f"{row['lr']:.2e}")
+        self.bar.update(1)
+
+    def between_steps(self, done: int) -> None:
+        r, t = self.r, self.r.cfg.train
+        # every process's compute time of its newest recorded step: they all wait for the slowest at
+        # the all-reduce, so their step times are alike; the compute time names the straggler
+        computed = self.times[-1][0]["compute_s"] if self.times else 0.0
+        due = t.save_every_minutes > 0 and time.monotonic() - self.last_save >= 60 * t.save_every_minutes
+        stop, due, seconds = self.control.agree(due, computed)
+        self.asked, answered = (self.history[-1]["step"] if self.history else 0), self.asked
+        if self.log and (slow := metrics.slow_rank(seconds)):
+            self.log.write({"step": answered, "slow_rank": slow[0], "slow_compute_s": slow[1], "others_median_s": slow[2]})
+            self.bar.write(f"ddptune: warning: step {answered}: rank {slow[0]} computed for {slow[1]:.2f} s, the others "
+                           f"{slow[2]:.2f} s (a slow or busy machine, or a straggling GPU?)")
+        validate = t.val_every and r.val_set and done % t.val_every == 0 and done < r.total_steps
+        save = (t.save_every and done % t.save_every == 0) or due or stop
+        if validate or save:
+            self.read_pending()
+        if validate:
+            t0 = time.perf_counter()
+            val = validation_loss(r.loss_model, r.val_set, t.micro_batch_size, r.tokenizer.pad_token_id, r.accelerator)
+            r.eval_s += time.perf_counter() - t0
+            if self.log:
+                self.log.write({"step": done, "val_loss": val})
+                track(r, {"step": done, "val_loss": val})
+                self.bar.write(f"step {done}: val_loss {val:.4f}")
+        if save:
+            save_checkpoint(r, done)
+            self.last_save = time.monotonic()
+        if stop:
+            raise Interrupted(stop, f"stopped by {signal.Signals(stop).name} after step {done} of {r.total_steps}; "
+                              f"saved {r.out / 'checkpoints' / f'{checkpoint.PREFIX}{done:06d}'} (continue with "
+                              "the same command and --resume)")
+
+    def close(self) -> None:
+        self.control.close()
+        self.bar.close()  # whatever is printed next starts on a line of its own
+        if self.log:
+            self.log.close()
 
 
 def train_step(r: Run, step: int) -> dict:
