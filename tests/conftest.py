@@ -34,3 +34,25 @@ def metrics(run_dir: Path) -> list[dict]:
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Preset checkpoints go to a per-session temporary cache, never the user's."""
     monkeypatch.setenv("DDPTUNE_CACHE", str(tmp_path_factory.getbasetemp() / "ddptune-cache"))
+
+
+# One tiny run that faults and restarts are measured against (test_faults, test_launch): 2 processes,
+# dropout 0, a checkpoint every 2 steps (checkpoints change no result).
+UNBROKEN_ARGS = ["train.max_steps=60", "data.val=null", "lora.dropout=0.0", "train.save_every=2"]
+
+
+def _train_tiny_to_the_end(overrides: list[str]) -> None:
+    from ddptune import config, train
+
+    train.run(config.load(ROOT / "configs" / "tiny.yaml", overrides))
+
+
+@pytest.fixture(scope="session")
+def unbroken(tmp_path_factory) -> dict:
+    """The adapter of that run, never interrupted (in-process gloo ranks)."""
+    import multiproc
+    from safetensors.torch import load_file
+
+    out = tmp_path_factory.mktemp("unbroken") / "run"
+    multiproc.run(_train_tiny_to_the_end, 2, [*UNBROKEN_ARGS, f"output_dir={out}"])
+    return load_file(out / "adapter" / "adapter_model.safetensors")

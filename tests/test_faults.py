@@ -1,5 +1,7 @@
 """Faults during training, in real gloo processes: a process that hangs ends the run with one clear
-error within train.timeout_minutes instead of a silent stall."""
+error within train.timeout_minutes instead of a silent stall; a signal stops every process after a
+saved step; a killed launcher or worker ends the whole job; `--resume` then finishes with exactly
+the unbroken run's adapter; a straggler is named."""
 from __future__ import annotations
 
 import os
@@ -8,10 +10,12 @@ import threading
 import time
 
 import pytest
+import torch
 import torch.multiprocessing as mp
+from safetensors.torch import load_file
 
 import multiproc
-from conftest import ROOT
+from conftest import ROOT, UNBROKEN_ARGS
 from ddptune import config, dist, train
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -123,15 +127,27 @@ def test_a_signal_to_one_process_stops_all_after_a_saved_step_and_resume_finishe
 
 # --- the whole CLI: signals and kills reaching `ddptune train --nproc 2` from outside ---------------
 
-def _launch(out, *extra: str):
-    """`ddptune train tiny --nproc 2` in the background; returns it once rank 0 has logged 3 steps."""
+def _cli(out, *extra: str):
     import subprocess
     import sys
 
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "ddptune", "train", TINY, "--nproc", "2", "train.max_steps=400",
-                             "data.val=null", f"output_dir={out}", *extra], env=env, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-m", "ddptune", "train", TINY, "--nproc", "2", *UNBROKEN_ARGS,
+                             f"output_dir={out}", *extra], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _resumed_equals(out, unbroken) -> None:
+    """`--resume` finishes the interrupted run with exactly the unbroken run's adapter."""
+    _, err = _cli(out, "--resume").communicate(timeout=240)
+    adapter = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert adapter.keys() == unbroken.keys(), err[-2000:]
+    assert all(torch.allclose(adapter[k], unbroken[k], atol=1e-6, rtol=0) for k in adapter)
+
+
+def _launch(out, *extra: str):
+    """`ddptune train tiny --nproc 2` in the background; returns it once rank 0 has logged 3 steps."""
+    proc = _cli(out, *extra)
     deadline = time.time() + 240
     path = out / "metrics.jsonl"
     while not (path.exists() and len(path.read_text().splitlines()) >= 3) and proc.poll() is None and time.time() < deadline:
@@ -152,8 +168,8 @@ def _workers(proc) -> list:
     return [p for p in psutil.Process(proc.pid).children(recursive=True) if is_worker(p)]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM], ids=lambda s: s.name)  # SIGINT takes the same path (and is tested in-process above)
-def test_a_signal_to_the_launcher_alone_stops_every_worker_after_a_checkpoint(tmp_path, sig):
+@pytest.mark.parametrize("sig", [signal.SIGTERM], ids=lambda s: s.name)  # SIGINT: the same path (in-process test above)
+def test_a_signal_to_the_launcher_alone_stops_every_worker_after_a_checkpoint(tmp_path, sig, unbroken):
     out = tmp_path / "run"
     proc = _launch(out)
     workers = _workers(proc)
@@ -168,9 +184,10 @@ def test_a_signal_to_the_launcher_alone_stops_every_worker_after_a_checkpoint(tm
     done = int(lines[0].split("after step ")[1].split(" ")[0])
     assert (out / "checkpoints" / f"step-{done:06d}" / "state.json").is_file()
     assert not any(w.is_running() and w.status() != "zombie" for w in workers)
+    _resumed_equals(out, unbroken)
 
 
-def test_killing_the_launcher_or_a_worker_ends_the_whole_job(tmp_path):
+def test_killing_the_launcher_or_a_worker_ends_the_whole_job(tmp_path, unbroken):
     import psutil
 
     proc = _launch(tmp_path / "a")  # SIGKILL to the launcher: the kernel tells torchrun, which stops the workers
@@ -182,12 +199,13 @@ def test_killing_the_launcher_or_a_worker_ends_the_whole_job(tmp_path):
     assert not alive
 
     out = tmp_path / "b"
-    proc = _launch(out, "train.save_every=2")  # SIGKILL to one worker: the other cannot go on alone
+    proc = _launch(out)  # SIGKILL to one worker: the other cannot go on alone
     os.kill(_workers(proc)[-1].pid, signal.SIGKILL)
     _, err = proc.communicate(timeout=90)
     assert proc.returncode != 0 and "Traceback" not in err, err[-3000:]
     assert any(l.startswith("ddptune: rank 0: step") and "or died; newest checkpoint: " in l for l in err.splitlines()), err[-3000:]
     assert (out / "checkpoints").is_dir() and any(p.name.startswith("step-") for p in (out / "checkpoints").iterdir())
+    _resumed_equals(out, unbroken)
 
 
 def train_with_a_slow_rank_1(overrides: list[str], metrics_path: str) -> None:
