@@ -45,9 +45,11 @@ def trained_run(tmp_path_factory):
 
 
 def test_one_and_two_processes_give_the_same_predictions(trained_run, tmp_path):
+    from ddptune import cli
+
     # 5 rows in batches of 2: 3 batches over 2 processes (uneven); every process makes 2 generate calls
     args = ["eval", str(trained_run), "data.val_rows=560:565", "eval.batch_size=2", "eval.max_new_tokens=12"]
-    check(ddptune(*args, "--out", str(tmp_path / "one")))
+    assert cli.main([*args, "--out", str(tmp_path / "one")]) == 0  # one process, in this one
     proc = check(ddptune(*args, "--out", str(tmp_path / "two"), "--nproc", "2"))
     assert proc.stdout.count("ROUGE-1") == 1  # rank 0 reports once
     one = [json.loads(l) for l in (tmp_path / "one" / "predictions.jsonl").read_text().splitlines()]
@@ -61,13 +63,17 @@ def test_one_and_two_processes_give_the_same_predictions(trained_run, tmp_path):
         assert m1[k] == m2[k]
 
 
-def test_zero_shot_base_and_compare_table(trained_run, tmp_path):
-    check(ddptune("eval", str(trained_run), "--base", "data.val_rows=560:563", "eval.max_new_tokens=8"))
-    check(ddptune("eval", str(trained_run), "data.val_rows=560:563", "eval.max_new_tokens=8"))
+def test_zero_shot_base_and_compare_table(trained_run, tmp_path, capsys):
+    from ddptune import cli  # in-process: the CLI's own launch paths are tested elsewhere
+
+    assert cli.main(["eval", str(trained_run), "--base", "data.val_rows=560:563", "eval.max_new_tokens=8"]) == 0
+    assert cli.main(["eval", str(trained_run), "data.val_rows=560:563", "eval.max_new_tokens=8"]) == 0
     assert json.loads((trained_run / "eval-base" / "metrics.json").read_text())["label"] == "zero-shot"
     out = tmp_path / "cmp.json"
-    proc = check(ddptune("compare", str(trained_run), "--json", str(out)))
-    assert "| ROUGE-1 |" in proc.stdout and "zero-shot" in proc.stdout and "fine-tuned" in proc.stdout
+    capsys.readouterr()
+    assert cli.main(["compare", str(trained_run), "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "| ROUGE-1 |" in table and "zero-shot" in table and "fine-tuned" in table
     rows = json.loads(out.read_text())
     assert {r["model"] for r in rows} == {"zero-shot (base)", "fine-tuned"}
     (tuned,) = [r for r in rows if r["model"] == "fine-tuned"]
@@ -120,7 +126,8 @@ def test_a_full_fine_tune_is_evaluated_as_one(tmp_path):
     saved = load_file(out / "model" / "model.safetensors")
     assert all(__import__("torch").equal(p.detach(), saved[n]) for n, p in net.named_parameters() if n in saved)
     assert not hasattr(net, "peft_config")
-    proc = check(ddptune("eval", str(out), "data.val=demo", "data.val_rows=560:562", "eval.max_new_tokens=4"))
-    assert "fine-tuned" in proc.stdout and (out / "eval" / "metrics.json").is_file()
-    bad = ddptune("eval", str(out), "data.val=demo", "--nproc", "0")
-    assert bad.returncode == 2 and "--nproc: must be at least 1" in bad.stderr
+    from ddptune import cli
+
+    assert cli.main(["eval", str(out), "data.val=demo", "data.val_rows=560:562", "eval.max_new_tokens=4"]) == 0
+    assert json.loads((out / "eval" / "metrics.json").read_text())["label"].startswith("fine-tuned")
+    assert cli.main(["eval", str(out), "data.val=demo", "--nproc", "0"]) == 2  # (its message: test_bad_input)

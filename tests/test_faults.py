@@ -187,7 +187,7 @@ def test_a_signal_to_the_launcher_alone_stops_every_worker_after_a_checkpoint(tm
     _resumed_equals(out, unbroken)
 
 
-def test_killing_the_launcher_or_a_worker_ends_the_whole_job(tmp_path, unbroken):
+def test_killing_the_launcher_or_a_worker_ends_the_whole_job(tmp_path):
     import psutil
 
     proc = _launch(tmp_path / "a")  # SIGKILL to the launcher: the kernel tells torchrun, which stops the workers
@@ -205,7 +205,7 @@ def test_killing_the_launcher_or_a_worker_ends_the_whole_job(tmp_path, unbroken)
     assert proc.returncode != 0 and "Traceback" not in err, err[-3000:]
     assert any(l.startswith("ddptune: rank 0: step") and "or died; newest checkpoint: " in l for l in err.splitlines()), err[-3000:]
     assert (out / "checkpoints").is_dir() and any(p.name.startswith("step-") for p in (out / "checkpoints").iterdir())
-    _resumed_equals(out, unbroken)
+    # (resuming after a killed worker: test_launch restarts one from its checkpoint to the unbroken adapter)
 
 
 def train_with_a_slow_rank_1(overrides: list[str], metrics_path: str) -> None:
