@@ -234,3 +234,23 @@ def test_a_straggling_process_is_named(tmp_path):
     assert slow and {r["slow_rank"] for r in slow} == {1}, slow
     assert slow[0]["slow_compute_s"] > 1.5 and slow[0]["others_median_s"] < 0.75
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 41))  # the run itself went on
+
+
+def test_sigint_to_the_launcher_reaches_each_worker_exactly_once(tmp_path):
+    """The launcher side of Ctrl-C (the workers' side, stop after a saved step, is tested above):
+    torchrun is in a session of its own, and `dist.torchrun` passes the signal on to each worker once."""
+    import subprocess
+    import sys
+
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path, SIGWORKER_DIR=str(tmp_path))
+    launcher = subprocess.Popen([sys.executable, "-c", "import sys; from ddptune import dist; "
+                                 "sys.exit(dist.torchrun(2, ['sigworker']))"], env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not all((tmp_path / f"ready-{r}").exists() for r in (0, 1)) and time.time() < deadline and launcher.poll() is None:
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGINT)
+    _, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 128 + signal.SIGINT, err[-2000:]
+    assert [(tmp_path / f"got-{r}").read_text() for r in (0, 1)] == [str(int(signal.SIGINT))] * 2
+    assert "Traceback" not in err
