@@ -115,6 +115,19 @@ def test_golden_losses_of_the_tiny_preset(tmp_path):
 GOLDEN = [5.806587219238281, 5.796869277954102, 5.726635456085205, 5.584110736846924]
 
 
+def died_after(full, part, checkpoint_step: int, metric_lines: int):
+    """`part`: what the finished run `full` would have left had it died after that checkpoint and
+    that many lines of metrics.jsonl (its config, pointing at `part`)."""
+    name = f"step-{checkpoint_step:06d}"
+    (part / "checkpoints").mkdir(parents=True)
+    shutil.copytree(full / "checkpoints" / name, part / "checkpoints" / name)
+    saved = yaml.safe_load((full / "config.yaml").read_text()) | {"output_dir": str(part)}
+    (part / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+    lines = (full / "metrics.jsonl").read_text().splitlines()[:metric_lines]
+    (part / "metrics.jsonl").write_text("".join(l + "\n" for l in lines))
+    return part
+
+
 def test_resume_ends_with_the_weights_of_an_unbroken_run(tmp_path):
     # dropout on: the resumed run must also restore every process's RNG to match
     args = ["train.max_steps=6", "train.save_every=3", "train.keep_checkpoints=5", "lora.dropout=0.1", "data.val=null"]
@@ -123,12 +136,7 @@ def test_resume_ends_with_the_weights_of_an_unbroken_run(tmp_path):
     assert [p.name for p in sorted((full / "checkpoints").iterdir())] == ["step-000003", "step-000006"]
 
     # the folder of a run that died during step 6, after its step-3 checkpoint and 5 metric lines
-    part = tmp_path / "part"
-    (part / "checkpoints").mkdir(parents=True)
-    shutil.copytree(full / "checkpoints" / "step-000003", part / "checkpoints" / "step-000003")
-    saved = yaml.safe_load((full / "config.yaml").read_text()) | {"output_dir": str(part)}
-    (part / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
-    (part / "metrics.jsonl").write_text("".join(l + "\n" for l in (full / "metrics.jsonl").read_text().splitlines()[:5]))
+    part = died_after(full, tmp_path / "part", checkpoint_step=3, metric_lines=5)
     # a half-written checkpoint left by the crash is ignored
     (part / "checkpoints" / ".step-000006.tmp-x").mkdir()
 
@@ -153,12 +161,7 @@ def test_resume_at_another_process_count_keeps_the_global_batch_and_the_losses(t
             "train.grad_accum=null", "train.effective_batch_size=8"]
     full = tmp_path / "full"
     multiproc.run(train_tiny, 2, [f"output_dir={full}", *args])
-    part = tmp_path / "part"
-    (part / "checkpoints").mkdir(parents=True)
-    shutil.copytree(full / "checkpoints" / "step-000003", part / "checkpoints" / "step-000003")
-    saved = yaml.safe_load((full / "config.yaml").read_text()) | {"output_dir": str(part)}
-    (part / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
-    (part / "metrics.jsonl").write_text("".join(l + "\n" for l in (full / "metrics.jsonl").read_text().splitlines()[:3]))
+    part = died_after(full, tmp_path / "part", checkpoint_step=3, metric_lines=3)
     # another global batch at the new count is refused, naming the key
     with pytest.raises(ConfigError, match="set train.effective_batch_size=8"):
         checks.validate(config.load(TINY, [f"output_dir={part}", *args[:-2]]), 1, resume=True)
