@@ -252,8 +252,8 @@ def first_line(e: BaseException) -> str:
 class ControlChannel:
     """What every process must agree on between steps: whether SIGINT or SIGTERM reached any of
     them (from `ControlChannel()` to `close()` these signals are caught, not fatal: a second one
-    is), whether a checkpoint is due, and each process's compute time of its newest recorded step
-    (so a straggler is named). One small all-reduce on the host per step, over gloo (a
+    is), whether a checkpoint is due, and each process's busy time in its newest recorded step
+    (step less waiting for the others: it names a straggler). One small all-reduce on the host per step, over gloo (a
     gloo group beside NCCL on GPUs), so the device is never waited for; it travels while the next
     step runs and is read after it, so the processes' hosts are never held in step with each other
     (every process acts on the same answer after the same step, one step after it was asked)."""

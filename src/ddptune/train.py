@@ -356,15 +356,15 @@ class Bookkeeping:
 
     def between_steps(self, done: int) -> None:
         r, t = self.r, self.r.cfg.train
-        # every process's compute time of its newest recorded step: they all wait for the slowest at
-        # the all-reduce, so their step times are alike; the compute time names the straggler
-        computed = self.times[-1][0]["compute_s"] if self.times else 0.0
+        # every process's busy time in its newest recorded step (its step less its wait for the others
+        # at the all-reduce): they all wait for the slowest, so step times are alike; busy names it
+        busy = self.times[-1][0]["step_s"] - self.times[-1][0]["wait_s"] if self.times else 0.0
         due = t.save_every_minutes > 0 and time.monotonic() - self.last_save >= 60 * t.save_every_minutes
-        stop, due, seconds = self.control.agree(due, computed)
+        stop, due, seconds = self.control.agree(due, busy)
         self.asked, answered = (self.history[-1]["step"] if self.history else 0), self.asked
         if self.log and (slow := metrics.slow_rank(seconds)):
-            self.log.write({"step": answered, "slow_rank": slow[0], "slow_compute_s": slow[1], "others_median_s": slow[2]})
-            self.bar.write(f"ddptune: warning: step {answered}: rank {slow[0]} computed for {slow[1]:.2f} s, the others "
+            self.log.write({"step": answered, "slow_rank": slow[0], "slow_busy_s": slow[1], "others_median_s": slow[2]})
+            self.bar.write(f"ddptune: warning: step {answered}: rank {slow[0]} was busy for {slow[1]:.2f} s, the others "
                            f"{slow[2]:.2f} s (a slow or busy machine, or a straggling GPU?)")
         validate = t.val_every and r.val_set and done % t.val_every == 0 and done < r.total_steps
         save = (t.save_every and done % t.save_every == 0) or due or stop
