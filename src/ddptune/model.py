@@ -172,8 +172,12 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     if query.size(0) != 1:
         raise ValueError("varlen attention takes one packed row per forward")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (tokens, heads, head_dim)
-    if _flash_varlen is not None and q.is_cuda:
-        out = _flash_varlen(q, k, v, cu_seq_lens_q, max_length_q, scaling)
+    # The flash kernel takes bf16/fp16 only. Full fine-tuning keeps fp32 weights under bf16 autocast,
+    # and rotary embeddings (fp32, like the residual stream) turn q and k back to fp32: cast them
+    # to autocast's dtype, as autocast would for an op it knew. fp32 without autocast takes SDPA.
+    half = torch.get_autocast_dtype("cuda") if q.is_cuda and torch.is_autocast_enabled("cuda") else q.dtype
+    if _flash_varlen is not None and q.is_cuda and half in (torch.bfloat16, torch.float16):
+        out = _flash_varlen(q.to(half), k.to(half), v.to(half), cu_seq_lens_q, max_length_q, scaling)
     else:
         bounds = cu_seq_lens_q.tolist()
         out = torch.cat([
