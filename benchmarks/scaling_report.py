@@ -3,6 +3,11 @@
     python benchmarks/scaling_report.py --scale SCALING.json --recipe-1 RECIPE_N1.json --recipe-2 RECIPE_N2.json \
         --model llama31_8b_qlora --device "2x NVIDIA H200 (NVLink NV18), nvidia-h200-x2" --date 2026-11-29
 
+A `ddptune scale` run cut short (the device call's time ran out before its last run) leaves no scaling.json,
+but every finished run left its ranks.jsonl: `--ranks N1.jsonl N2.jsonl --mode same-per-device --steps 20
+--warmup 3` rebuilds the rows from them, over the same sample window and with the same accounting as
+`ddptune scale` (tokens per second from the per-process token counts).
+
 One file per scaling mode: device, mode, model, steps, and for each process count a row with nproc,
 speedup and efficiency (ddptune's, from `ddptune scale`), with the reference recipe's rows beside it
 (same-per-device only: the recipe keeps its per-device batch, as the tutorial does).
@@ -33,9 +38,42 @@ def recipe_rows(one: dict, two: dict) -> list[dict]:
     return rows
 
 
+def rows_from_ranks(files: list[str], mode: str, per_process_at_1: int, steps: int, warmup: int) -> tuple[list[dict], list]:
+    """Rows as `ddptune scale` measures them, from each run's ranks.jsonl (one per process count)."""
+    from ddptune import metrics, scale
+
+    runs = [[json.loads(line) for line in Path(f).read_text().splitlines()] for f in files]
+    counts = [len(r[0]["step_s"]) for r in runs]
+    per = [per_process_at_1 if mode == scale.SAME_PER_DEVICE else per_process_at_1 // n for n in counts]
+    batches = [p * n for p, n in zip(per, counts)]
+    window = scale.sample_window(batches, warmup, steps)
+    rows, base = [], None
+    for ranks, n, p, b in zip(runs, counts, per, batches):
+        kept = ranks[window[0] // b:window[1] // b]
+        seconds = sum(r["step_s"][0] for r in kept)
+        split = metrics.split(kept)
+        row = {"mode": mode, "nproc": n, "per_process": p, "batch": f"{p} x {n} = {b}", "steps": len(kept),
+               "samples_measured": window[1] - window[0], "step_s": seconds / len(kept),
+               "median_step_s": sorted(r["step_s"][0] for r in kept)[len(kept) // 2],
+               "tokens_per_s_per_gpu": sum(sum(r["tokens"]) for r in kept) / seconds / n,
+               "samples_per_s": (window[1] - window[0]) / seconds}
+        for k in scale.PART_KEYS:
+            row[k], row[k + "_se"] = split[k], split[k + "_se"]
+        base = scale.account(row, base, cuda=True)
+        rows.append(row)
+    return rows, window
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--scale", required=True, help="scaling.json written by ddptune scale")
+    p.add_argument("--scale", help="scaling.json written by ddptune scale")
+    p.add_argument("--ranks", nargs="+", help="instead of --scale: each run's ranks.jsonl, 1 process first")
+    p.add_argument("--mode", help="with --ranks: same-per-device or same-global")
+    p.add_argument("--per-process", type=int, default=16, help="with --ranks: samples per process at 1 process")
+    p.add_argument("--steps", type=int, default=20, help="with --ranks: as given to ddptune scale")
+    p.add_argument("--warmup", type=int, default=3, help="with --ranks: as given to ddptune scale")
+    p.add_argument("--command", help="with --ranks: the command that made the runs")
+    p.add_argument("--suffix", default="", help="file name ending, e.g. _2026-11-30")
     p.add_argument("--recipe-1")
     p.add_argument("--recipe-2")
     p.add_argument("--model", required=True, help="file name part, e.g. llama31_8b_qlora")
@@ -43,6 +81,20 @@ def main() -> int:
     p.add_argument("--date", required=True)
     p.add_argument("--note", default=None)
     args = p.parse_args()
+    if args.ranks:
+        rows, window = rows_from_ranks(args.ranks, args.mode, args.per_process, args.steps, args.warmup)
+        out = {"device": args.device, "date": args.date, "mode": args.mode, "model": args.model, "command": args.command,
+               "sample_window": list(window), "steps": {str(r["nproc"]): r["steps"] for r in rows},
+               "rows": [{k: r.get(k) for k in KEEP if k in r} for r in rows]}
+        if args.recipe_1 and args.recipe_2:
+            out["reference_recipe"] = recipe_rows(json.loads(Path(args.recipe_1).read_text()),
+                                                  json.loads(Path(args.recipe_2).read_text()))
+        if args.note:
+            out["note"] = args.note
+        path = ROOT / "benchmarks" / "results" / f"h200x2_{args.model}_{args.mode}{args.suffix}.json"
+        path.write_text(json.dumps(out, indent=2) + "\n")
+        print(path)
+        return 0
     scale = json.loads(Path(args.scale).read_text())
     manifest = scale["manifest"]
     for mode in scale["modes"]:
@@ -57,7 +109,7 @@ def main() -> int:
                                                   json.loads(Path(args.recipe_2).read_text()))
         if args.note:
             out["note"] = args.note
-        path = ROOT / "benchmarks" / "results" / f"h200x2_{args.model}_{mode}.json"
+        path = ROOT / "benchmarks" / "results" / f"h200x2_{args.model}_{mode}{args.suffix}.json"
         path.write_text(json.dumps(out, indent=2) + "\n")
         print(path)
     return 0

@@ -9,6 +9,9 @@
 #   bash benchmarks/scaling_x2.sh qlora-8b   # ddptune scale on the same job, 1 and 2 GPUs, both modes
 #   bash benchmarks/scaling_x2.sh smollm2    # SmolLM2-135M LoRA (real weights at $SMOLLM2), global batch 16, 1 and 2 GPUs,
 #                                            # with validation loss and ROUGE on SAMSum rows 700-817 at each count
+#   bash benchmarks/scaling_x2.sh full-1b    # Llama-3.2-1B shape, full fine-tuning: DDP and FSDP, 1 and 2 GPUs, with `plan`
+#   bash benchmarks/scaling_x2.sh full-8b    # Llama-3.1-8B shape, full fine-tuning with AdamW: `plan` for 1 GPU (does not fit)
+#                                            # and FSDP over 2, then FSDP over 2 GPUs trains it (FULL8B_STEPS steps)
 # Each part copies its raw results to $OUT; `python benchmarks/scaling_report.py DIR...` turns them into
 # benchmarks/results/h200x2_*.json.
 set -euo pipefail
@@ -47,5 +50,26 @@ smollm2)
   cp /tmp/scale-smollm2/scaling.json "$OUT/scale_smollm2.json"; cp /tmp/scale-smollm2/scaling.md "$OUT/scale_smollm2.md"
   cp /tmp/scale-smollm2/scaling.png "$OUT/scale_smollm2.png"
   ;;
-*) echo "usage: $0 recipe|qlora-8b|smollm2" >&2; exit 2 ;;
+full-1b)
+  job=(configs/samsum_qlora_llama31_8b.yaml model.source=preset:llama-3.2-1b model.tokenizer=$TOK train.method=full
+       data.train=$DATA data.train_rows=0:700 data.val=null $EXTRA)
+  for s in ddp fsdp; do
+    for n in 1 2; do
+      python3 -m ddptune plan "${job[@]}" train.strategy=$s --gpus $n --json "$OUT/plan_1b_full_${s}_n$n.json" | tail -3
+    done
+    python3 -m ddptune scale "${job[@]}" train.strategy=$s --nproc 1,2 --mode same-per-device --steps "$STEPS" --warmup 3 \
+      --out /tmp/scale-1b-$s 2>&1 | quiet | grep -v '^ddptune:' | tail -12
+    for f in scaling.json scaling.md scaling.png; do cp /tmp/scale-1b-$s/$f "$OUT/scale_1b_full_$s.${f#*.}"; done
+  done
+  ;;
+full-8b)
+  job=(configs/samsum_qlora_llama31_8b.yaml model.tokenizer=$TOK train.method=full data.train=$DATA data.train_rows=0:700
+       data.val=null $EXTRA)
+  python3 -m ddptune plan "${job[@]}" --gpus 1 --json "$OUT/plan_8b_full_ddp_n1.json" | tail -3
+  python3 -m ddptune plan "${job[@]}" train.strategy=fsdp --gpus 2 --json "$OUT/plan_8b_full_fsdp_n2.json" | tail -3
+  python3 -m ddptune train "${job[@]}" train.strategy=fsdp train.max_steps="${FULL8B_STEPS:-24}" train.save_every=0 \
+    output_dir=/tmp/full-8b --nproc 2 2>&1 | quiet | tail -8
+  cp /tmp/full-8b/summary.json "$OUT/full_8b_fsdp_n2_summary.json"; cp /tmp/full-8b/metrics.jsonl "$OUT/full_8b_fsdp_n2_metrics.jsonl"
+  ;;
+*) echo "usage: $0 recipe|qlora-8b|smollm2|full-1b|full-8b" >&2; exit 2 ;;
 esac
