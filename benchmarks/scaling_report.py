@@ -22,7 +22,16 @@ ROOT = Path(__file__).resolve().parents[1]
 KEEP = ("nproc", "batch", "steps", "samples_measured", "step_s", "median_step_s", "tokens_per_s_per_gpu", "samples_per_s",
         "speedup", "efficiency", "compute_s", "imbalance_s", "exposed_comm_s", "rest_s", "lost_compute",
         "lost_imbalance", "lost_comm", "lost_rest", "balance", "peak_mem_gib", "final_loss", "val_loss", "note",
-        "rouge1", "rouge2", "rougeL", "rougeLsum")
+        "rouge1", "rouge2", "rougeL", "rougeLsum", "stall_steps", "stall_s", "efficiency_median")
+
+
+def with_median_efficiency(rows: list[dict]) -> list[dict]:
+    """Each row's efficiency from median steps beside the one from means over the window (a one-time
+    stall inside the window moves the means)."""
+    base = rows[0]
+    for r in rows:
+        r["efficiency_median"] = base["median_step_s"] * r["per_process"] / (r["median_step_s"] * base["per_process"])
+    return rows
 
 
 def recipe_rows(one: dict, two: dict) -> list[dict]:
@@ -59,8 +68,9 @@ def rows_from_ranks(files: list[str], mode: str, per_process_at_1: int, steps: i
                "samples_per_s": (window[1] - window[0]) / seconds}
         for k in scale.PART_KEYS:
             row[k], row[k + "_se"] = split[k], split[k + "_se"]
-        base = scale.account(row, base, cuda=True)
-        rows.append(row)
+        row.update(scale.stalls([r["step_s"][0] for r in kept]))
+        base = base or row
+        rows.append(scale.account(row, None if row is base else base, cuda=True))
     return rows, window
 
 
@@ -85,7 +95,7 @@ def main() -> int:
         rows, window = rows_from_ranks(args.ranks, args.mode, args.per_process, args.steps, args.warmup)
         out = {"device": args.device, "date": args.date, "mode": args.mode, "model": args.model, "command": args.command,
                "sample_window": list(window), "steps": {str(r["nproc"]): r["steps"] for r in rows},
-               "rows": [{k: r.get(k) for k in KEEP if k in r} for r in rows]}
+               "rows": [{k: r.get(k) for k in KEEP if k in r} for r in with_median_efficiency(rows)]}
         if args.recipe_1 and args.recipe_2:
             out["reference_recipe"] = recipe_rows(json.loads(Path(args.recipe_1).read_text()),
                                                   json.loads(Path(args.recipe_2).read_text()))
@@ -98,7 +108,8 @@ def main() -> int:
     scale = json.loads(Path(args.scale).read_text())
     manifest = scale["manifest"]
     for mode in scale["modes"]:
-        rows = [{k: r.get(k) for k in KEEP if k in r} for r in scale["rows"] if r["mode"] == mode]
+        rows = [{k: r.get(k) for k in KEEP if k in r}
+                for r in with_median_efficiency([r for r in scale["rows"] if r["mode"] == mode])]
         out = {"device": args.device, "date": args.date, "mode": mode, "model": args.model, "command": manifest["command"],
                "sample_window": manifest["sample_window"][mode], "steps": {str(r["nproc"]): r["steps"] for r in rows},
                "interconnect": scale["interconnect"], "peak_busbw_GBps": scale["bandwidth"].get("peak_busbw_GBps"),

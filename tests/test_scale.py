@@ -139,3 +139,20 @@ def test_bad_nproc_is_one_line_error(tmp_path):
                                  out=str(tmp_path / "x"), bandwidth_sizes="1MB")
     with pytest.raises(ConfigError, match="include 1"):
         scale.main(args)
+
+
+def test_a_stall_inside_the_window_is_named_with_the_median_efficiency():
+    """One 4 s step among 0.11 s ones (seen on an H200: the 1-process run of a full fine-tune) makes
+    the means say 152 %: the note names the stall and gives the efficiency of the median steps."""
+    times = [0.11] * 23 + [4.5]
+    one = scale.account({**_row(1, 16, sum(times) / 24, 0.28, 0, 0, 0.02), "median_step_s": 0.11,
+                         **scale.stalls(times)}, None, cuda=True)
+    assert one["stall_steps"] == 1 and one["stall_s"] == pytest.approx(4.39)
+    two = scale.account({**_row(2, 16, 0.2, 0.17, 0.01, 0.004, 0.016), "median_step_s": 0.2,
+                         **scale.stalls([0.2] * 12)}, one, cuda=True)
+    assert two["efficiency"] > 1 and two["efficiency_median"] == pytest.approx(0.55)
+    assert "n = 1: 1 step(s) over 3x the median, 4.4 s in all" in two["note"] and "55.0%" in two["note"]
+    steady = scale.account({**_row(2, 16, 0.2, 0.17, 0.01, 0.004, 0.016), "median_step_s": 0.2,
+                            **scale.stalls([0.2] * 12)}, scale.account({**_row(1, 16, 0.11, 0.1, 0, 0, 0.01),
+                            "median_step_s": 0.11, **scale.stalls([0.11] * 24)}, None, cuda=True), cuda=True)
+    assert "efficiency_median" not in steady and "median" not in (steady["note"] or "")

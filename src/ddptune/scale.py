@@ -50,6 +50,7 @@ MODES = {SAME_PER_DEVICE: [SAME_PER_DEVICE], SAME_GLOBAL: [SAME_GLOBAL], "both":
 WARMUP, MEASURED = 3, 30  # default steps of the largest batch before and inside the measured window
 WHAT_IF_N = (2, 4, 8)
 PART_KEYS = ("compute_s", "imbalance_s", "exposed_comm_s", "rest_s")
+STALL_FACTOR = 3  # a step this many times the run's median is a stall, named in the row's note
 COLUMNS = [  # (row key, header): scaling.csv uses the keys, scaling.md the headers
     ("mode", "mode"), ("nproc", "n"), ("batch", "samples per step"), ("steps", "steps measured"),
     ("step_s", "step (s)"), ("compute_s", "compute (s)"), ("imbalance_s", "imbalance (s)"),
@@ -281,6 +282,7 @@ def measure(run: dict, window: tuple[int, int]) -> dict:
            "batch": f"{plan.per_process} x {plan.world_size} = {plan.global_batch}", "steps": len(steps),
            "samples_measured": window[1] - window[0], "step_s": seconds / len(steps),
            "median_step_s": statistics.median(r["step_time_s"] for r in steps),
+           **stalls([r["step_time_s"] for r in steps]),
            "tokens_per_s": sum(r["tokens"] for r in steps) / seconds,
            "tokens_per_s_per_gpu": sum(r["tokens"] for r in steps) / seconds / plan.world_size,
            "samples_per_s": (window[1] - window[0]) / seconds,
@@ -290,6 +292,14 @@ def measure(run: dict, window: tuple[int, int]) -> dict:
     for k in PART_KEYS:
         row[k], row[k + "_se"] = split[k], split[k + "_se"]
     return row
+
+
+def stalls(times: list[float]) -> dict:
+    """Steps over STALL_FACTOR times the median (a recompilation, a first use of a kernel, the
+    allocator growing): how many, and the seconds they added beyond a median step."""
+    median = statistics.median(times)
+    slow = [t - median for t in times if t > STALL_FACTOR * median]
+    return {"stall_steps": len(slow), "stall_s": sum(slow)}
 
 
 def account(row: dict, base: dict | None, cuda: bool) -> dict:
@@ -321,6 +331,13 @@ def account(row: dict, base: dict | None, cuda: bool) -> dict:
     if not cuda and n > 1 and row["speedup"] > n * 1.05:
         notes.append(f"speedup {row['speedup']:.2f} above {n}: the processes fought over the CPU cores; not published")
         row["speedup"] = row["efficiency"] = None
+    for r, who in ((base, "n = 1"), (row, f"n = {n}")) if n > 1 else ((row, "n = 1"),):
+        if r.get("stall_steps"):
+            notes.append(f"{who}: {r['stall_steps']} step(s) over {STALL_FACTOR:g}x the median, {r['stall_s']:.1f} s in all")
+    if n > 1 and (row.get("stall_steps") or base.get("stall_steps")):
+        # a one-time stall inside the window moves the means; the medians show the steady state beside them
+        row["efficiency_median"] = base["median_step_s"] * row["per_process"] / (row["median_step_s"] * base["per_process"])
+        notes.append(f"by median steps the efficiency is {row['efficiency_median']:.1%}")
     row["note"] = "; ".join(notes) or None
     return row
 
