@@ -128,8 +128,7 @@ def _main(argv: list[str] | None) -> int:
         if stray:
             parser.error(f"unrecognized arguments: {' '.join(stray)}")
     except UsageError as e:
-        print(f"ddptune: {e}", file=sys.stderr)
-        return 2
+        return _refuse(e)
     if extra:
         args.overrides += extra
     try:
@@ -158,10 +157,23 @@ def _main(argv: list[str] | None) -> int:
         if args.command == "plan":
             return _plan(args)
     except ConfigError as e:
-        if dist.is_main_process():
-            print(f"ddptune: {e}", file=sys.stderr)
-        return 2
+        return _refuse(e)
     return 1
+
+
+def _refuse(e: Exception) -> int:
+    """Bad input: one line on stderr, exit 2, whichever launcher started this process (none,
+    --nproc, torchrun, accelerate launch). Every process meets the same bad input (each reads the
+    same command line and config; what rank 0 alone checks reaches the others through
+    dist.on_main), so rank 0 alone says it, once, and leaves it for the launcher's closing report
+    too. Under torchrun or accelerate launch that report follows: the launcher's own traceback and
+    a table of failed ranks whose root cause shows this line; the launcher exits 1 (with --nproc,
+    ddptune's launcher prints nothing more and exits 2)."""
+    if dist.is_main_process():
+        line = f"ddptune: {e}"
+        print(line, file=sys.stderr)
+        dist.tell_launcher(line)
+    return 2
 
 
 def _train(args) -> int:

@@ -170,6 +170,26 @@ def teardown() -> None:
         torch.distributed.destroy_process_group()
 
 
+def tell_launcher(line: str) -> None:
+    """Leave `line`, why this worker fails, where torchrun looks for it: the error file it names in
+    TORCHELASTIC_ERROR_FILE (torchrun's own `@record` writes a traceback there). `accelerate launch`
+    runs torchrun's agent too. Its closing ChildFailedError report then shows `line` as the failed
+    rank's "traceback" rather than a pointer to its docs, so the reason is also at the end of the
+    output. A no-op without such a launcher."""
+    import json
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    # the layout torchrun's @record writes, with the line where it puts the traceback
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass  # the line is on stderr already
+
+
 def fsdp_plugin(bf16: bool) -> FullyShardedDataParallelPlugin:
     """FSDP2 as ddptune uses it.
 

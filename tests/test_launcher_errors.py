@@ -1,0 +1,34 @@
+"""Bad input found inside the workers of an outside launcher (torchrun here; `accelerate launch`
+runs the same agent): one line from ddptune, exit 2 from each worker, no traceback of ddptune's.
+The launcher's own report follows (its traceback, a table of failed ranks); it cannot be changed,
+but its root cause repeats the line, so the reason is also at the end of the output."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def test_bad_input_found_inside_torchrun_workers_is_one_line_also_at_the_end(tmp_path):
+    # A run folder whose checkpoint was written by 1 process with 4 samples a step: resuming it
+    # with 2 processes at tiny.yaml's batch is refused. Without --nproc only the workers see the
+    # folder (rank 0 validates in train.setup), before any data or model is loaded.
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step-000002").mkdir(parents=True)
+    (out / "checkpoints" / "step-000002" / "state.json").write_text(json.dumps({"step": 2, "world_size": 1, "global_batch": 4}))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "ddptune", "train", str(ROOT / "configs" / "tiny.yaml"), f"output_dir={out}", "--resume"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    ours = [l for l in re.split(r"[\r\n]", proc.stderr) if l.startswith("ddptune:")]
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert len(ours) == 1 and ours[0].startswith("ddptune: invalid config: --resume: ") and \
+        "written by 1 processes with 4 samples per optimizer step" in ours[0], proc.stderr[-3000:]
+    assert not re.search(r'File ".*[/\\]ddptune[/\\]', proc.stderr), proc.stderr  # torchrun's frames only
+    assert "exitcode  : 2" in proc.stderr  # each worker's own exit code, in torchrun's table
+    tail = proc.stderr.strip().splitlines()[-3:]  # the root cause closes torchrun's report
+    assert any(l.strip() == f"traceback : {ours[0]}" for l in tail), proc.stderr[-3000:]
