@@ -74,13 +74,32 @@ def test_cli_two_processes_end_to_end(tmp_path):
     assert not torch.allclose(tuned(ids).logits, before)
 
 
+def train_all(runs: list[list[str]]) -> list[dict]:
+    """One process's part of each `ddptune train configs/tiny.yaml OVERRIDES`, in turn (one set of
+    spawned processes serves several runs: each spawn costs seconds of imports)."""
+    return [train_tiny(overrides) for overrides in runs]
+
+
+ACCUMULATION = ["train.max_steps=4", "train.micro_batch_size=2", "train.lr=1e-2", "lora.dropout=0.0", "train.val_every=2"]
+
+
+@pytest.fixture(scope="module")
+def accumulation_runs(tmp_path_factory):
+    """Padded and packed: one process accumulating 2 micro-batches, two processes with 1 each; and
+    the golden run (one process, the tiny config's own batch), in the same spawned processes."""
+    root = tmp_path_factory.mktemp("accumulation")
+    one = lambda p: [f"output_dir={root / f'one-{p}'}", "train.grad_accum=2", *ACCUMULATION, f"train.packing={p}"]  # noqa: E731
+    two = lambda p: [f"output_dir={root / f'two-{p}'}", "train.grad_accum=1", *ACCUMULATION, f"train.packing={p}"]  # noqa: E731
+    golden = multiproc.run(train_all, 1, [[f"output_dir={root / 'golden'}", "train.max_steps=4", "data.val=null"],
+                                          one("false"), one("true")])[0][0]
+    multiproc.run(train_all, 2, [two("false"), two("true")])
+    return root, golden
+
+
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
-def test_two_processes_take_the_same_steps_as_one_with_accumulation(tmp_path, packing):
-    common = ["train.max_steps=4", "train.micro_batch_size=2", "train.lr=1e-2", "lora.dropout=0.0", "train.val_every=2",
-              f"train.packing={str(packing).lower()}"]
-    one, two = tmp_path / "one", tmp_path / "two"
-    multiproc.run(train_tiny, 1, [f"output_dir={one}", "train.grad_accum=2", *common])
-    multiproc.run(train_tiny, 2, [f"output_dir={two}", "train.grad_accum=1", *common])
+def test_two_processes_take_the_same_steps_as_one_with_accumulation(accumulation_runs, packing):
+    root, _ = accumulation_runs
+    one, two = root / f"one-{str(packing).lower()}", root / f"two-{str(packing).lower()}"
 
     rows = [r for r in metrics(one) if "loss" in r]
     # samples of unequal lengths: padded batches compute padding, packed rows none
@@ -104,11 +123,11 @@ def test_two_processes_take_the_same_steps_as_one_with_accumulation(tmp_path, pa
     assert all(len(r["tokens"]) == 2 for r in ranks)
 
 
-def test_golden_losses_of_the_tiny_preset(tmp_path):
+def test_golden_losses_of_the_tiny_preset(accumulation_runs):
     """Pinned per-step losses of one process on the tiny preset: a change that alters the maths
     for 1 and N processes alike (data order, loss normalisation, optimizer) shows up here."""
-    (summary,) = multiproc.run(train_tiny, 1, [f"output_dir={tmp_path / 'run'}", "train.max_steps=4", "data.val=null"])
-    assert losses(tmp_path / "run") == pytest.approx(GOLDEN, abs=1e-4)
+    root, summary = accumulation_runs
+    assert losses(root / "golden") == pytest.approx(GOLDEN, abs=1e-4)
     assert summary["final_loss"] == pytest.approx(GOLDEN[-1], abs=1e-4)
 
 

@@ -79,7 +79,9 @@ def main(args) -> int:
     measured = MEASURED if args.steps is None else args.steps
     sizes = parse_sizes(args.bandwidth_sizes)
     cuda = torch.cuda.is_available()
-    threads = max(1, (os.cpu_count() or 1) // max(counts))  # as many cores per process at every count
+    # as many threads per process at every count: cores // the largest count, or OMP_NUM_THREADS when set
+    # (on GPUs the processes' spinning OpenMP workers can take the cores their launching threads need)
+    threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, (os.cpu_count() or 1) // max(counts))
 
     # 1. Plan and validate every run before anything runs or any folder is made.
     problems = config_lib.check_values(cfg)
@@ -153,7 +155,7 @@ def main(args) -> int:
                                "--bandwidth-sizes", args.bandwidth_sizes]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "modes": modes, "config": args.config,
         "overrides": overrides, "seed": cfg.train.seed, "sample_window": {m: list(w) for m, w in windows.items()},
-        "threads_per_process": threads if not cuda else None,
+        "threads_per_process": threads,
         "batch": [{"mode": m, "nproc": n, **dataclasses.asdict(p), "global_batch": p.global_batch, "describe": p.describe()}
                   for (m, n), p in plans.items()],
         "runs": {k: {"nproc": r["nproc"], "steps": r["steps"], "dir": str(r["dir"]), "command": r["command"]} for k, r in runs.items()},
