@@ -12,6 +12,10 @@
 #   bash benchmarks/scaling_x2.sh full-1b    # Llama-3.2-1B shape, full fine-tuning: DDP and FSDP, 1 and 2 GPUs, with `plan`
 #   bash benchmarks/scaling_x2.sh full-8b    # Llama-3.1-8B shape, full fine-tuning with AdamW: `plan` for 1 GPU (does not fit)
 #                                            # and FSDP over 2, then FSDP over 2 GPUs trains it (FULL8B_STEPS steps)
+#   bash benchmarks/scaling_x2.sh threads    # the OpenMP-threads lever: the 8B job same-per-device at OMP_NUM_THREADS
+#                                            # of each value in THREADS (default "16 2"; 16 = cores // 2, the default)
+#   bash benchmarks/scaling_x2.sh stalls     # why a full fine-tune's steps stall: the 1B full run at 1 GPU with
+#                                            # TORCH_LOGS=recompiles, its per-step times and the recompile log
 # Each part copies its raw results to $OUT; `python benchmarks/scaling_report.py DIR...` turns them into
 # benchmarks/results/h200x2_*.json.
 set -euo pipefail
@@ -71,5 +75,21 @@ full-8b)
     output_dir=/tmp/full-8b --nproc 2 2>&1 | quiet | tail -8
   cp /tmp/full-8b/summary.json "$OUT/full_8b_fsdp_n2_summary.json"; cp /tmp/full-8b/metrics.jsonl "$OUT/full_8b_fsdp_n2_metrics.jsonl"
   ;;
-*) echo "usage: $0 recipe|qlora-8b|smollm2|full-1b|full-8b" >&2; exit 2 ;;
+threads)
+  for t in ${THREADS:-16 2}; do
+    OMP_NUM_THREADS=$t python3 -m ddptune scale configs/samsum_qlora_llama31_8b.yaml model.tokenizer=$TOK data.train=$DATA \
+      data.train_rows=0:700 data.val=null $EXTRA --nproc 1,2 --mode same-per-device --steps "$STEPS" --warmup 3 \
+      --out /tmp/scale-8b-t$t 2>&1 | quiet | grep '^| same' | cut -c1-260
+    for f in scaling.json scaling.md; do cp /tmp/scale-8b-t$t/$f "$OUT/scale_8b_threads$t.${f#*.}"; done
+  done
+  ;;
+stalls)
+  TORCH_LOGS=recompiles python3 -m ddptune train configs/samsum_qlora_llama31_8b.yaml model.source=preset:llama-3.2-1b \
+    model.tokenizer=$TOK train.method=full data.train=$DATA data.train_rows=0:700 data.val=null train.max_steps="$STEPS" \
+    output_dir=/tmp/stalls > "$OUT/stalls.log" 2>&1 || true
+  grep -c Recompiling "$OUT/stalls.log" || true
+  cp /tmp/stalls/metrics.jsonl "$OUT/stalls_metrics.jsonl"
+  python3 -c "import json,sys; [print(r['step'], round(r['step_time_s'], 3)) for r in map(json.loads, open(sys.argv[1])) if r.get('step_time_s', 0) > 0.5]" "$OUT/stalls_metrics.jsonl"
+  ;;
+*) echo "usage: $0 recipe|qlora-8b|smollm2|full-1b|full-8b|threads|stalls" >&2; exit 2 ;;
 esac
