@@ -12,6 +12,8 @@
 #   bash benchmarks/scaling_x2.sh full-1b    # Llama-3.2-1B shape, full fine-tuning: DDP and FSDP, 1 and 2 GPUs, with `plan`
 #   bash benchmarks/scaling_x2.sh full-8b    # Llama-3.1-8B shape, full fine-tuning with AdamW: `plan` for 1 GPU (does not fit)
 #                                            # and FSDP over 2, then FSDP over 2 GPUs trains it (FULL8B_STEPS steps)
+#   bash benchmarks/scaling_x2.sh full-8b-1gpu  # the same 8B full fine-tune on ONE GPU, which `plan` says cannot hold it
+#                                            # (151 GiB): settles whether plan's bf16-copy term over-predicts (BENCHMARKS.md)
 #   bash benchmarks/scaling_x2.sh threads    # the OpenMP-threads lever: the 8B job same-per-device at OMP_NUM_THREADS
 #                                            # of each value in THREADS (default "16 2"; 16 = cores // 2, the default)
 #   bash benchmarks/scaling_x2.sh stalls     # why a full fine-tune's steps stall: the 1B full run at 1 GPU with
@@ -74,6 +76,12 @@ full-8b)
   python3 -m ddptune train "${job[@]}" train.strategy=fsdp train.max_steps="${FULL8B_STEPS:-24}" train.save_every=0 \
     output_dir=/tmp/full-8b --nproc 2 2>&1 | quiet | tail -8
   cp /tmp/full-8b/summary.json "$OUT/full_8b_fsdp_n2_summary.json"; cp /tmp/full-8b/metrics.jsonl "$OUT/full_8b_fsdp_n2_metrics.jsonl"
+  ;;
+full-8b-1gpu)
+  CUDA_VISIBLE_DEVICES=0 python3 -m ddptune train configs/samsum_qlora_llama31_8b.yaml model.tokenizer=$TOK train.method=full \
+    data.train=$DATA data.train_rows=0:700 data.val=null train.max_steps="${FULL8B_STEPS:-24}" train.save_every=0 \
+    train.memory_check=false output_dir=/tmp/full-8b-1 2>&1 | quiet | tail -6 || true
+  cp /tmp/full-8b-1/metrics.jsonl "$OUT/full_8b_1gpu_metrics.jsonl" 2>/dev/null || true
   ;;
 threads)
   for t in ${THREADS:-16 2}; do

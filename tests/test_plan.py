@@ -8,7 +8,7 @@ import json
 import pytest
 
 from conftest import ROOT, SHARED_DATA
-from ddptune import cli, config, plan
+from ddptune import checks, cli, config, plan
 
 
 def _plan_check():
@@ -77,4 +77,10 @@ def test_train_refuses_a_run_that_will_not_fit_in_one_line_before_loading(tmp_pa
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert len(err.splitlines()) == 1 and "memory:" in err and "FSDP (full shard) over 2 GPUs" in err
+    assert "train.memory_check=false tries anyway" in err
     assert not out.exists() or not any(out.iterdir())
+    # the plan is an estimate: a user who knows better can still try
+    cfg = config.load(str(ROOT / "configs" / "samsum_qlora_llama31_8b.yaml"), ["train.method=full"])
+    assert checks.memory_problems(cfg, 1, plan.DEFAULT_GPU_GIB)
+    assert checks.memory_problems(config.load(str(ROOT / "configs" / "samsum_qlora_llama31_8b.yaml"),
+                                              ["train.method=full", "train.memory_check=false"]), 1, plan.DEFAULT_GPU_GIB) == []

@@ -65,10 +65,12 @@ def rows_problems(n_rows: int, plan: BatchPlan) -> list[str]:
 
 def memory_problems(cfg: Config, world_size: int, gpu_gib: float) -> list[str]:
     """`ddptune plan`'s verdict for GPUs of `gpu_gib` GiB, as one line naming the way out when the run
-    will not fit; none when it fits as configured, or when checkpointing is `auto` and turning it on is
-    enough (build_model does). Reads the model's config only; a hub model's that cannot be fetched is not checked."""
+    will not fit; none when it fits as configured, when checkpointing is `auto` and turning it on is
+    enough (build_model does), or when train.memory_check is off. Reads the model's config only; a hub model's that cannot be fetched is not checked."""
     from ddptune import plan as plan_lib
 
+    if not cfg.train.memory_check:
+        return []
     try:
         shape = plan_lib.model_shape(cfg)
     except Exception:  # noqa: BLE001 - no config to size the model by: the load will say what is wrong
@@ -79,7 +81,7 @@ def memory_problems(cfg: Config, world_size: int, gpu_gib: float) -> list[str]:
     need, chosen = p["options"][0]["total"], next((o for o in p["options"] if o["fits"]), None)
     fix = p["recommendation"] + (f" ({chosen['total']:.1f} GiB per GPU)" if chosen else "")
     return [f"memory: {cfg.train.method} fine-tuning of {cfg.model.source} needs about {need:.1f} GiB per GPU, more than "
-            f"{gpu_gib:.1f} GiB; the way out: {fix} (`ddptune plan` shows each term)"]
+            f"{gpu_gib:.1f} GiB; the way out: {fix} (`ddptune plan` shows each term; train.memory_check=false tries anyway)"]
 
 
 def model_problems(cfg: Config) -> list[str]:

@@ -146,6 +146,9 @@ class TrainConfig:
     """How long a process may wait for the others at one collective once training has started
     (gradient all-reduce, checkpoint save, evaluation); a process that hangs or dies then ends the run
     with an error instead of a silent stall. Raise it if one process legitimately works alone longer."""
+    memory_check: bool = True
+    """Stop before loading when `ddptune plan` predicts the run will not fit the GPU; false: try
+    anyway (the plan is an estimate: within 15 % of the peaks measured so far, over rather than under)."""
     save_every: int = 0
     """Write a resumable checkpoint every N optimizer steps; 0: only the final adapter."""
     save_every_minutes: float = 10.0
