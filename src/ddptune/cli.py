@@ -40,6 +40,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="ddptune", description="Data-parallel LoRA/QLoRA/full fine-tuning for dialogue summarization.")
+    p.add_argument("-V", "--version", action="store_true", help="print ddptune's version and exit")  # (answered in _main)
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="fine-tune as a YAML config says", formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="config keys (override any with section.key=value):\n" + config_lib.reference_text())

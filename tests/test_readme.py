@@ -1,0 +1,125 @@
+"""The README's "Using it" section works as written. Every command in its code blocks is either run
+here, in-process through `ddptune.cli.main` as the shell would call it, or named in SKIP with the
+reason; a line with placeholders (CONFIG, RUN, [--optional]) is a synopsis, not run. Every flag a
+line names must be one its command's --help lists, a `$` example must print what the README shows
+(`...` stands for anything), and the Python example runs. A command added to the section without a
+decision here, or a SKIP entry the section no longer holds, fails the test."""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import shlex
+
+import pytest
+import torch
+
+from conftest import ROOT
+from ddptune import cli
+
+# command as written -> why it is not run here
+SKIP = {
+    "ddptune train configs/tiny.yaml": "a training run (tests/test_train.py trains tiny end to end)",
+    "ddptune train configs/tiny.yaml --nproc 2": "a 2-process training run (tests/test_console.py runs one)",
+    "ddptune train configs/demo.yaml train.lr=5e-4 output_dir=runs/x": "minutes of training (make demo)",
+    "accelerate launch --config_file configs/accelerate/2gpu.yaml -m ddptune train configs/samsum_qlora_llama31_8b.yaml":
+        "2 GPUs, and SAMSum from the hub",
+    "ddptune export runs/x out/adapter": "needs a finished run in runs/x (tests/test_export.py)",
+    "echo '{\"dialogue\": \"Anna: are you coming tonight?\\nTom: yes, at 8. I will bring the cake.\"}' "
+    "| ddptune predict runs/demo -": "needs runs/demo from make demo (tests/test_predict.py)",
+    "ddptune env": "its bandwidth figure starts 2 processes for 10-20 s here (tests/test_env.py); run with --no-bandwidth",
+    "tensorboard --logdir runs/x": "a server: runs until stopped",
+    "tensorboard --logdir runs": "a server: runs until stopped",
+}
+RUN_INSTEAD = {"ddptune env": ["env", "--no-bandwidth"]}
+SYNOPSIS = re.compile(r"\[|\b[A-Z]{2,}\b")  # [--optional] or a placeholder such as CONFIG, RUN, OUT
+
+
+def using_it() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("\n## Using it\n")
+    return text[start:text.index("\n## ", start + 1)]
+
+
+def examples(section: str) -> tuple[list[tuple[str, list[str] | None]], list[str]]:
+    """(command, its shown output or None) for each command line; the Python blocks' code."""
+    commands, python = [], []
+    for lang, body in re.findall(r"```(\w*)\n(.*?)```", section, re.S):
+        if lang == "python":
+            python.append(body)
+        elif lang == "bash":
+            lines = [re.split(r"\s+#\s", l)[0].strip() for l in body.splitlines()]
+            commands += [(l, None) for l in lines if l and not l.startswith("#")]
+        else:  # `$ command` and what it prints, up to the next `$`
+            for chunk in re.split(r"^\$ ", body, flags=re.M)[1:]:
+                command, *shown = chunk.strip().splitlines()
+                commands.append((command.strip(), shown))
+    return commands, python
+
+
+def ddptune_argv(command: str) -> list[str] | None:
+    """The arguments ddptune gets from this shell line (after `| ddptune`, `-m ddptune` or `ddptune`)."""
+    words = shlex.split(command.split(" | ")[-1])
+    for i, w in enumerate(words):
+        if w == "ddptune" and (i == 0 or words[i - 1] == "-m"):
+            return words[i + 1:]
+    return None
+
+
+def call(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(argv)
+        except SystemExit as e:  # --help
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def shown_matches(shown: list[str], printed: list[str]) -> bool:
+    patterns = [".*".join(map(re.escape, line.split("..."))) for line in shown]
+    return len(patterns) == len(printed) and all(re.fullmatch(p, l) for p, l in zip(patterns, printed))
+
+
+def test_every_command_of_using_it_runs_as_written(monkeypatch, tmp_path):
+    monkeypatch.chdir(ROOT)  # the commands name configs/... from the repository's root
+    commands, python = examples(using_it())
+    assert len(commands) > 20 and python, "the section's code blocks were not found"
+    assert not set(SKIP) - {c for c, _ in commands}, "SKIP names commands the README no longer shows"
+    helps = {"": call(["--help"])[1]}
+    ran = []
+    for command, shown in commands:
+        argv = ddptune_argv(command)
+        assert argv is not None or command in SKIP, f"not a ddptune command, and not in SKIP: {command}"
+        if argv is None:
+            continue
+        name = argv[0] if argv and not argv[0].startswith("-") else ""
+        if name not in helps:
+            code, out, _ = call([name, "--help"])
+            assert code == 0 and out.startswith(f"usage: ddptune {name}"), (command, out)
+            helps[name] = out
+        for flag in {w.strip("[]").split("=")[0] for w in argv if w.strip("[").startswith("--")}:
+            assert re.search(rf"(?<![\w-]){re.escape(flag)}\b", helps[name]), f"{command}: `ddptune {name} --help` has no {flag}"
+        if SYNOPSIS.search(command):
+            continue
+        if command in SKIP and command not in RUN_INSTEAD:
+            continue
+        code, out, err = call(RUN_INSTEAD.get(command, argv))
+        printed = (out + err).strip().splitlines()
+        if shown is None:
+            assert code == 0, f"{command}: exit {code}\n{err[-2000:]}"
+        elif not torch.cuda.is_available():  # ddptune plan sizes for this machine's GPU when there is one
+            error = shown[0].startswith("ddptune: invalid config:")
+            assert code == (2 if error else 0) and shown_matches(shown, printed), \
+                f"{command}: exit {code}, printed\n" + "\n".join(printed) + "\nREADME shows\n" + "\n".join(shown)
+        ran.append(command)
+    assert "ddptune --version" in ran and any(c.startswith("ddptune plan") for c in ran), ran
+    for name in set(re.search(r"\{([\w,]+)\}", helps[""]).group(1).split(",")) - set(helps):  # every other --help
+        assert call([name, "--help"])[0] == 0, name
+    # the Python example, in a folder of its own (it writes runs/api)
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    monkeypatch.chdir(tmp_path)
+    for code in python:
+        exec(compile(code, "README.md (From Python)", "exec"), {})
+    assert (tmp_path / "runs" / "api" / "adapter").is_dir()
