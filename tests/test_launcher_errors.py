@@ -32,3 +32,24 @@ def test_bad_input_found_inside_torchrun_workers_is_one_line_also_at_the_end(tmp
     assert "exitcode  : 2" in proc.stderr  # each worker's own exit code, in torchrun's table
     tail = proc.stderr.strip().splitlines()[-3:]  # the root cause closes torchrun's report
     assert any(l.strip() == f"traceback : {ours[0]}" for l in tail), proc.stderr[-3000:]
+
+
+def test_ddptunes_launcher_prints_once_each_line_rank_0_did_not(tmp_path, monkeypatch):
+    """--nproc: rank 0 prints its own line; ddptune's launcher prints, from the workers' error files,
+    each other line once (one only a non-zero rank met, or all of them on a node without rank 0)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from ddptune import dist, launcher
+
+    def failure(rank: int, line: str | None, exitcode: int = 2) -> ProcessFailure:
+        path = tmp_path / f"error-{len(list(tmp_path.iterdir()))}.json"  # a new file each time (none when no line)
+        if line:
+            monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+            dist.tell_launcher(line)
+        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(path))
+
+    bad, own = "ddptune: invalid config: x: bad", "ddptune: invalid config: y: only rank 2 saw this"
+    assert launcher.untold({0: failure(0, bad), 1: failure(1, bad), 2: failure(2, own), 3: failure(3, own)}) == [own]
+    assert launcher.untold({0: failure(0, None, -15), 1: failure(1, bad)}) == [bad]  # rank 0 stopped before it spoke
+    assert launcher.untold({2: failure(2, bad), 3: failure(3, bad)}) == [bad]  # node 1
+    assert launcher.untold({0: failure(0, bad), 1: failure(1, None, -15)}) == []

@@ -166,14 +166,15 @@ def _refuse(e: Exception) -> int:
     """Bad input: one line on stderr, exit 2, whichever launcher started this process (none,
     --nproc, torchrun, accelerate launch). Every process meets the same bad input (each reads the
     same command line and config; what rank 0 alone checks reaches the others through
-    dist.on_main), so rank 0 alone says it, once, and leaves it for the launcher's closing report
-    too. Under torchrun or accelerate launch that report follows: the launcher's own traceback and
-    a table of failed ranks whose root cause shows this line; the launcher exits 1 (with --nproc,
-    ddptune's launcher prints nothing more and exits 2)."""
+    dist.on_main), so rank 0 alone says it, once. Each process that meets it also leaves it for the
+    launcher's closing report. Under torchrun or accelerate launch that report follows: the
+    launcher's own traceback and a table of failed ranks whose root cause shows this line; the
+    launcher exits 1. With --nproc, ddptune's launcher prints only a line that rank 0 did not (one a
+    single other process met, or any line on another node) and exits 2."""
+    line = f"ddptune: {e}"
     if dist.is_main_process():
-        line = f"ddptune: {e}"
         print(line, file=sys.stderr)
-        dist.tell_launcher(line)
+    dist.tell_launcher(line)
     return 2
 
 

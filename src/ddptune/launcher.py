@@ -2,8 +2,9 @@
 what `torchrun` runs), without its tracebacks. When a worker fails, the worker has already told the
 user why in one line; torchrun would add 30-40 lines of its own (ChildFailedError, SignalException)
 around it. This exits with the first failed worker's exit code instead (2: bad input, 130/143:
-stopped by SIGINT/SIGTERM after a checkpoint, 1: anything else), and keeps the elastic agent's
-warnings out of the console. `dist.torchrun` starts it for `--nproc N`.
+stopped by SIGINT/SIGTERM after a checkpoint, 1: anything else), prints a worker's one line that
+rank 0 has not printed (a process's own bad input, or every line on a node without rank 0), and
+keeps the elastic agent's warnings out of the console. `dist.torchrun` starts it for `--nproc N`.
 """
 from __future__ import annotations
 
@@ -23,12 +24,23 @@ def main(argv: list[str]) -> int:
     try:
         run(parse_args(argv))
     except ChildFailedError as e:
+        for line in untold(e.failures):
+            print(line, file=sys.stderr)
         _, failure = e.get_first_failure()
         code = failure.exitcode
         return code if 0 < code < 256 else 128 - code if code < 0 else 1  # a worker killed by signal N: 128 + N
     except SignalException as e:  # torchrun itself was signalled (e.g. its parent died): workers got it too
         return 128 + int(e.sigval)
     return 0
+
+
+def untold(failures: dict) -> list[str]:
+    """The lines failed workers left in their error files (dist.tell_launcher) that rank 0 has not
+    printed itself, each once: rank 0 prints its own; another rank's differs only when that process
+    alone met it, and on another node than rank 0's every line is untold."""
+    lines = {rank: f.message.get("message") if isinstance(f.message, dict) else None for rank, f in failures.items()}
+    told = lines.get(0)
+    return list(dict.fromkeys(line for rank, line in sorted(lines.items()) if line and line != told))
 
 
 if __name__ == "__main__":
