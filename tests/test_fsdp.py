@@ -122,6 +122,12 @@ def test_sharded_checkpoints_hold_data_only_and_resume_exactly(runs, tmp_path):
     saved = yaml.safe_load((full / "config.yaml").read_text()) | {"output_dir": str(part)}
     (part / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
     (part / "metrics.jsonl").write_text("".join(l + "\n" for l in (full / "metrics.jsonl").read_text().splitlines()[:3]))
+    # and a newer checkpoint whose second part is damaged: it reads back on process 0 only, so both
+    # processes must pass it over together (process 0 alone at step 3 would leave the two apart)
+    newer = part / "checkpoints" / "step-000003"
+    shutil.copytree(ckpt, newer)
+    (newer / "state.json").write_text(json.dumps(json.loads((ckpt / "state.json").read_text()) | {"step": 3}))
+    (newer / "weights.shard-00001.safetensors").write_bytes(b"not safetensors")
     args = [f"output_dir={part}", "train.method=lora", *COMMON, "train.strategy=fsdp", "train.gradient_checkpointing=true"]
     with pytest.raises(ConfigError, match="holds the weights and optimizer states of 2 FSDP processes, one part each, not 1"):
         checks.validate(config.load(TINY, args + ["train.effective_batch_size=8"]), 1, resume=True)

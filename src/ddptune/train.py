@@ -193,10 +193,14 @@ def resume_from(out: Path, model, optimizer, scheduler, accelerator: Accelerator
     problems = []
     for path in reversed(checkpoint.list_checkpoints(out / "checkpoints")):
         try:
-            state = checkpoint.load(path, model, optimizer, scheduler, accelerator.process_index)
+            state, error = checkpoint.load(path, model, optimizer, scheduler, accelerator.process_index), None
         except ValueError as e:
-            problems.append(str(e))
-            accelerator.print(f"ddptune: warning: {e}; trying the one before")
+            state, error = None, str(e)
+        # All processes move on together: FSDP's parts are read one per process, so one damaged part
+        # fails on its process only, and the others must not resume from a later step than it.
+        if errors := list(dict.fromkeys(e for e in dist.gather(error) if e)):
+            problems += errors
+            accelerator.print(f"ddptune: warning: {errors[0]}; trying the one before")
             continue
         if state.get("global_batch", global_batch) != global_batch or (
                 "global_batch" not in state and state["world_size"] != accelerator.num_processes):
