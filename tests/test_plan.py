@@ -84,3 +84,17 @@ def test_train_refuses_a_run_that_will_not_fit_in_one_line_before_loading(tmp_pa
     assert checks.memory_problems(cfg, 1, plan.DEFAULT_GPU_GIB)
     assert checks.memory_problems(config.load(str(ROOT / "configs" / "samsum_qlora_llama31_8b.yaml"),
                                               ["train.method=full", "train.memory_check=false"]), 1, plan.DEFAULT_GPU_GIB) == []
+
+
+def test_qlora_is_never_told_to_shard_and_fsdp_auto_checkpointing_is_not_refused():
+    cfg8b = str(ROOT / "configs" / "samsum_qlora_llama31_8b.yaml")
+    # QLoRA's 4-bit weights stay whole on every GPU (train.strategy=fsdp refuses qlora): no FSDP row, no FSDP advice
+    shape = plan.model_shape(config.load(cfg8b, []))
+    p = plan.plan(config.load(cfg8b, []), shape, gpus=2, gpu_gib=4)
+    assert p["verdict"] == "does_not_fit" and all(o["shards"] == 1 for o in p["options"])
+    assert "FSDP (full shard)" not in p["recommendation"] and "train.method=lora" in p["recommendation"]
+    # FSDP with checkpointing `auto`: turning it on is the way out the run takes itself, not a refusal
+    auto = config.load(cfg8b, ["train.method=full", "train.strategy=fsdp", "train.gradient_checkpointing=auto"])
+    assert plan.plan(auto, shape, gpus=2, gpu_gib=100)["options"][0]["fits"] is False
+    assert checks.memory_problems(auto, 2, 100) == []
+    assert checks.memory_problems(auto, 2, 60)  # with checkpointing on it still needs 80 GiB

@@ -76,9 +76,11 @@ def memory_problems(cfg: Config, world_size: int, gpu_gib: float) -> list[str]:
     except Exception:  # noqa: BLE001 - no config to size the model by: the load will say what is wrong
         return []
     p = plan_lib.plan(cfg, shape, world_size, gpu_gib)
-    if p["options"][0]["fits"] or (p["verdict"] == "ddp_checkpointing" and cfg.train.gradient_checkpointing == "auto"):
-        return []
     need, chosen = p["options"][0]["total"], next((o for o in p["options"] if o["fits"]), None)
+    shards = world_size if cfg.train.strategy == "fsdp" else 1
+    if p["options"][0]["fits"] or (cfg.train.gradient_checkpointing == "auto" and chosen is not None
+                                   and chosen["gradient_checkpointing"] and chosen["shards"] == shards):
+        return []  # as configured, or with the checkpointing that `auto` turns on (build_model does)
     fix = p["recommendation"] + (f" ({chosen['total']:.1f} GiB per GPU)" if chosen else "")
     return [f"memory: {cfg.train.method} fine-tuning of {cfg.model.source} needs about {need:.1f} GiB per GPU, more than "
             f"{gpu_gib:.1f} GiB; the way out: {fix} (`ddptune plan` shows each term; train.memory_check=false tries anyway)"]

@@ -235,7 +235,8 @@ def plan(cfg: Config, shape: Shape, gpus: int = 1, gpu_gib: float = DEFAULT_GPU_
         options.append(row)
         return row
 
-    fsdp_set = getattr(cfg.train, "strategy", "ddp") == "fsdp"  # train.strategy, where this ddptune has it
+    fsdp_set = cfg.train.strategy == "fsdp"
+    can_shard = cfg.train.method != "qlora"  # train.strategy=fsdp covers lora and full; 4-bit weights stay whole
     as_is = option(f"FSDP over {gpus} GPUs as configured" if fsdp_set else "DDP as configured", gc_set is True,
                    gpus if fsdp_set else 1)
     chosen = as_is if as_is["fits"] else None
@@ -243,14 +244,14 @@ def plan(cfg: Config, shape: Shape, gpus: int = 1, gpu_gib: float = DEFAULT_GPU_
         row = option(f"FSDP over {gpus} GPUs with gradient checkpointing" if fsdp_set else "DDP with gradient checkpointing",
                      True, gpus if fsdp_set else 1)
         chosen = row if row["fits"] else None
-    if not chosen and gpus > 1 and not fsdp_set:
+    if not chosen and gpus > 1 and not fsdp_set and can_shard:
         for gc in ((False, True) if gc_set is not True else (True,)):
             row = option(f"FSDP over {gpus} GPUs" + (" with gradient checkpointing" if gc else ""), gc, gpus)
             if row["fits"]:
                 chosen = row
                 break
     needed = needed_gc = None
-    if not chosen:  # the smallest GPU count that would hold it, without checkpointing if that is enough
+    if not chosen and can_shard:  # the smallest GPU count that would hold it, without checkpointing if that is enough
         for n in range(max(gpus, 1) + 1, MAX_GPUS + 1):
             fits = [gc for gc in (False, True) if estimate(shape, job_of(cfg, 1, checkpointing=gc, shards=n))["total"] <= budget]
             if fits:
@@ -269,6 +270,8 @@ def plan(cfg: Config, shape: Shape, gpus: int = 1, gpu_gib: float = DEFAULT_GPU_
         with_gc = " with gradient checkpointing" if needed_gc else ""
         action = f"does not fit on {gpus} GPU{'s' if gpus > 1 else ''} of {gpu_gib:g} GiB: " + (
             f"FSDP (full shard) over {needed} GPUs{with_gc} would fit" if needed else
+            "QLoRA keeps the whole 4-bit model on every GPU (train.strategy=fsdp covers lora and full): lower "
+            "train.tokens_per_forward or micro_batch_size, or shard with train.method=lora" if not can_shard else
             "no GPU count fits: one forward's activations exceed a GPU (lower train.tokens_per_forward or micro_batch_size)")
         if needed:
             option(f"FSDP over {needed} GPUs{with_gc}", needed_gc, needed)
