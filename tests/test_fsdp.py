@@ -2,8 +2,8 @@
 
 FSDP with 2 processes takes the steps DDP with 2 processes takes, and one process takes: the same
 losses, gradient norms (FSDP2's reduce-scatter averages as DDP's all-reduce does, so the loss
-scaling holds) and final weights, for LoRA and full fine-tuning. Several forwards per step (no
-reduce-scatter before the last) and gradient checkpointing are part of the runs. Sharded
+scaling holds) and final weights, for LoRA and full fine-tuning. Several forwards per step (each
+reduce-scattered as it ends, unlike DDP's one all-reduce) and gradient checkpointing are part of the runs. Sharded
 checkpoints are data only and resume exactly; the final save loads without ddptune.
 """
 from __future__ import annotations
@@ -62,7 +62,7 @@ def test_fsdp_takes_the_steps_of_ddp_and_of_one_process(runs, method):
     assert summary["gradient_checkpointing"] is (method == "lora")
     fsdp, ddp, one = (rows(dirs[s, method]) for s in ("fsdp2", "ddp2", "one"))
     assert len(fsdp) == len(ddp) == len(one) == 4
-    assert all(r["forwards"] > 1 for r in fsdp)  # gradients accumulate unreduced before the last forward
+    assert all(r["forwards"] > 1 for r in fsdp)  # a reduce-scatter after each forward, sums into the shards
     for key in ("loss", "grad_norm"):  # a gradient summed (not averaged) over processes would double the norm
         for other in (ddp, one):
             assert [r[key] for r in fsdp] == pytest.approx([r[key] for r in other], abs=1e-5, rel=1e-5), key

@@ -231,7 +231,8 @@ def build_model(cfg: Config, accelerator: Accelerator, plan: BatchPlan):
     with accelerator.main_process_first():  # a preset checkpoint or hub download is made once
         base = model_lib.load_model(cfg.model, t.method, accelerator.device, t.precision, t.seed)
     # what training adds to the loaded model without checkpointing: activations, gradients, optimizer states
-    est = plan_lib.estimate(plan_lib.shape_of(base.config), plan_lib.job_of(cfg, plan.world_size, checkpointing=False))
+    shards = plan.world_size if t.strategy == "fsdp" else 1  # FSDP holds 1/n of the weights, gradients and states
+    est = plan_lib.estimate(plan_lib.shape_of(base.config), plan_lib.job_of(cfg, plan.world_size, checkpointing=False, shards=shards))
     added = est["activations"] + est["gradients"] + est["optimizer"]
     checkpointing = model_lib.use_checkpointing(t.gradient_checkpointing, added, accelerator.device)
     set_seed(t.seed)  # adapters start equal on every process
@@ -409,11 +410,14 @@ def train_step(r: Run, step: int) -> dict:
     forwards = share.forwards[acc.process_index]
     r.clock.start()
     loss_sum = torch.zeros((), device=acc.device)
+    # DDP all-reduces in the last backward only. FSDP reduce-scatters in every one: skipping it would
+    # keep whole unsharded fp32 gradients on each GPU until the last forward (twice the memory plan counts).
+    sharded = dist.sharded(r.loss_model)
     for k, group in enumerate(forwards):
         # an empty group (sharded runs only, see lockstep): a forward in step with the others that counts nothing
         batch = to_device(collate(r.cfg, group or forwards[0][:1], r.tokenizer.pad_token_id), acc.device)
-        last = k == len(forwards) - 1  # the gradient all-reduce runs in this backward only
-        with (nullcontext() if last else acc.no_sync(r.ddp_model)), acc.autocast():
+        sync = sharded or k == len(forwards) - 1
+        with (nullcontext() if sync else acc.no_sync(r.ddp_model)), acc.autocast():
             loss = r.ddp_model(**batch, num_items=share.targets)
         # DDP's all-reduce averages gradients over processes, and so does FSDP2's reduce-scatter
         # (its default divide factor is the process count); scaling by their number makes it a sum.
