@@ -140,5 +140,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_whole(tmp_path):
     model.w = w
     state = checkpoint.load(complete[-1], model, opt, sched, 0)  # the newest complete one reads back whole
     assert state["step"] == int(complete[-1].name.split("-")[1]) and w.abs().sum() > 0
+    (folder / f".{complete[-1].name}.old").mkdir()  # what a kill between commit's two renames leaves
     checkpoint.prune(folder, keep=1)
     assert not list(folder.glob(".step-*.tmp-*")) and checkpoint.list_checkpoints(folder) == complete[-1:]
+    assert not list(folder.glob(".step-*.old"))

@@ -133,7 +133,16 @@ def atomic_dir(final: Path):
     return Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
 
 
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def commit(tmp: Path, final: Path) -> None:
+    _fsync_dir(tmp)  # its entries (each file is synced as written) reach the disk before the rename does
     if final.exists():  # an older copy of the same step: replace it whole
         old = final.with_name(f".{final.name}.old")
         shutil.rmtree(old, ignore_errors=True)
@@ -142,11 +151,7 @@ def commit(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    fd = os.open(final.parent, os.O_RDONLY)  # the rename itself survives a power cut
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync_dir(final.parent)  # the rename itself survives a power cut
 
 
 def path_of(folder: Path, step: int) -> Path:
@@ -183,8 +188,9 @@ def save_shard(tmp: Path, index: int, weights: dict, optimizer) -> None:
 
 
 def prune(folder: Path, keep: int) -> None:
-    """Keep the newest `keep` checkpoints; remove the rest and any temporary folder a crash left."""
-    for old in list_checkpoints(folder)[:-keep] + sorted(folder.glob(f".{PREFIX}*.tmp-*")):
+    """Keep the newest `keep` checkpoints; remove the rest and any temporary or replaced folder a
+    crash left."""
+    for old in list_checkpoints(folder)[:-keep] + sorted(folder.glob(f".{PREFIX}*.tmp-*")) + sorted(folder.glob(f".{PREFIX}*.old")):
         shutil.rmtree(old, ignore_errors=True)
 
 
