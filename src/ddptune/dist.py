@@ -354,7 +354,7 @@ class StepClock:
       compute   = grads_ready - start    forwards and backwards, this process's own work
       wait      = synced - grads_ready   the gradient all-reduce, including waiting for slower processes
       optimizer = end - synced           clipping, the update, zeroing
-      step      = end - previous end     (the first step: end - start)
+      step      = end - previous end     (the first step, and the first after `pause()`: end - start)
     `read()` is called a step later, when the events are long done.
     """
 
@@ -375,6 +375,11 @@ class StepClock:
 
     def mark(self, name: str) -> None:
         self.marks[name] = self._now()
+
+    def pause(self) -> None:
+        """Work between two steps that is not training (validation, a checkpoint save): the next
+        step is timed from its own start, not from the end of the last."""
+        self.prev_end = None
 
     def finish(self) -> dict:
         """Mark the end of the step and hand over its marks (to `read` later)."""

@@ -386,6 +386,8 @@ class Bookkeeping:
         if save:
             save_checkpoint(r, done)
             self.last_save = time.monotonic()
+        if validate or save:
+            r.clock.pause()  # their time is eval or saving, not the next step's
         if stop:
             raise Interrupted(stop, f"stopped by {signal.Signals(stop).name} after step {done} of {r.total_steps}; "
                               f"saved {r.out / 'checkpoints' / f'{checkpoint.PREFIX}{done:06d}'} (continue with "
