@@ -27,10 +27,13 @@ from datetime import timedelta
 import torch
 import transformers
 from accelerate import Accelerator, FullyShardedDataParallelPlugin
-from accelerate.state import PartialState
+from accelerate.state import AcceleratorState, GradientState, PartialState
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, broadcast_object_list, gather_object
 
 VALIDATED = "DDPTUNE_VALIDATED"  # set by `torchrun` below: the parent process has validated the config
+# what setup() wrote into os.environ, for teardown(): name -> (value before, or None; value written, or None)
+_env_written: dict[str, tuple[str | None, str | None]] = {}
+_made_state = False  # setup() made accelerate's process-wide state: teardown() clears it
 
 
 def in_launched_process() -> bool:
@@ -120,7 +123,21 @@ def setup(precision: str = "auto", strategy: str = "ddp", log_with: str = "none"
     autocast when `precision` resolves to bf16, and a quiet console on every process but rank 0.
     With strategy fsdp, `accelerator.prepare(model, optimizer)` shards them (`fsdp_plugin`).
     `log_with` (tensorboard, wandb, mlflow; none: no tracker): accelerate's tracker, which
-    `init_trackers` starts on the main process only, TensorBoard's in `logging_dir`."""
+    `init_trackers` starts on the main process only, TensorBoard's in `logging_dir`.
+    What it writes into os.environ (a launcher's variables for a group of one, accelerate's
+    ACCELERATE_USE_FSDP) and accelerate's process-wide state, if it made it, `teardown` undoes."""
+    global _made_state
+    before = dict(os.environ)
+    _made_state = _made_state or not PartialState._shared_state
+    try:
+        return _setup(precision, strategy, log_with, logging_dir)
+    finally:  # also after a failure: teardown then restores what was written before it
+        for name in before.keys() | os.environ.keys():
+            if before.get(name) != os.environ.get(name):
+                _env_written[name] = (_env_written.get(name, (before.get(name),))[0], os.environ.get(name))
+
+
+def _setup(precision: str, strategy: str, log_with: str, logging_dir) -> Accelerator:
     cuda = torch.cuda.is_available()
     if cuda:
         # cuDNN's attention spends ~25 ms of CPU per call building a plan for every new sequence
@@ -165,9 +182,26 @@ def setup(precision: str = "auto", strategy: str = "ddp", log_with: str = "none"
 def teardown() -> None:
     """Leave the process group at the end of a command, as every process of a finished job must:
     NCCL warns at exit ("destroy_process_group() was not called") and may leak its resources
-    otherwise. A no-op without a process group."""
+    otherwise. Then this process is as `setup` found it, for a later command in it (the Python
+    API, tests): os.environ without the variables setup wrote (else `in_launched_process` would
+    take it for a launched worker; a variable changed since by someone else is left as it is),
+    and no accelerate state (each Accelerator shares the first one's, with its FSDP type and its
+    precision: a later DDP setup would take FSDP's path). An Accelerator from before is unusable."""
+    global _made_state
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    if _made_state:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        _made_state = False
+    for name, (old, new) in _env_written.items():
+        if os.environ.get(name) != new:
+            continue
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+    _env_written.clear()
 
 
 def tell_launcher(line: str) -> None:

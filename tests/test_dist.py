@@ -1,0 +1,43 @@
+"""dist.setup / dist.teardown in this process (gloo on CPU): a finished command leaves the process
+as it found it, so a later command in it (the Python API, tests) starts afresh."""
+from __future__ import annotations
+
+import os
+
+import torch
+from accelerate.utils import DistributedType
+
+import multiproc
+from ddptune import dist
+
+
+def test_teardown_undoes_what_a_one_process_fsdp_setup_wrote():
+    """FSDP without a launcher forms a group of one as a launcher would (RANK, WORLD_SIZE, ...) and
+    accelerate adds ACCELERATE_USE_FSDP: after teardown none of it is left, and a DDP setup that
+    follows takes DDP's path, not FSDP's (accelerate's shared state was made anew)."""
+    before = dict(os.environ)
+    try:
+        dist.setup("no", "fsdp")
+        assert dist.in_launched_process()
+        dist.teardown()
+        assert dict(os.environ) == before and not dist.in_launched_process()
+        accelerator = dist.setup("no", "ddp")
+        assert accelerator.distributed_type == DistributedType.NO
+        assert type(accelerator.prepare(torch.nn.Linear(2, 2))) is torch.nn.Linear  # FSDP2 would refuse a model alone
+    finally:
+        dist.teardown()
+    assert dict(os.environ) == before
+
+
+def test_teardown_keeps_a_launchers_own_variables(monkeypatch):
+    launcher = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(multiproc.free_port()))
+    for name, value in launcher.items():
+        monkeypatch.setenv(name, value)
+    before = dict(os.environ)
+    try:
+        dist.setup("no", "fsdp")
+        assert os.environ.get("ACCELERATE_USE_FSDP") == "true" and torch.distributed.get_world_size() == 1
+    finally:
+        dist.teardown()
+    assert dict(os.environ) == before and dist.in_launched_process()
