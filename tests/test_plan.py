@@ -98,3 +98,13 @@ def test_qlora_is_never_told_to_shard_and_fsdp_auto_checkpointing_is_not_refused
     assert plan.plan(auto, shape, gpus=2, gpu_gib=100)["options"][0]["fits"] is False
     assert checks.memory_problems(auto, 2, 100) == []
     assert checks.memory_problems(auto, 2, 60)  # with checkpointing on it still needs 80 GiB
+
+
+def test_fsdp_is_refused_when_the_whole_model_cannot_load_onto_one_gpu():
+    """FSDP shards after loading: each process first holds the whole model (fp32 for full)."""
+    cfg = config.load(str(ROOT / "configs" / "samsum_qlora_llama31_8b.yaml"), ["train.method=full", "train.strategy=fsdp"])
+    load = plan.load_gib(plan.model_shape(cfg), "full")
+    assert 30 < load < 31  # 8.03 B fp32 weights and the CUDA context
+    (problem,) = checks.memory_problems(cfg, 8, 24)
+    assert problem.startswith("memory: train.strategy=fsdp: each process loads the whole model") and "30." in problem
+    assert checks.memory_problems(cfg, 2, plan.DEFAULT_GPU_GIB) == []

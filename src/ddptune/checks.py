@@ -75,6 +75,10 @@ def memory_problems(cfg: Config, world_size: int, gpu_gib: float) -> list[str]:
         shape = plan_lib.model_shape(cfg)
     except Exception:  # noqa: BLE001 - no config to size the model by: the load will say what is wrong
         return []
+    if cfg.train.strategy == "fsdp" and (load := plan_lib.load_gib(shape, cfg.train.method)) > gpu_gib:
+        return [f"memory: train.strategy=fsdp: each process loads the whole model onto its GPU before sharding it, "
+                f"{load:.1f} GiB for {cfg.train.method} fine-tuning of {cfg.model.source}, more than {gpu_gib:.1f} GiB "
+                "(loading on the meta device is not supported yet: use GPUs with more memory, or train.method=lora)"]
     p = plan_lib.plan(cfg, shape, world_size, gpu_gib)
     need, chosen = p["options"][0]["total"], next((o for o in p["options"] if o["fits"]), None)
     shards = world_size if cfg.train.strategy == "fsdp" else 1

@@ -286,6 +286,12 @@ def plan(cfg: Config, shape: Shape, gpus: int = 1, gpu_gib: float = DEFAULT_GPU_
                           "compiled_activations": COMPILED_ACTIVATIONS, "target_share": TARGET_SHARE}}
 
 
+def load_gib(s: Shape, method: str) -> float:
+    """GiB one process holds on its GPU while it loads the whole model (before FSDP shards it):
+    fp32 weights for full fine-tuning, bf16 otherwise, and the CUDA context."""
+    return s.params * (4 if method == "full" else 2) / GIB + CUDA_CONTEXT_GIB
+
+
 def local_gpu_gib() -> float | None:
     """Memory of this machine's first GPU in GiB, or None without CUDA."""
     import torch
