@@ -156,3 +156,9 @@ def test_a_stall_inside_the_window_is_named_with_the_median_efficiency():
                             **scale.stalls([0.2] * 12)}, scale.account({**_row(1, 16, 0.11, 0.1, 0, 0, 0.01),
                             "median_step_s": 0.11, **scale.stalls([0.11] * 24)}, None, cuda=True), cuda=True)
     assert "efficiency_median" not in steady and "median" not in (steady["note"] or "")
+
+
+def test_fsdp_rows_say_their_communication_is_counted_in_compute():
+    one = scale.account({**_row(1, 8, 1.0, 0.9, 0, 0, 0.1), "strategy": "fsdp"}, None, cuda=True)
+    two = scale.account({**_row(2, 8, 1.2, 1.1, 0.01, 0.0, 0.1), "strategy": "fsdp"}, one, cuda=True)
+    assert "counted in compute" in two["note"] and "counted in compute" not in (one["note"] or "")

@@ -284,7 +284,7 @@ def measure(run: dict, window: tuple[int, int]) -> dict:
            "batch": f"{plan.per_process} x {plan.world_size} = {plan.global_batch}", "steps": len(steps),
            "samples_measured": window[1] - window[0], "step_s": seconds / len(steps),
            "median_step_s": statistics.median(r["step_time_s"] for r in steps),
-           **stalls([r["step_time_s"] for r in steps]),
+           **stalls([r["step_time_s"] for r in steps]), "strategy": summary.get("strategy", "ddp"),
            "tokens_per_s": sum(r["tokens"] for r in steps) / seconds,
            "tokens_per_s_per_gpu": sum(r["tokens"] for r in steps) / seconds / plan.world_size,
            "samples_per_s": (window[1] - window[0]) / seconds,
@@ -333,6 +333,9 @@ def account(row: dict, base: dict | None, cuda: bool) -> dict:
     if not cuda and n > 1 and row["speedup"] > n * 1.05:
         notes.append(f"speedup {row['speedup']:.2f} above {n}: the processes fought over the CPU cores; not published")
         row["speedup"] = row["efficiency"] = None
+    if n > 1 and row.get("strategy") == "fsdp":
+        # FSDP's all-gathers and reduce-scatters run inside forward and backward: no mark separates them
+        notes.append("fsdp: its communication runs inside forward and backward and is counted in compute")
     for r, who in ((base, "n = 1"), (row, f"n = {n}")) if n > 1 else ((row, "n = 1"),):
         if r.get("stall_steps"):
             notes.append(f"{who}: {r['stall_steps']} step(s) over {STALL_FACTOR:g}x the median, {r['stall_s']:.1f} s in all")
