@@ -218,6 +218,10 @@ CASES = [
     ("compare garbage metrics", ["compare", "{garbage_eval}"], ["compare: ", "metrics.json cannot be read (JSONDecodeError"]),
     ("compare metrics without scores", ["compare", "{keyless_eval}"], ["compare: ", "metrics.json lacks label, rouge1"]),
     ("compare nothing", ["compare"], ["the following arguments are required: runs"]),
+    # --- plan
+    ("plan json is a folder", ["plan", "{cfg}", "--json", "{tmp}"], ["--json: ", "is a folder (give a file path, e.g. "]),
+    ("plan json under a file", ["plan", "{cfg}", "--json", "{afile}/plan.json"], ["--json: ", "afile is a file"]),
+    ("plan json not writable", ["plan", "{cfg}", "--json", "/proc/ddptune-test/plan.json"], ["--json: /proc is not writable"]),
     # --- scale
     ("scale counts not numbers", ["scale", "{cfg}", "--nproc", "one,two"], ["--nproc: 'one,two' is not a list of process counts"]),
     ("scale count zero", ["scale", "{cfg}", "--nproc", "0,1"], ["--nproc: '0,1' is not a list of process counts"]),

@@ -69,6 +69,17 @@ def test_plan_command_prints_the_table_and_writes_json(tmp_path, capsys):
     assert saved["verdict"] == "ddp" and saved["gpu_memory_gib"] == 80 and saved["tokens_per_forward"] == 8192
 
 
+def test_plan_json_makes_its_folder_and_replaces_an_older_plan_whole(tmp_path, capsys):
+    """--json as compare's: a missing folder is made; an existing file is replaced by a whole new
+    one (a temporary file renamed over it), never left half-written."""
+    out = tmp_path / "new" / "plan.json"
+    tiny = str(ROOT / "configs" / "tiny.yaml")
+    assert cli.main(["plan", tiny, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["gpus"] == 1
+    assert cli.main(["plan", tiny, "--gpus", "2", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["gpus"] == 2 and [p.name for p in out.parent.iterdir()] == ["plan.json"]
+
+
 def test_train_refuses_a_run_that_will_not_fit_in_one_line_before_loading(tmp_path, capsys):
     out = tmp_path / "run"
     code = cli.main(["train", str(ROOT / "configs" / "samsum_qlora_llama31_8b.yaml"), "train.method=full",

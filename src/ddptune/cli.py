@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
-from pathlib import Path
 
-from ddptune import checks, config as config_lib, dist, lock
+from ddptune import checks, config as config_lib, dist, lock, report
 from ddptune.config import ConfigError
 
 
@@ -65,8 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--out", default=None, help="folder for predictions.jsonl and metrics.json")
     c = sub.add_parser("compare", help="ROUGE and loss of several runs side by side")
     c.add_argument("runs", nargs="+")
-    c.add_argument("--json", default=None, help="also write the table's rows to this JSON file")
-    c.add_argument("--plot", default=None, metavar="PNG", help="draw the runs' training loss curves to this PNG")
+    c.add_argument("--json", default=None, help="also write the table's rows to this JSON file (replaced if it exists)")
+    c.add_argument("--plot", default=None, metavar="PNG", help="draw the runs' training loss curves to this PNG (replaced if it exists)")
     s = sub.add_parser("scale", help="the same training at several process counts, and where the time goes")
     s.add_argument("config")
     s.add_argument("overrides", nargs="*")
@@ -83,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--gpus", type=int, default=1, help="GPUs to run on (default 1)")
     m.add_argument("--gpu-memory", type=float, default=None, metavar="GiB",
                    help="memory of one GPU (default: this machine's GPU; without one, an H200's 139.8 GiB)")
-    m.add_argument("--json", default=None, help="also write the plan as JSON here")
+    m.add_argument("--json", default=None, help="also write the plan as JSON to this file (replaced if it exists)")
     x = sub.add_parser("export", help="a run's adapter as a portable folder, or merged into its base (--merge)")
     x.add_argument("run", help="a finished run folder (from train)")
     x.add_argument("out", help="the folder to write (new or empty)")
@@ -221,13 +219,14 @@ def _train(args) -> int:
 
 def _plan(args) -> int:
     """`ddptune plan`: the memory table and recommendation (plan.py), from the model's config alone."""
-    from ddptune import plan
+    from ddptune import evaluate, plan
 
     cfg = config_lib.load(args.config, args.overrides)
-    if problems := config_lib.check_values(cfg):
-        raise ConfigError(problems)
+    problems = config_lib.check_values(cfg)
     if args.gpus < 1 or (args.gpu_memory is not None and args.gpu_memory <= 0):
-        raise ConfigError(["--gpus and --gpu-memory: must be positive"])
+        problems.append("--gpus and --gpu-memory: must be positive")
+    if problems := problems + evaluate.report_file_problems("--json", args.json, "plan.json"):
+        raise ConfigError(problems)
     try:
         shape = plan.model_shape(cfg)
     except Exception as e:  # noqa: BLE001 - no config.json, an unreadable GGUF header, an unknown architecture
@@ -235,7 +234,7 @@ def _plan(args) -> int:
     result = plan.plan(cfg, shape, args.gpus, args.gpu_memory or plan.local_gpu_gib() or plan.DEFAULT_GPU_GIB)
     print(plan.table(result))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        report.write_json(args.json, result)
     return 0
 
 

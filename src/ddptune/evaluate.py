@@ -294,16 +294,23 @@ COMPARE_COLUMNS = [("run", "run"), ("model", "model"), ("processes", "GPUs/procs
                    ("generation_time_s", "gen s")]
 
 
+def report_file_problems(flag: str, value: str | None, example: str) -> list[str]:
+    """A report file's path (`compare --json/--plot`, `plan --json`) can be written: not a folder,
+    its folder is or can be made (report.write_* make it). An existing file is replaced whole."""
+    if not value:
+        return []
+    target = Path(value)
+    if target.is_dir():
+        return [f"{flag}: {target} is a folder (give a file path, e.g. {target / example})"]
+    return checks.folder_problems(flag, target.parent)
+
+
 def compare_main(paths: list[str], json_path: str | None, plot_path: str | None = None) -> int:
     """Print the runs' table (ROUGE, loss, and a column for each config key whose value differs);
     optionally write it as JSON, and the runs' loss curves as a PNG."""
     for flag, value, example in (("--json", json_path, "compare.json"), ("--plot", plot_path, "losses.png")):
-        if value:
-            target = Path(value)
-            if target.is_dir():
-                raise ConfigError([f"{flag}: {target} is a folder (give a file path, e.g. {target / example})"])
-            if problems := checks.folder_problems(flag, target.parent):
-                raise ConfigError(problems)
+        if problems := report_file_problems(flag, value, example):
+            raise ConfigError(problems)
     rows = compare_rows(paths)
     differing = config_differences(rows)
     print(report.markdown_table(rows, COMPARE_COLUMNS[:2] + [(k, k) for k in differing] + COMPARE_COLUMNS[2:]))
