@@ -127,6 +127,12 @@ def test_bad_input_is_refused_with_one_line_and_nothing_overwritten(lora_run, tm
     assert cli.main(["export", str(unfinished), str(tmp_path / "y")]) == 2
     assert "adapter not found (has the run finished?" in capsys.readouterr().err
     assert cli.main(["export", str(lora_run), str(tmp_path / "z"), "--dtype", "fp16"]) == 2
+    capsys.readouterr()
+    # an adapter is copied as trained: a dtype for it would be silently ignored
+    assert cli.main(["export", str(lora_run), str(tmp_path / "adapter16"), "--dtype", "bf16"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == "ddptune: invalid config: --dtype: only with --merge (an adapter is copied as trained)"
+    assert not (tmp_path / "adapter16").exists()
     assert not list(tmp_path.glob(".*tmp-*"))  # no half-written folder left behind
 
 

@@ -88,7 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--merge", action="store_true",
                    help="merge the adapter into the base: safetensors that AutoModelForCausalLM.from_pretrained loads alone")
     x.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
-                   help="merged weights' dtype; auto: the run's compute dtype here (bf16 on GPU, fp32 on CPU)")
+                   help="merged weights' dtype (with --merge, or for a full fine-tune); auto: the run's compute dtype here "
+                        "(bf16 on GPU, fp32 on CPU)")
     r = sub.add_parser("predict", help="summaries of new dialogues (JSON lines) with a finished run's model")
     r.add_argument("run", help="a finished run folder (from train)")
     r.add_argument("overrides", nargs="*", metavar="INPUT|key=value",

@@ -12,9 +12,10 @@
   4 bits).
 - A full fine-tune exports its full model, with or without --merge.
 
-Merged weights are saved in `--dtype`: auto is what the run's train.precision computes in on this
-machine (bf16 on a GPU, fp32 on CPU, where ddptune trains in fp32), so the merged model gives the
-outputs `ddptune eval` gives here; bf16 halves the size of an fp32 export.
+Merged weights (and a full fine-tune's) are saved in `--dtype`: auto is what the run's
+train.precision computes in on this machine (bf16 on a GPU, fp32 on CPU, where ddptune trains in
+fp32), so the merged model gives the outputs `ddptune eval` gives here; bf16 halves the size of an
+fp32 export. An adapter without --merge is copied as trained: --dtype is refused there.
 
 OUT must not exist or be empty: the export is written beside it and renamed into place, so a
 failed export leaves nothing behind and nothing is overwritten.
@@ -43,6 +44,8 @@ def main(args) -> int:
     if not problems and out.is_dir() and any(out.iterdir()):
         problems.append(f"OUT: {out} already holds files (choose a new or empty folder; nothing was overwritten)")
     full = cfg.train.method == "full"
+    if args.dtype != "auto" and not (args.merge or full):  # the adapter's files are copied byte for byte
+        problems.append("--dtype: only with --merge (an adapter is copied as trained)")
     if (args.merge or full) and cfg.train.method == "qlora":
         try:
             import bitsandbytes  # noqa: F401
