@@ -53,3 +53,42 @@ def test_ddptunes_launcher_prints_once_each_line_rank_0_did_not(tmp_path, monkey
     assert launcher.untold({0: failure(0, None, -15), 1: failure(1, bad)}) == [bad]  # rank 0 stopped before it spoke
     assert launcher.untold({2: failure(2, bad), 3: failure(3, bad)}) == [bad]  # node 1
     assert launcher.untold({0: failure(0, bad), 1: failure(1, None, -15)}) == []
+
+
+def _commands_with_stderr(commands: list[tuple[list[str], int]]) -> list[tuple[int, str]]:
+    """In one launched process: each command's exit code and what it wrote to stderr, each command
+    on its own rendezvous port (the same in every process)."""
+    import contextlib
+    import io
+
+    from ddptune import cli
+
+    results = []
+    for argv, port in commands:
+        os.environ["MASTER_PORT"] = str(port)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            results.append((cli.main(argv), err.getvalue()))
+    return results
+
+
+def test_a_missing_model_is_one_line_under_a_launcher_for_predict_and_eval(tmp_path):
+    """Under torchrun or accelerate launch (no --nproc parent validated), rank 0 checks the model
+    once and every process fails with its line (exit 2), before any of them loads anything; only
+    rank 0 prints it. In-process gloo ranks with a launcher's environment stand in for torchrun."""
+    import multiproc
+    from ddptune import config
+
+    run = tmp_path / "run"  # a finished run as far as predict and eval look before loading
+    (run / "adapter").mkdir(parents=True)
+    (run / "adapter" / "adapter_config.json").write_text("{}")
+    (run / "config.yaml").write_text(config.dump(config.load(ROOT / "configs" / "tiny.yaml", [f"output_dir={run}"])))
+    (tmp_path / "in.jsonl").write_text(json.dumps({"dialogue": "A: hi\nB: hello"}) + "\n")
+    missing = f"model.source={tmp_path / 'gone'}"
+    commands = [(["predict", str(run), "--input", str(tmp_path / "in.jsonl"), missing], multiproc.free_port()),
+                (["eval", str(run), missing], multiproc.free_port())]
+    rank0, rank1 = multiproc.run(_commands_with_stderr, 2, commands, timeout=120)
+    for (code0, err0), (code1, err1) in zip(rank0, rank1):
+        assert code0 == code1 == 2 and err1 == "", (err0, err1)
+        assert err0.startswith("ddptune: invalid config: model.source: ") and "gone" in err0 and err0.count("\n") == 1, err0
+    assert not (run / "eval").exists()

@@ -187,10 +187,14 @@ def main(args) -> int:
         problems.append(f"eval: {model_lib.trained_weights_dir(run_dir, cfg.train.method)} not found "
                         "(has the run finished? or pass --base for the zero-shot base model)")
     out = Path(args.out) if args.out else (run_dir or Path(cfg.output_dir)) / ("eval" if trained else "eval-base")
-    if not dist.in_launched_process():  # the parent checked the rest before starting us
-        problems += checks.model_problems(cfg) + checks.folder_problems("--out" if args.out else "eval", out)
-        if not any(p.startswith("data.") for p in problems):
-            problems += checks.jsonl_problems(cfg.data) or data.check(cfg.data)[0]
+
+    def checked_once(data_ok: bool = True) -> list[str]:
+        """The model, the output folder and the data: read once per job, not by every process."""
+        found = checks.model_problems(cfg) + checks.folder_problems("--out" if args.out else "eval", out)
+        return found + (checks.jsonl_problems(cfg.data) or data.check(cfg.data)[0] if data_ok else [])
+
+    if not dist.in_launched_process():  # here, before any process starts (--nproc's workers skip it: we did)
+        problems += checked_once(data_ok=not any(p.startswith("data.") for p in problems))
     if problems:
         raise ConfigError(problems)
     if args.nproc is not None and not dist.in_launched_process():
@@ -198,6 +202,10 @@ def main(args) -> int:
         return dist.torchrun(args.nproc, ["ddptune", *child])
 
     accelerator = dist.setup(cfg.train.precision)
+    if not dist.validated_by_parent() and dist.in_launched_process():  # under torchrun or accelerate launch
+        # rank 0 checks once; every process then fails with the same line (no traceback per rank)
+        if problems := dist.on_main(accelerator, checked_once):
+            raise ConfigError(problems)
     tokenizer = model_lib.load_tokenizer(cfg.model)
     t = cfg.train
     t0 = time.perf_counter()

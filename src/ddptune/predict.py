@@ -52,7 +52,7 @@ def main(args) -> int:
         cfg = checks.trained_run(run_dir, "predict", overrides)
     except ConfigError as e:
         raise ConfigError(problems + e.problems) from None
-    if not dist.in_launched_process():  # the parent checked this before starting us
+    if not dist.in_launched_process():  # here, before any process starts (--nproc's workers skip it: we did)
         problems += checks.model_problems(cfg)
     if problems:
         raise ConfigError(problems)
@@ -74,6 +74,10 @@ def main(args) -> int:
 
     t = cfg.train
     accelerator = dist.setup(t.precision)
+    if not dist.validated_by_parent() and dist.in_launched_process():  # under torchrun or accelerate launch
+        # rank 0 checks the model once; every process then fails with the same line (no traceback per rank)
+        if problems := dist.on_main(accelerator, lambda: checks.model_problems(cfg)):
+            raise ConfigError(problems)
     tokenizer = model_lib.load_tokenizer(cfg.model)
     with accelerator.main_process_first():
         net = model_lib.load_trained(run_dir, cfg.model, t.method, accelerator.device, t.precision, t.seed)
