@@ -96,14 +96,7 @@ def main() -> int:
         out = {"device": args.device, "date": args.date, "mode": args.mode, "model": args.model, "command": args.command,
                "sample_window": list(window), "steps": {str(r["nproc"]): r["steps"] for r in rows},
                "rows": [{k: r.get(k) for k in KEEP if k in r} for r in with_median_efficiency(rows)]}
-        if args.recipe_1 and args.recipe_2:
-            out["reference_recipe"] = recipe_rows(json.loads(Path(args.recipe_1).read_text()),
-                                                  json.loads(Path(args.recipe_2).read_text()))
-        if args.note:
-            out["note"] = args.note
-        path = ROOT / "benchmarks" / "results" / f"h200x2_{args.model}_{args.mode}{args.suffix}.json"
-        path.write_text(json.dumps(out, indent=2) + "\n")
-        print(path)
+        write(out, args)
         return 0
     scale = json.loads(Path(args.scale).read_text())
     manifest = scale["manifest"]
@@ -115,15 +108,21 @@ def main() -> int:
                "interconnect": scale["interconnect"], "peak_busbw_GBps": scale["bandwidth"].get("peak_busbw_GBps"),
                "versions": manifest["versions"], "rows": rows,
                "predicted": [x for x in scale["predictions"]["measured"] if x["mode"] == mode]}
-        if mode == "same-per-device" and args.recipe_1 and args.recipe_2:
-            out["reference_recipe"] = recipe_rows(json.loads(Path(args.recipe_1).read_text()),
-                                                  json.loads(Path(args.recipe_2).read_text()))
-        if args.note:
-            out["note"] = args.note
-        path = ROOT / "benchmarks" / "results" / f"h200x2_{args.model}_{mode}{args.suffix}.json"
-        path.write_text(json.dumps(out, indent=2) + "\n")
-        print(path)
+        write(out, args)
     return 0
+
+
+def write(out: dict, args) -> None:
+    """benchmarks/results/h200x2_<model>_<mode><suffix>.json, with the recipe's rows beside
+    same-per-device ones (the recipe keeps its per-device batch, as the tutorial does)."""
+    if out["mode"] == "same-per-device" and args.recipe_1 and args.recipe_2:
+        out["reference_recipe"] = recipe_rows(json.loads(Path(args.recipe_1).read_text()),
+                                              json.loads(Path(args.recipe_2).read_text()))
+    if args.note:
+        out["note"] = args.note
+    path = ROOT / "benchmarks" / "results" / f"h200x2_{args.model}_{out['mode']}{args.suffix}.json"
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(path)
 
 
 if __name__ == "__main__":

@@ -33,37 +33,35 @@ def test_flash_varlen_matches_per_sample_sdpa():
         assert (a.float() - b.float()).abs().max() / b.float().abs().max() < 2e-2
 
 
-@cuda
-def test_packed_loss_equals_separate_losses_on_gpu():
-    """Through the whole model (varlen attention, bf16): packed row = sum of the samples alone."""
+def packed_and_separate(weights_dtype: torch.dtype, context) -> tuple:
+    """The tiny preset's loss on one packed row of three samples, and the sum of their losses alone
+    (each through SDPA with transformers' mask), under `context`; and the model."""
     torch.manual_seed(0)
-    net = model_lib.CausalLMLoss(model_lib.build_preset("tiny", 0, torch.bfloat16, torch.device("cuda"), "varlen"))
+    net = model_lib.CausalLMLoss(model_lib.build_preset("tiny", 0, weights_dtype, torch.device("cuda"), "varlen"))
     ex = []
     for n in (90, 140, 60):
         ids = torch.randint(0, 256, (n,)).tolist()
         ex.append({"input_ids": ids, "labels": [data.IGNORE] * 10 + ids[10:]})
-    to = lambda b: {k: v.cuda() if torch.is_tensor(v) else v for k, v in b.items()}
-    with torch.no_grad():
+    to = lambda b: {k: v.cuda() if torch.is_tensor(v) else v for k, v in b.items()}  # noqa: E731
+    with context:
         separate = sum(net(**to(data.collate([e], 0)), num_items=1).float() for e in ex)
         packed = net(**to(data.collate_packed(ex)), num_items=1).float()
+    return packed, separate, net
+
+
+@cuda
+def test_packed_loss_equals_separate_losses_on_gpu():
+    """Through the whole model (varlen attention, bf16): packed row = sum of the samples alone."""
+    packed, separate, _ = packed_and_separate(torch.bfloat16, torch.no_grad())
     assert torch.allclose(packed, separate, rtol=1e-2)
 
 
 @cuda
 def test_packed_full_fine_tune_fp32_weights_under_autocast():
     """Full fine-tuning keeps fp32 weights under bf16 autocast; rotary embeddings hand the flash
-    kernel (bf16/fp16 only) fp32 queries and keys. The packed row still equals the samples alone
-    (each through SDPA with transformers' mask), and gradients flow."""
-    torch.manual_seed(0)
-    net = model_lib.CausalLMLoss(model_lib.build_preset("tiny", 0, torch.float32, torch.device("cuda"), "varlen"))
-    ex = []
-    for n in (90, 140, 60):
-        ids = torch.randint(0, 256, (n,)).tolist()
-        ex.append({"input_ids": ids, "labels": [data.IGNORE] * 10 + ids[10:]})
-    to = lambda b: {k: v.cuda() if torch.is_tensor(v) else v for k, v in b.items()}
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        separate = sum(net(**to(data.collate([e], 0)), num_items=1).float() for e in ex)
-        packed = net(**to(data.collate_packed(ex)), num_items=1).float()
+    kernel (bf16/fp16 only) fp32 queries and keys. The packed row still equals the samples alone,
+    and gradients flow."""
+    packed, separate, net = packed_and_separate(torch.float32, torch.autocast("cuda", dtype=torch.bfloat16))
     assert torch.allclose(packed, separate.detach(), rtol=1e-2)
     packed.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in net.parameters() if p.requires_grad)
