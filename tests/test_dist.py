@@ -3,6 +3,7 @@ as it found it, so a later command in it (the Python API, tests) starts afresh."
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 from accelerate.utils import DistributedType
@@ -17,7 +18,10 @@ def test_teardown_undoes_what_a_one_process_fsdp_setup_wrote():
     follows takes DDP's path, not FSDP's (accelerate's shared state was made anew)."""
     before = dict(os.environ)
     try:
-        dist.setup("no", "fsdp")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dist.setup("no", "fsdp")
+        assert not [w for w in caught if "OMP_NUM_THREADS" in str(w.message)]  # accelerate's, when it sets them itself
         assert dist.in_launched_process()
         dist.teardown()
         assert dict(os.environ) == before and not dist.in_launched_process()

@@ -160,6 +160,10 @@ def _setup(precision: str, strategy: str, log_with: str, logging_dir) -> Acceler
             port = s.getsockname()[1]
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
                           WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    if not cuda and "RANK" in os.environ:
+        # accelerate takes this for a launched CPU job and, without OMP_NUM_THREADS, warns and sets 2
+        # threads: keep the threads this process already has (ddptune's --nproc gives its children theirs)
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
     accelerator = Accelerator(cpu=not cuda, mixed_precision="bf16" if bf16 else "no", kwargs_handlers=[ddp],
                               fsdp_plugin=plugin, log_with=None if log_with == "none" else log_with,
                               project_dir=logging_dir)
