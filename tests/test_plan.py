@@ -119,3 +119,14 @@ def test_fsdp_is_refused_when_the_whole_model_cannot_load_onto_one_gpu():
     (problem,) = checks.memory_problems(cfg, 8, 24)
     assert problem.startswith("memory: train.strategy=fsdp: each process loads the whole model") and "30." in problem
     assert checks.memory_problems(cfg, 2, plan.DEFAULT_GPU_GIB) == []
+
+
+def test_a_verdict_inside_the_plans_error_is_called_close():
+    cfg = config.load(str(ROOT / "configs" / "samsum_qlora_llama31_8b.yaml"), ["train.method=full"])
+    shape = plan.model_shape(cfg)
+    over = plan.plan(cfg, shape, 1, plan.DEFAULT_GPU_GIB)  # 151.3 GiB on 139.8: 8 % over
+    assert over["margin"] == pytest.approx(151.31 / plan.DEFAULT_GPU_GIB - 1, abs=1e-3)
+    assert plan.table(over).splitlines()[-1].startswith("close: as configured it needs 8% more than the GPU holds")
+    assert plan.table(plan.plan(cfg, shape, 1, 155)).splitlines()[-1].startswith("close: as configured it leaves 2% of the GPU free")
+    far = plan.plan(config.load(str(ROOT / "configs" / "samsum_qlora_llama31_8b.yaml"), []), shape, 1, plan.DEFAULT_GPU_GIB)
+    assert not plan.table(far).splitlines()[-1].startswith("close:")

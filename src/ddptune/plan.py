@@ -31,6 +31,10 @@ GIB = 2**30
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit code + 8-bit absmax per 64 + fp32 absmax per 256 blocks
 CUDA_CONTEXT_GIB = 0.75   # CUDA context, cuBLAS and NCCL workspaces: outside torch's allocator
 ALLOCATOR_SLACK = 0.08    # reserved but not allocated (the recipe's run: 13.71 GiB reserved for 12.63 allocated)
+# How far the prediction has been from measured peaks (BENCHMARKS.md, "Plan against measured peaks"): LoRA and
+# QLoRA from 4 % under to 7 % over, the first full fine-tunes 5-25 % over. A verdict closer than these to the
+# GPU's memory is said to be one a run must settle.
+PLAN_OVER, PLAN_UNDER = 0.25, 0.04
 COMPILED_ACTIVATIONS = 0.85  # compiled decoder layers keep this share of the eager layers' saved tensors
 CHECKPOINT_WORKING = 1.0  # layers' worth of saved tensors alive at once while checkpointed layers recompute
 TARGET_SHARE = 0.25       # without data, summaries are assumed at most this share of a forward's tokens
@@ -281,6 +285,7 @@ def plan(cfg: Config, shape: Shape, gpus: int = 1, gpu_gib: float = DEFAULT_GPU_
             "compiled": job.compiled, "params": shape.params, "trained_params": shape.params if cfg.train.method == "full"
             else shape.lora_params(cfg.lora.r, list(cfg.lora.target_modules)),
             "shape": dataclasses.asdict(shape), "options": options, "verdict": verdict, "recommendation": action,
+            "margin": options[0]["total"] / gpu_gib - 1,  # as configured: over (+) or under (-) the GPU's memory
             "fsdp_gpus_needed": needed,
             "constants": {"cuda_context_gib": CUDA_CONTEXT_GIB, "allocator_slack": ALLOCATOR_SLACK,
                           "compiled_activations": COMPILED_ACTIVATIONS, "target_share": TARGET_SHARE}}
@@ -317,4 +322,10 @@ def table(p: dict) -> str:
     for o in p["options"]:
         lines.append(f"{o['option']:<52}" + "".join(f"{o[c]:>12.2f}" for c in cols) + f"   {'yes' if o['fits'] else 'no'}")
     lines.append(f"recommendation: {p['recommendation']}")
+    if 0 < p["margin"] < PLAN_OVER:
+        lines.append(f"close: as configured it needs {p['margin']:.0%} more than the GPU holds, and the plan has been up to "
+                     f"{PLAN_OVER:.0%} over measured peaks: a run settles it (train.memory_check=false lets it try)")
+    elif -PLAN_UNDER < p["margin"] <= 0:
+        lines.append(f"close: as configured it leaves {-p['margin']:.0%} of the GPU free, and the plan has been up to "
+                     f"{PLAN_UNDER:.0%} under measured peaks: it may not fit")
     return "\n".join(lines)
