@@ -28,9 +28,10 @@ KEEP = ("nproc", "batch", "steps", "samples_measured", "step_s", "median_step_s"
 def with_median_efficiency(rows: list[dict]) -> list[dict]:
     """Each row's efficiency from median steps beside the one from means over the window (a one-time
     stall inside the window moves the means)."""
-    base = rows[0]
+    from ddptune import scale
+
     for r in rows:
-        r["efficiency_median"] = base["median_step_s"] * r["per_process"] / (r["median_step_s"] * base["per_process"])
+        r["efficiency_median"] = scale.median_efficiency(r, rows[0])
     return rows
 
 
@@ -49,7 +50,7 @@ def recipe_rows(one: dict, two: dict) -> list[dict]:
 
 def rows_from_ranks(files: list[str], mode: str, per_process_at_1: int, steps: int, warmup: int) -> tuple[list[dict], list]:
     """Rows as `ddptune scale` measures them, from each run's ranks.jsonl (one per process count)."""
-    from ddptune import metrics, scale
+    from ddptune import scale
 
     runs = [[json.loads(line) for line in Path(f).read_text().splitlines()] for f in files]
     counts = [len(r[0]["step_s"]) for r in runs]
@@ -59,16 +60,9 @@ def rows_from_ranks(files: list[str], mode: str, per_process_at_1: int, steps: i
     rows, base = [], None
     for ranks, n, p, b in zip(runs, counts, per, batches):
         kept = ranks[window[0] // b:window[1] // b]
-        seconds = sum(r["step_s"][0] for r in kept)
-        split = metrics.split(kept)
         row = {"mode": mode, "nproc": n, "per_process": p, "batch": f"{p} x {n} = {b}", "steps": len(kept),
-               "samples_measured": window[1] - window[0], "step_s": seconds / len(kept),
-               "median_step_s": sorted(r["step_s"][0] for r in kept)[len(kept) // 2],
-               "tokens_per_s_per_gpu": sum(sum(r["tokens"]) for r in kept) / seconds / n,
-               "samples_per_s": (window[1] - window[0]) / seconds}
-        for k in scale.PART_KEYS:
-            row[k], row[k + "_se"] = split[k], split[k + "_se"]
-        row.update(scale.stalls([r["step_s"][0] for r in kept]))
+               **scale.timing([r["step_s"][0] for r in kept], sum(sum(r["tokens"]) for r in kept),
+                              window[1] - window[0], n, kept)}
         base = base or row
         rows.append(scale.account(row, None if row is base else base, cuda=True))
     return rows, window

@@ -277,23 +277,31 @@ def measure(run: dict, window: tuple[int, int]) -> dict:
     steps = [json.loads(l) for l in (run["dir"] / "metrics.jsonl").read_text().splitlines() if '"step_time_s"' in l][first:last]
     ranks = [json.loads(l) for l in (run["dir"] / "ranks.jsonl").read_text().splitlines()][first:last]
     summary = json.loads((run["dir"] / "summary.json").read_text())
-    split = metrics.split(ranks)
-    seconds = sum(r["step_time_s"] for r in steps)
     peaks = [p for p in summary.get("peak_mem_gib_per_process") or [] if p is not None]
-    row = {"nproc": plan.world_size, "per_process": plan.per_process, "global_batch": plan.global_batch,
-           "batch": f"{plan.per_process} x {plan.world_size} = {plan.global_batch}", "steps": len(steps),
-           "samples_measured": window[1] - window[0], "step_s": seconds / len(steps),
-           "median_step_s": statistics.median(r["step_time_s"] for r in steps),
-           **stalls([r["step_time_s"] for r in steps]), "strategy": summary.get("strategy", "ddp"),
-           "tokens_per_s": sum(r["tokens"] for r in steps) / seconds,
-           "tokens_per_s_per_gpu": sum(r["tokens"] for r in steps) / seconds / plan.world_size,
-           "samples_per_s": (window[1] - window[0]) / seconds,
-           "balance": statistics.fmean(r["balance"] for r in steps),
-           "peak_mem_gib": max(peaks) if peaks else None, "final_loss": summary["final_loss"],
-           "val_loss": summary["val_loss"], **(summary.get("rouge") or {})}
-    for k in PART_KEYS:
-        row[k], row[k + "_se"] = split[k], split[k + "_se"]
-    return row
+    return {"nproc": plan.world_size, "per_process": plan.per_process, "global_batch": plan.global_batch,
+            "batch": f"{plan.per_process} x {plan.world_size} = {plan.global_batch}", "steps": len(steps),
+            **timing([r["step_time_s"] for r in steps], sum(r["tokens"] for r in steps), window[1] - window[0],
+                     plan.world_size, ranks),
+            "strategy": summary.get("strategy", "ddp"), "balance": statistics.fmean(r["balance"] for r in steps),
+            "peak_mem_gib": max(peaks) if peaks else None, "final_loss": summary["final_loss"],
+            "val_loss": summary["val_loss"], **(summary.get("rouge") or {})}
+
+
+def timing(times: list[float], tokens: int, samples: int, nproc: int, ranks: list[dict]) -> dict:
+    """A run's figures over the steps of the window: their step `times`, the real `tokens` and
+    `samples` they trained on, and their ranks.jsonl lines (the split of each step into its parts)."""
+    seconds = sum(times)
+    split = metrics.split(ranks)
+    return {"samples_measured": samples, "step_s": seconds / len(times), "median_step_s": statistics.median(times),
+            **stalls(times), "tokens_per_s": tokens / seconds, "tokens_per_s_per_gpu": tokens / seconds / nproc,
+            "samples_per_s": samples / seconds,
+            **{f"{k}{se}": split[k + se] for k in PART_KEYS for se in ("", "_se")}}
+
+
+def median_efficiency(row: dict, base: dict) -> float:
+    """Efficiency from the median steps of `row` and of the one-process `base` (a one-time stall
+    inside the window moves the means, not the medians)."""
+    return base["median_step_s"] * row["per_process"] / (row["median_step_s"] * base["per_process"])
 
 
 def stalls(times: list[float]) -> dict:
@@ -341,7 +349,7 @@ def account(row: dict, base: dict | None, cuda: bool) -> dict:
             notes.append(f"{who}: {r['stall_steps']} step(s) over {STALL_FACTOR:g}x the median, {r['stall_s']:.1f} s in all")
     if n > 1 and (row.get("stall_steps") or base.get("stall_steps")):
         # a one-time stall inside the window moves the means; the medians show the steady state beside them
-        row["efficiency_median"] = base["median_step_s"] * row["per_process"] / (row["median_step_s"] * base["per_process"])
+        row["efficiency_median"] = median_efficiency(row, base)
         notes.append(f"by median steps the efficiency is {row['efficiency_median']:.1%}")
     row["note"] = "; ".join(notes) or None
     return row
