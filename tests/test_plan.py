@@ -10,6 +10,8 @@ import pytest
 from conftest import ROOT, SHARED_DATA
 from ddptune import checks, cli, config, plan
 
+CONFIG_8B = str(ROOT / "configs" / "samsum_qlora_llama31_8b.yaml")  # the tutorial's job
+
 
 def _plan_check():
     spec = importlib.util.spec_from_file_location("plan_check", ROOT / "benchmarks" / "plan_check.py")
@@ -35,7 +37,7 @@ def test_prediction_within_15_percent_of_every_measured_peak():
 
 
 def test_8b_full_fine_tuning_does_not_fit_one_h200_and_names_the_fsdp_gpu_count():
-    cfg = config.load(ROOT / "configs" / "samsum_qlora_llama31_8b.yaml", ["train.method=full", "train.optimizer=adamw"])
+    cfg = config.load(CONFIG_8B, ["train.method=full", "train.optimizer=adamw"])
     shape = plan.model_shape(cfg)
     p = plan.plan(cfg, shape, gpus=1, gpu_gib=plan.DEFAULT_GPU_GIB)
     assert p["verdict"] == "does_not_fit"
@@ -52,7 +54,7 @@ def test_8b_full_fine_tuning_does_not_fit_one_h200_and_names_the_fsdp_gpu_count(
 def test_tiny_runs_ddp_as_is_and_checkpointing_is_recommended_when_activations_do_not_fit():
     tiny = config.load(ROOT / "configs" / "tiny.yaml")
     assert plan.plan(tiny, plan.model_shape(tiny))["verdict"] == "ddp"
-    cfg = config.load(ROOT / "configs" / "samsum_qlora_llama31_8b.yaml", ["train.gradient_checkpointing=false"])
+    cfg = config.load(CONFIG_8B, ["train.gradient_checkpointing=false"])
     p = plan.plan(cfg, plan.model_shape(cfg), gpus=1, gpu_gib=40)
     assert p["verdict"] == "ddp_checkpointing"
     off, on = p["options"]
@@ -61,7 +63,7 @@ def test_tiny_runs_ddp_as_is_and_checkpointing_is_recommended_when_activations_d
 
 def test_plan_command_prints_the_table_and_writes_json(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    assert cli.main(["plan", str(ROOT / "configs" / "samsum_qlora_llama31_8b.yaml"), "--gpu-memory", "80",
+    assert cli.main(["plan", CONFIG_8B, "--gpu-memory", "80",
                      "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "weights" in text and "activations" in text and "recommendation: DDP as is" in text
@@ -82,7 +84,7 @@ def test_plan_json_makes_its_folder_and_replaces_an_older_plan_whole(tmp_path, c
 
 def test_train_refuses_a_run_that_will_not_fit_in_one_line_before_loading(tmp_path, capsys):
     out = tmp_path / "run"
-    code = cli.main(["train", str(ROOT / "configs" / "samsum_qlora_llama31_8b.yaml"), "train.method=full",
+    code = cli.main(["train", CONFIG_8B, "train.method=full",
                      "data.train=demo", "data.train_rows=null", "data.val=null", "data.val_rows=null",
                      f"output_dir={out}", "--gpu-memory", str(plan.DEFAULT_GPU_GIB)])
     err = capsys.readouterr().err.strip()
@@ -91,21 +93,20 @@ def test_train_refuses_a_run_that_will_not_fit_in_one_line_before_loading(tmp_pa
     assert "train.memory_check=false tries anyway" in err
     assert not out.exists() or not any(out.iterdir())
     # the plan is an estimate: a user who knows better can still try
-    cfg = config.load(str(ROOT / "configs" / "samsum_qlora_llama31_8b.yaml"), ["train.method=full"])
+    cfg = config.load(CONFIG_8B, ["train.method=full"])
     assert checks.memory_problems(cfg, 1, plan.DEFAULT_GPU_GIB)
-    assert checks.memory_problems(config.load(str(ROOT / "configs" / "samsum_qlora_llama31_8b.yaml"),
+    assert checks.memory_problems(config.load(CONFIG_8B,
                                               ["train.method=full", "train.memory_check=false"]), 1, plan.DEFAULT_GPU_GIB) == []
 
 
 def test_qlora_is_never_told_to_shard_and_fsdp_auto_checkpointing_is_not_refused():
-    cfg8b = str(ROOT / "configs" / "samsum_qlora_llama31_8b.yaml")
     # QLoRA's 4-bit weights stay whole on every GPU (train.strategy=fsdp refuses qlora): no FSDP row, no FSDP advice
-    shape = plan.model_shape(config.load(cfg8b, []))
-    p = plan.plan(config.load(cfg8b, []), shape, gpus=2, gpu_gib=4)
+    shape = plan.model_shape(config.load(CONFIG_8B, []))
+    p = plan.plan(config.load(CONFIG_8B, []), shape, gpus=2, gpu_gib=4)
     assert p["verdict"] == "does_not_fit" and all(o["shards"] == 1 for o in p["options"])
     assert "FSDP (full shard)" not in p["recommendation"] and "train.method=lora" in p["recommendation"]
     # FSDP with checkpointing `auto`: turning it on is the way out the run takes itself, not a refusal
-    auto = config.load(cfg8b, ["train.method=full", "train.strategy=fsdp", "train.gradient_checkpointing=auto"])
+    auto = config.load(CONFIG_8B, ["train.method=full", "train.strategy=fsdp", "train.gradient_checkpointing=auto"])
     assert plan.plan(auto, shape, gpus=2, gpu_gib=100)["options"][0]["fits"] is False
     assert checks.memory_problems(auto, 2, 100) == []
     assert checks.memory_problems(auto, 2, 60)  # with checkpointing on it still needs 80 GiB
@@ -113,7 +114,7 @@ def test_qlora_is_never_told_to_shard_and_fsdp_auto_checkpointing_is_not_refused
 
 def test_fsdp_is_refused_when_the_whole_model_cannot_load_onto_one_gpu():
     """FSDP shards after loading: each process first holds the whole model (fp32 for full)."""
-    cfg = config.load(str(ROOT / "configs" / "samsum_qlora_llama31_8b.yaml"), ["train.method=full", "train.strategy=fsdp"])
+    cfg = config.load(CONFIG_8B, ["train.method=full", "train.strategy=fsdp"])
     load = plan.load_gib(plan.model_shape(cfg), "full")
     assert 30 < load < 31  # 8.03 B fp32 weights and the CUDA context
     (problem,) = checks.memory_problems(cfg, 8, 24)
@@ -122,11 +123,11 @@ def test_fsdp_is_refused_when_the_whole_model_cannot_load_onto_one_gpu():
 
 
 def test_a_verdict_inside_the_plans_error_is_called_close():
-    cfg = config.load(str(ROOT / "configs" / "samsum_qlora_llama31_8b.yaml"), ["train.method=full"])
+    cfg = config.load(CONFIG_8B, ["train.method=full"])
     shape = plan.model_shape(cfg)
     over = plan.plan(cfg, shape, 1, plan.DEFAULT_GPU_GIB)  # 151.3 GiB on 139.8: 8 % over
     assert over["margin"] == pytest.approx(151.31 / plan.DEFAULT_GPU_GIB - 1, abs=1e-3)
     assert plan.table(over).splitlines()[-1].startswith("close: as configured it needs 8% more than the GPU holds")
     assert plan.table(plan.plan(cfg, shape, 1, 155)).splitlines()[-1].startswith("close: as configured it leaves 2% of the GPU free")
-    far = plan.plan(config.load(str(ROOT / "configs" / "samsum_qlora_llama31_8b.yaml"), []), shape, 1, plan.DEFAULT_GPU_GIB)
+    far = plan.plan(config.load(CONFIG_8B, []), shape, 1, plan.DEFAULT_GPU_GIB)
     assert not plan.table(far).splitlines()[-1].startswith("close:")
