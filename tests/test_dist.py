@@ -45,3 +45,15 @@ def test_teardown_keeps_a_launchers_own_variables(monkeypatch):
     finally:
         dist.teardown()
     assert dict(os.environ) == before and dist.in_launched_process()
+
+
+def test_threads_per_process_are_one_on_gpus_and_a_share_of_the_cores_on_cpus(monkeypatch):
+    """A GPU process gets 1 OpenMP thread (spinning workers slowed 2-process GPU steps), a CPU one its
+    share of the cores; OMP_NUM_THREADS, when set, wins either way."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = os.cpu_count() or 1
+    assert dist.default_threads(2, cuda=True) == 1
+    assert dist.default_threads(2, cuda=False) == max(1, cores // 2)
+    assert dist.default_threads(4 * cores, cuda=False) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert dist.default_threads(2, cuda=True) == dist.default_threads(2, cuda=False) == 3

@@ -50,6 +50,22 @@ def validated_by_parent() -> bool:
     return os.environ.get(VALIDATED) == "1"
 
 
+def default_threads(nproc: int, cuda: bool | None = None) -> int:
+    """OpenMP threads for each of `nproc` processes on this host: OMP_NUM_THREADS when set, else 1
+    on GPUs and cores // nproc on CPUs.
+
+    A GPU process does no CPU math worth a thread pool, and its workers spin after each parallel
+    region: on 2 H200s (32 cores) the 8B QLoRA step at 2 processes took 0.397 s median with 1
+    thread each and 0.411 s with 16 (1 process alone: 0.402 s; BENCHMARKS.md, 2026-11-30). torchrun
+    also gives 1 thread when it is the launcher. On CPUs the threads do the training: share the cores.
+    """
+    if os.environ.get("OMP_NUM_THREADS"):
+        return int(os.environ["OMP_NUM_THREADS"])
+    if torch.cuda.is_available() if cuda is None else cuda:
+        return 1
+    return max(1, (os.cpu_count() or 1) // nproc)
+
+
 def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = None,
              threads_per_process: int | None = None, nnodes: int = 1, node_rank: int = 0,
              master: str | None = None, max_restarts: int = 0) -> int:
@@ -60,8 +76,8 @@ def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = No
     node 0), so global rank 0, the one that writes, is on node 0. `max_restarts`: torchrun restarts
     every worker after one fails, up to that many times (they resume from the newest checkpoint).
 
-    `module_args` starts with the module name, e.g. ["ddptune", "train", "cfg.yaml"]. The children
-    share the cores: each gets `threads_per_process` BLAS threads (default: cores // nproc) unless
+    `module_args` starts with the module name, e.g. ["ddptune", "train", "cfg.yaml"]. Each child gets
+    `threads_per_process` OpenMP threads (default: `threads_per_process(nproc)`) unless
     OMP_NUM_THREADS is set.
 
     Signals: torchrun runs in a session of its own, so a Ctrl-C at the terminal reaches this process
@@ -77,8 +93,7 @@ def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = No
     cmd = [sys.executable, "-m", "ddptune.launcher", *rendezvous, f"--nproc_per_node={nproc}",
            f"--max_restarts={max_restarts}", "-m", *module_args]
     child_env = dict(os.environ if env is None else env)
-    threads = threads_per_process or max(1, (os.cpu_count() or 1) // nproc)
-    child_env.setdefault("OMP_NUM_THREADS", str(threads))
+    child_env.setdefault("OMP_NUM_THREADS", str(threads_per_process or default_threads(nproc)))
     child_env[VALIDATED] = "1"
     if max_restarts:
         # torchrun (torch 2.13) shares one TCP store across rendezvous rounds without a per-round

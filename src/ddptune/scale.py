@@ -79,9 +79,9 @@ def main(args) -> int:
     measured = MEASURED if args.steps is None else args.steps
     sizes = parse_sizes(args.bandwidth_sizes)
     cuda = torch.cuda.is_available()
-    # as many threads per process at every count: cores // the largest count, or OMP_NUM_THREADS when set
-    # (on GPUs the processes' spinning OpenMP workers can take the cores their launching threads need)
-    threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, (os.cpu_count() or 1) // max(counts))
+    # as many threads per process at every count, those of the largest count, so that n = 1 is not
+    # measured with threads that n = N could not have
+    threads = dist.default_threads(max(counts), cuda)
 
     # 1. Plan and validate every run before anything runs or any folder is made.
     problems = config_lib.check_values(cfg)
