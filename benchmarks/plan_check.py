@@ -41,6 +41,17 @@ SCALE_RUNS = [
     ("h200x2_llama31_8b_qlora_same-per-device.json", 1, "h200x2_llama31_8b_qlora_scale_ranks_same-per-device-n2.jsonl"),
     ("h200x2_llama31_8b_qlora_same-global.json", 1, "h200x2_llama31_8b_qlora_scale_ranks_same-global-n2.jsonl"),
 ]
+# Full fine-tunes of configs/samsum_qlora_llama31_8b.yaml with train.method=full (fused AdamW, checkpointing,
+# compiled layers, 16 samples per process a step) on nvidia-h200-x2: (raw file, row of a scale file or None,
+# preset, processes, strategy). Weights, gradients and AdamW are 90-98 % of these peaks, so the largest
+# forward is taken from the one-process step stream (the scale runs' windows start later in it).
+FULL_RUNS = [
+    ("h200x2_llama31_8b_full_1gpu_metrics.jsonl", None, "llama-3.1-8b", 1, "ddp"),
+    ("h200x2_llama31_8b_full_fsdp_n2_summary.json", None, "llama-3.1-8b", 2, "fsdp"),
+    ("h200x2_llama32_1b_full_ddp_same-per-device.json", 0, "llama-3.2-1b", 1, "ddp"),
+    ("h200x2_llama32_1b_full_ddp_same-per-device.json", 1, "llama-3.2-1b", 2, "ddp"),
+    ("h200x2_llama32_1b_full_fsdp_n1_summary.json", None, "llama-3.2-1b", 1, "fsdp"),
+]
 # Measured with code that no longer exists, so the plan does not model them (see BENCHMARKS.md):
 # packed rows of 2048 under a block mask (before varlen attention), on every model.
 NOT_COMPARABLE = {
@@ -122,6 +133,23 @@ def measured_runs() -> list[dict]:
                      "method": config["train"]["method"], "optimizer": "adamw", "checkpointing": True, "compiled": True,
                      "gpus": row["nproc"], "samples_per_step": int(re.match(r"\d+", row["batch"]).group()),
                      "tokens": tokens, "targets": round(tokens * share), "measured_gib": row["peak_mem_gib"]})
+    for file, index, preset, processes, strategy in FULL_RUNS:
+        text = (RESULTS / file).read_text()
+        if file.endswith(".jsonl"):  # a train run's metrics: rows 0:818, one line a step
+            lines = [json.loads(line) for line in text.splitlines() if line.strip()]
+            rows, steps, peak = "0:818", len(lines), max(r["peak_mem_gib"] for r in lines)
+        elif index is None:  # a train run's summary.json
+            doc = json.loads(text)
+            rows, steps, peak = f"0:{doc['train_rows']}", doc["steps"], doc["peak_mem_gib"]
+        else:  # a row of a `ddptune scale` file (3 warm-up steps before the measured ones)
+            row = json.loads(text)["rows"][index]
+            rows, steps, peak = "0:700", row["steps"] + 3, row["peak_mem_gib"]
+        tokens, targets = largest_forward(rows, 16, steps, 8192)
+        runs.append({"name": f"{file.rsplit('.', 1)[0]}" + (f" / n={processes}" if index is not None else ""), "file": file,
+                     "date": "2026-11-30", "device": "2x NVIDIA H200 (nvidia-h200-x2)", "preset": preset, "method": "full",
+                     "optimizer": "adamw", "checkpointing": True, "compiled": True, "gpus": processes,
+                     "shards": processes if strategy == "fsdp" else 1, "samples_per_step": 16 * processes,
+                     "tokens": tokens, "targets": targets, "measured_gib": peak})
     return runs
 
 
@@ -136,7 +164,8 @@ def predict(run: dict) -> float:
     from ddptune import model as model_lib, plan
 
     shape = plan.shape_of(model_lib.preset_config(run["preset"], "sdpa"))
-    job = plan.Job(run["method"], run["optimizer"], run["checkpointing"], run["tokens"], run["targets"], run["compiled"])
+    job = plan.Job(run["method"], run["optimizer"], run["checkpointing"], run["tokens"], run["targets"], run["compiled"],
+                   shards=run.get("shards", 1), processes=run["gpus"])
     return plan.estimate(shape, job)["allocated"] / plan.GIB
 
 

@@ -12,10 +12,9 @@
 #   bash benchmarks/scaling_x2.sh full-1b    # Llama-3.2-1B shape, full fine-tuning: DDP and FSDP, 1 and 2 GPUs, with `plan`
 #   bash benchmarks/scaling_x2.sh full-8b    # Llama-3.1-8B shape, full fine-tuning with AdamW: `plan` for 1 GPU (does not fit)
 #                                            # and FSDP over 2, then FSDP over 2 GPUs trains it (FULL8B_STEPS steps)
-#   bash benchmarks/scaling_x2.sh full-8b-1gpu  # the same 8B full fine-tune on ONE GPU, which `plan` says cannot hold it
-#                                            # (151 GiB): settles whether plan's bf16-copy term over-predicts (BENCHMARKS.md)
+#   bash benchmarks/scaling_x2.sh full-8b-1gpu  # the same 8B full fine-tune on ONE GPU (it held 119.8 GiB on an H200)
 #   bash benchmarks/scaling_x2.sh threads    # the OpenMP-threads lever: the 8B job same-per-device at OMP_NUM_THREADS
-#                                            # of each value in THREADS (default "16 2"; 16 = cores // 2, the default)
+#                                            # of each value in THREADS (default "1 16"; 1 is ddptune's default on GPUs)
 #   bash benchmarks/scaling_x2.sh stalls     # why a full fine-tune's steps stall: the 1B full run at 1 GPU with
 #                                            # TORCH_LOGS=recompiles, its per-step times and the recompile log
 # Each part copies its raw results to $OUT; `python benchmarks/scaling_report.py DIR...` turns them into
@@ -84,7 +83,7 @@ full-8b-1gpu)
   cp /tmp/full-8b-1/metrics.jsonl "$OUT/full_8b_1gpu_metrics.jsonl" 2>/dev/null || true
   ;;
 threads)
-  for t in ${THREADS:-16 2}; do
+  for t in ${THREADS:-1 16}; do
     OMP_NUM_THREADS=$t python3 -m ddptune scale configs/samsum_qlora_llama31_8b.yaml model.tokenizer=$TOK data.train=$DATA \
       data.train_rows=0:700 data.val=null $EXTRA --nproc 1,2 --mode same-per-device --steps "$STEPS" --warmup 3 \
       --out /tmp/scale-8b-t$t 2>&1 | quiet | grep '^| same' | cut -c1-260

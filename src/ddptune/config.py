@@ -148,7 +148,7 @@ class TrainConfig:
     with an error instead of a silent stall. Raise it if one process legitimately works alone longer."""
     memory_check: bool = True
     """Stop before loading when `ddptune plan` predicts the run will not fit the GPU; false: try
-    anyway (the plan is an estimate: from 4 % under to 25 % over the peaks measured so far)."""
+    anyway (the plan is an estimate: from 4 % under to 8 % over the peaks measured so far)."""
     save_every: int = 0
     """Write a resumable checkpoint every N optimizer steps; 0: only the final adapter."""
     save_every_minutes: float = 10.0

@@ -4,9 +4,11 @@ Five terms, in bytes per GPU (`estimate`):
 - weights: NF4 with double quantization for QLoRA's decoder matrices (`NF4_BYTES` a weight: 4 bits
   plus an 8-bit absmax per 64 weights plus an fp32 absmax per 256 of those); embeddings, norms and
   head stay bf16 in LoRA and QLoRA (`model.add_adapters`); bf16 everything in LoRA; full fine-tuning
-  keeps fp32 master weights, and autocast's bf16 copies of the matrices live until backward uses them.
+  keeps fp32 master weights, and autocast's bf16 copies of the matrices live until backward uses them:
+  all of them without checkpointing, the head's and one layer's (the one recomputing) with it.
 - adapters: LoRA's r·(d_in + d_out) per adapted projection, in fp32 (peft upcasts them).
-- gradients: fp32, one per trained weight (DDP's buckets are views of them: no second copy).
+- gradients: fp32, one per trained weight (DDP's buckets are views of them), twice over in a DDP group
+  of 2 or more (measured; the reducer's buckets, rebuilt after the first step, are the likely holder).
 - optimizer: fused AdamW 8 bytes a trained weight (two fp32 states); 8-bit AdamW 2 bytes (paged:
   the same bytes, which may spill to host memory under pressure).
 - activations: what one forward of `tokens` tokens keeps for its backward (`activation_bytes`),
@@ -31,10 +33,10 @@ GIB = 2**30
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit code + 8-bit absmax per 64 + fp32 absmax per 256 blocks
 CUDA_CONTEXT_GIB = 0.75   # CUDA context, cuBLAS and NCCL workspaces: outside torch's allocator
 ALLOCATOR_SLACK = 0.08    # reserved but not allocated (the recipe's run: 13.71 GiB reserved for 12.63 allocated)
-# How far the prediction has been from measured peaks (BENCHMARKS.md, "Plan against measured peaks"): LoRA and
-# QLoRA from 4 % under to 7 % over, the first full fine-tunes 5-25 % over. A verdict closer than these to the
-# GPU's memory is said to be one a run must settle.
-PLAN_OVER, PLAN_UNDER = 0.25, 0.04
+# How far the prediction has been from measured peaks (BENCHMARKS.md, "Plan against measured peaks"): from 4 %
+# under to 8 % over, LoRA, QLoRA and full fine-tunes (1B and 8B, DDP and FSDP). A verdict closer than these to
+# the GPU's memory is said to be one a run must settle.
+PLAN_OVER, PLAN_UNDER = 0.08, 0.04
 COMPILED_ACTIVATIONS = 0.85  # compiled decoder layers keep this share of the eager layers' saved tensors
 CHECKPOINT_WORKING = 1.0  # layers' worth of saved tensors alive at once while checkpointed layers recompute
 TARGET_SHARE = 0.25       # without data, summaries are assumed at most this share of a forward's tokens
@@ -134,6 +136,7 @@ class Job:
     lora_targets: tuple[str, ...] = ("all-linear",)
     lora_dropout: float = 0.05
     shards: int = 1               # FSDP full shard over this many GPUs; 1: every GPU holds everything (DDP)
+    processes: int = 1            # processes in the group (DDP's reducer exists from 2)
 
 
 def layer_activation_bytes(s: Shape, job: Job) -> float:
@@ -178,14 +181,19 @@ def estimate(s: Shape, job: Job) -> dict:
         weights += 2 * max(a * b for a, b in (f(s) for f in PROJECTIONS.values()))  # one matrix dequantized at a time
     elif job.method == "lora":
         weights = s.params * 2
-    else:  # fp32 master weights; autocast's bf16 copies of the matrices and head are saved for backward
-        weights = s.params * 4 / n + (s.matrix_params + s.vocab * s.hidden) * 2 / n
+    else:  # fp32 master weights; autocast's bf16 copies are saved for backward: every matrix's, or
+        # with checkpointing only the head's and the recomputing layer's (8B on one H200: 119.8 GiB
+        # measured, 119.6 of it weights, gradients and AdamW; every copy would have added 15 GiB)
+        copies = s.layer_params + s.vocab * s.hidden if job.checkpointing else s.matrix_params + s.vocab * s.hidden
+        weights = s.params * 4 / n + copies * 2 / n
         if n > 1:  # FSDP gathers a layer's bf16 weights (and the next one, prefetched)
             weights += 2 * 2 * s.layer_params
     if job.method != "full" and n > 1:
         weights /= n
     adapters = 0.0 if job.method == "full" else trained * 4 / n
     gradients = trained * 4 / n
+    if n == 1 and job.processes > 1:  # DDP: 1B full at 2 processes peaked 3.5 GiB above 1 process; the
+        gradients *= 2                # reducer's buckets, rebuilt after the first step, are the likely holder
     optimizer = trained * (8 if job.optimizer == "adamw" else 2) / n
     activations = activation_bytes(s, job)
     allocated = weights + adapters + gradients + optimizer + activations
@@ -215,7 +223,7 @@ def job_of(cfg: Config, world: int = 1, checkpointing: bool | None = None, shard
     return Job(t.method, t.optimizer, t.gradient_checkpointing is True if checkpointing is None else checkpointing,
                tokens, math.ceil(tokens * TARGET_SHARE) if targets is None else targets,
                t.compile is not False if compiled is None else compiled,
-               cfg.lora.r, tuple(cfg.lora.target_modules), cfg.lora.dropout, shards)
+               cfg.lora.r, tuple(cfg.lora.target_modules), cfg.lora.dropout, shards, world)
 
 
 def plan(cfg: Config, shape: Shape, gpus: int = 1, gpu_gib: float = DEFAULT_GPU_GIB) -> dict:
