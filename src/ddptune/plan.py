@@ -17,7 +17,7 @@ Then the CUDA context and the caching allocator's slack (`CUDA_CONTEXT_GIB`, `AL
 which torch's max_memory_allocated does not count but the GPU must hold.
 
 Full sharding (FSDP) divides weights, gradients and optimizer states by the GPU count and adds
-the gathered layers in flight. The constants were calibrated against the peaks measured on an H200
+the gathered layers in flight and the root unit (embeddings and head), gathered through each step. The constants were calibrated against the peaks measured on an H200
 (BENCHMARKS.md, "plan against measured peaks"; tests/test_plan.py keeps them within 15 %).
 Pure functions of a config and a shape: nothing here loads weights or knows about processes.
 """
@@ -180,16 +180,17 @@ def estimate(s: Shape, job: Job) -> dict:
         weights = s.matrix_params * NF4_BYTES + s.other_params * 2
         weights += 2 * max(a * b for a, b in (f(s) for f in PROJECTIONS.values()))  # one matrix dequantized at a time
     elif job.method == "lora":
-        weights = s.params * 2
-    else:  # fp32 master weights; autocast's bf16 copies are saved for backward: every matrix's, or
+        weights = s.params * 2 / n
+    elif n == 1:  # fp32 master weights; autocast's bf16 copies are saved for backward: every matrix's, or
         # with checkpointing only the head's and the recomputing layer's (8B on one H200: 119.8 GiB
         # measured, 119.6 of it weights, gradients and AdamW; every copy would have added 15 GiB)
         copies = s.layer_params + s.vocab * s.hidden if job.checkpointing else s.matrix_params + s.vocab * s.hidden
-        weights = s.params * 4 / n + copies * 2 / n
-        if n > 1:  # FSDP gathers a layer's bf16 weights (and the next one, prefetched)
-            weights += 2 * 2 * s.layer_params
-    if job.method != "full" and n > 1:
-        weights /= n
+        weights = s.params * 4 + copies * 2
+    else:  # fp32 shards; FSDP computes on gathered bf16 weights, which it frees after each layer
+        weights = s.params * 4 / n
+    if n > 1:  # FSDP: a layer's gathered bf16 weights and the next one's (prefetched), and the root unit
+        # (embeddings, head, final norm), which stays gathered from its forward to its backward
+        weights += 2 * 2 * s.layer_params + s.other_params * 2
     adapters = 0.0 if job.method == "full" else trained * 4 / n
     gradients = trained * 4 / n
     if n == 1 and job.processes > 1:  # DDP: 1B full at 2 processes peaked 3.5 GiB above 1 process; the
