@@ -10,6 +10,7 @@
 #   bash benchmarks/scaling_x2.sh smollm2    # SmolLM2-135M LoRA (real weights at $SMOLLM2), global batch 16, 1 and 2 GPUs,
 #                                            # with validation loss and ROUGE on SAMSum rows 700-817 at each count
 #   bash benchmarks/scaling_x2.sh full-1b    # Llama-3.2-1B shape, full fine-tuning: DDP and FSDP, 1 and 2 GPUs, with `plan`
+#                                            # (STRATEGIES=fsdp for one of them)
 #   bash benchmarks/scaling_x2.sh full-8b    # Llama-3.1-8B shape, full fine-tuning with AdamW: `plan` for 1 GPU (does not fit)
 #                                            # and FSDP over 2, then FSDP over 2 GPUs trains it (FULL8B_STEPS steps)
 #   bash benchmarks/scaling_x2.sh full-8b-1gpu  # the same 8B full fine-tune on ONE GPU (it held 119.8 GiB on an H200)
@@ -58,7 +59,7 @@ smollm2)
 full-1b)
   job=(configs/samsum_qlora_llama31_8b.yaml model.source=preset:llama-3.2-1b model.tokenizer=$TOK train.method=full
        data.train=$DATA data.train_rows=0:700 data.val=null $EXTRA)
-  for s in ddp fsdp; do
+  for s in ${STRATEGIES:-ddp fsdp}; do
     for n in 1 2; do
       python3 -m ddptune plan "${job[@]}" train.strategy=$s --gpus $n --json "$OUT/plan_1b_full_${s}_n$n.json" | tail -3
     done
