@@ -77,7 +77,7 @@ def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = No
     every worker after one fails, up to that many times (they resume from the newest checkpoint).
 
     `module_args` starts with the module name, e.g. ["ddptune", "train", "cfg.yaml"]. Each child gets
-    `threads_per_process` OpenMP threads (default: `threads_per_process(nproc)`) unless
+    `threads_per_process` OpenMP threads (default: `default_threads(nproc)`) unless
     OMP_NUM_THREADS is set.
 
     Signals: torchrun runs in a session of its own, so a Ctrl-C at the terminal reaches this process

@@ -17,8 +17,9 @@ Then the CUDA context and the caching allocator's slack (`CUDA_CONTEXT_GIB`, `AL
 which torch's max_memory_allocated does not count but the GPU must hold.
 
 Full sharding (FSDP) divides weights, gradients and optimizer states by the GPU count and adds
-the gathered layers in flight and the root unit (embeddings and head), gathered through each step. The constants were calibrated against the peaks measured on an H200
-(BENCHMARKS.md, "plan against measured peaks"; tests/test_plan.py keeps them within 15 %).
+the gathered layers in flight and the root unit (embeddings and head), gathered through each step.
+The constants were calibrated against the peaks measured on an H200 (BENCHMARKS.md, "plan against
+measured peaks"; tests/test_plan.py keeps them within 15 %).
 Pure functions of a config and a shape: nothing here loads weights or knows about processes.
 """
 from __future__ import annotations
