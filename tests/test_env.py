@@ -10,7 +10,7 @@ import pytest
 from ddptune import env
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
-KEYS = {"python", "platform", "cpu_count", "ram_GiB", "torch", "cuda", "cudnn", "nccl", "gpus",
+KEYS = {"python", "platform", "cpu", "cpu_count", "ram_GiB", "torch", "cuda", "cudnn", "nccl", "gpus",
         "topology", "interconnect", "packages", "env_vars", "bandwidth"}
 
 
@@ -53,3 +53,15 @@ def test_env_bandwidth_two_cpu_processes(tmp_path: Path, capsys: pytest.CaptureF
     assert bw["status"] == "measured" and bw["backend"] == "gloo"
     assert len(bw["rows"]) == 3 and bw["peak_busbw_GBps"] > 0
     assert "peak busbw" in capsys.readouterr().out
+
+
+def test_host_cpu_share_counts_the_busy_time_between_two_readings() -> None:
+    before = env.cpu_times()
+    assert before and 0 <= before["steal"] <= before["total"] and 0 < before["busy"] <= before["total"]
+    spin = before["total"]
+    while (after := env.cpu_times())["total"] < spin + 20:  # at least 20 ticks of host time pass
+        sum(range(10_000))
+    share = env.cpu_share(before, after)
+    assert 0 < share["busy"] <= 1 and 0 <= share["steal"] <= 1
+    assert env.cpu_share(before, before) is None and env.cpu_share(None, after) is None
+    assert env.cpu_model()

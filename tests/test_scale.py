@@ -60,6 +60,8 @@ def test_scale_both_modes_on_the_same_samples(tmp_path):
     assert "| same-global | 2 |" in proc.stdout  # the table is printed at the end
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest == result["manifest"] and manifest["threads_per_process"] >= 1
+    # the host's CPU during each run, read from /proc/stat: busy (the runs themselves at least) and stolen
+    assert all(0 < r["host_cpu_busy"] <= 1 and 0 <= r["host_cpu_steal"] <= 1 for r in result["rows"])
     assert "--nproc 1,2" in manifest["command"] and manifest["date"]
 
     # the folder is never overwritten
@@ -132,6 +134,10 @@ def test_every_lost_percent_is_accounted_and_noise_is_named():
     # on CPU a speedup above n is contention: flagged, not published
     cpu = scale.account(_row(2, 8, 0.4, 0.35, 0.0, 0.0, 0.05), scale.account(_row(1, 8, 1.0, 0.9, 0, 0, 0.1), None, False), cuda=False)
     assert cpu["speedup"] is None and "fought over the CPU cores" in cpu["note"]
+    # a virtual machine whose hypervisor gave its cores to other guests during a run says so
+    stolen = scale.account({**_row(2, 8, 1.1, 0.95, 0.04, 0.01, 0.1), "host_cpu_steal": 0.05}, one, cuda=True)
+    assert "n = 2: the hypervisor took 5% of this host's CPU time during the run (steal)" in stolen["note"]
+    assert "hypervisor" not in (two["note"] or "")
 
 
 def test_bad_nproc_is_one_line_error(tmp_path):

@@ -43,6 +43,40 @@ def _ram_gib() -> float | None:
     return None
 
 
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else what platform knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def cpu_times() -> dict[str, int] | None:
+    """The host's CPU time since boot, all cores, in clock ticks (Linux's /proc/stat): `busy`,
+    `steal` (time a virtual machine's cores waited while the hypervisor ran other guests) and
+    `total`; None where unreadable."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = fields + [0] * (8 - len(fields))
+    return {"busy": user + nice + system + irq + softirq, "steal": steal, "total": sum(fields)}
+
+
+def cpu_share(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, float] | None:
+    """The share of the host's CPU time between two `cpu_times()` readings that was busy and
+    that was stolen by the hypervisor; None without both readings or without time between them."""
+    if not before or not after or after["total"] <= before["total"]:
+        return None
+    total = after["total"] - before["total"]
+    return {"busy": (after["busy"] - before["busy"]) / total, "steal": (after["steal"] - before["steal"]) / total}
+
+
 def _gpus() -> list[dict[str, Any]]:
     gpus = []
     for i in range(torch.cuda.device_count()):
@@ -67,6 +101,7 @@ def collect(bandwidth: bool = True, nproc: int | None = None) -> dict[str, Any]:
         "ddptune": _version("ddptune"),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "ram_GiB": _ram_gib(),
         "torch": torch.__version__,
@@ -107,7 +142,7 @@ def format_report(info: dict[str, Any]) -> str:
         f"- ddptune: {info['ddptune']}",
         f"- Python: {info['python']}",
         f"- Platform: {info['platform']}",
-        f"- CPUs: {info['cpu_count']}, RAM: "
+        f"- CPUs: {info['cpu_count']} ({info.get('cpu', 'unknown')}), RAM: "
         + (f"{info['ram_GiB']} GiB" if info["ram_GiB"] is not None else "unknown"),
         f"- torch: {info['torch']}, CUDA: {info['cuda'] or 'none'}, cuDNN: {info['cudnn'] or 'none'}, "
         f"NCCL: {info['nccl'] or 'none'}",

@@ -51,6 +51,7 @@ WARMUP, MEASURED = 3, 30  # default steps of the largest batch before and inside
 WHAT_IF_N = (2, 4, 8)
 PART_KEYS = ("compute_s", "imbalance_s", "exposed_comm_s", "rest_s")
 STALL_FACTOR = 3  # a step this many times the run's median is a stall, named in the row's note
+STEAL_NOTE = 0.01  # a share of the host's CPU time stolen by the hypervisor worth naming beside a row
 COLUMNS = [  # (row key, header): scaling.csv uses the keys, scaling.md the headers
     ("mode", "mode"), ("nproc", "n"), ("batch", "samples per step"), ("steps", "steps measured"),
     ("step_s", "step (s)"), ("compute_s", "compute (s)"), ("imbalance_s", "imbalance (s)"),
@@ -128,7 +129,9 @@ def main(args) -> int:
         child = ["ddptune", "train", args.config, *overrides, *run["overrides"]]
         run["command"] = shlex.join(child)
         print(f"ddptune scale: {run['nproc']} process(es), {run['steps']} steps: {shlex.join(child[1:])}", flush=True)
+        before = env.cpu_times()
         rc = dist.torchrun(run["nproc"], child, env=child_env)
+        run["host_cpu"] = env.cpu_share(before, env.cpu_times())  # a busy or stolen host explains lost compute
         if rc != 0:
             print(f"ddptune scale: the run with {run['nproc']} process(es) failed (exit {rc}); see {run['dir']}", file=sys.stderr)
             return rc or 1
@@ -284,7 +287,8 @@ def measure(run: dict, window: tuple[int, int]) -> dict:
                      plan.world_size, ranks),
             "strategy": summary.get("strategy", "ddp"), "balance": statistics.fmean(r["balance"] for r in steps),
             "peak_mem_gib": max(peaks) if peaks else None, "final_loss": summary["final_loss"],
-            "val_loss": summary["val_loss"], **(summary.get("rouge") or {})}
+            "val_loss": summary["val_loss"], **(summary.get("rouge") or {}),
+            "host_cpu_busy": (run.get("host_cpu") or {}).get("busy"), "host_cpu_steal": (run.get("host_cpu") or {}).get("steal")}
 
 
 def timing(times: list[float], tokens: int, samples: int, nproc: int, ranks: list[dict]) -> dict:
@@ -347,6 +351,8 @@ def account(row: dict, base: dict | None, cuda: bool) -> dict:
     for r, who in ((base, "n = 1"), (row, f"n = {n}")) if n > 1 else ((row, "n = 1"),):
         if r.get("stall_steps"):
             notes.append(f"{who}: {r['stall_steps']} step(s) over {STALL_FACTOR:g}x the median, {r['stall_s']:.1f} s in all")
+        if (r.get("host_cpu_steal") or 0) >= STEAL_NOTE:  # a virtual machine's cores, partly given to other guests
+            notes.append(f"{who}: the hypervisor took {r['host_cpu_steal']:.0%} of this host's CPU time during the run (steal)")
     if n > 1 and (row.get("stall_steps") or base.get("stall_steps")):
         # a one-time stall inside the window moves the means; the medians show the steady state beside them
         row["efficiency_median"] = median_efficiency(row, base)
