@@ -288,7 +288,8 @@ def measure(run: dict, window: tuple[int, int]) -> dict:
             "strategy": summary.get("strategy", "ddp"), "balance": statistics.fmean(r["balance"] for r in steps),
             "peak_mem_gib": max(peaks) if peaks else None, "final_loss": summary["final_loss"],
             "val_loss": summary["val_loss"], **(summary.get("rouge") or {}),
-            "host_cpu_busy": (run.get("host_cpu") or {}).get("busy"), "host_cpu_steal": (run.get("host_cpu") or {}).get("steal")}
+            # the whole run's, loading and compilation included
+            **{f"host_cpu_{k}": (run.get("host_cpu") or {}).get(k) for k in ("busy", "steal")}}
 
 
 def timing(times: list[float], tokens: int, samples: int, nproc: int, ranks: list[dict]) -> dict:
