@@ -18,6 +18,10 @@
 #                                            # of each value in THREADS (default "1 16"; 1 is ddptune's default on GPUs)
 #   bash benchmarks/scaling_x2.sh stalls     # why a full fine-tune's steps stall: the 1B full run at 1 GPU with
 #                                            # TORCH_LOGS=recompiles, its per-step times and the recompile log
+#   bash benchmarks/scaling_x2.sh cache      # the compiler's cache to $OUT/inductor.tgz (kept only under the 16 MiB a
+#                                            # file may bring back). Compiling the layers takes 50-76 s of each run's first
+#                                            # step on a fresh machine; copied into .inductor/ and carried, the next call
+#                                            # starts warm (every part unpacks .inductor/inductor.tgz first).
 # Each part copies its raw results to $OUT; `python benchmarks/scaling_report.py DIR...` turns them into
 # benchmarks/results/h200x2_*.json.
 set -euo pipefail
@@ -28,6 +32,10 @@ STEPS=${STEPS:-20}
 OUT=${OUT:-/tmp/out}
 EXTRA=${EXTRA:-}   # more config overrides for the ddptune parts, e.g. EXTRA=train.cuda_graphs=true
 mkdir -p "$OUT"
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-cache}
+if [ -f .inductor/inductor.tgz ] && [ ! -d "$TORCHINDUCTOR_CACHE_DIR" ]; then
+  mkdir -p "$TORCHINDUCTOR_CACHE_DIR" && tar xzf .inductor/inductor.tgz -C "$TORCHINDUCTOR_CACHE_DIR"
+fi
 quiet() { tr '\r' '\n' | grep -v -E '^(train|Loading weights|generate)' ; }
 case "$1" in
 recipe)
@@ -99,5 +107,10 @@ stalls)
   cp /tmp/stalls/metrics.jsonl "$OUT/stalls_metrics.jsonl"
   python3 -c "import json,sys; [print(r['step'], round(r['step_time_s'], 3)) for r in map(json.loads, open(sys.argv[1])) if r.get('step_time_s', 0) > 0.5]" "$OUT/stalls_metrics.jsonl"
   ;;
-*) echo "usage: $0 recipe|qlora-8b|smollm2|full-1b|full-8b|threads|stalls" >&2; exit 2 ;;
+cache)
+  tar czf "$OUT/inductor.tgz" -C "$TORCHINDUCTOR_CACHE_DIR" .
+  size=$(stat -c %s "$OUT/inductor.tgz")
+  if [ "$size" -gt 16000000 ]; then rm "$OUT/inductor.tgz"; echo "compiler cache: $size bytes, over what \$OUT brings back"; fi
+  ;;
+*) echo "usage: $0 recipe|qlora-8b|smollm2|full-1b|full-8b|full-8b-1gpu|threads|stalls|cache" >&2; exit 2 ;;
 esac
