@@ -99,3 +99,16 @@ def test_a_bpe_tokenizer_that_asks_for_space_cleanup_decodes_without_the_notice(
         assert [n for n in notices if "clean_up_tokenization_spaces" in n]  # the notice this avoids
     finally:
         logging.getLogger("transformers").removeHandler(handler)
+
+
+def test_output_piped_into_a_reader_that_stops_early_ends_without_a_traceback():
+    """`ddptune env | head -1`: the command's later lines meet a closed pipe (here closed before the
+    first line: `true` reads nothing and exits while ddptune still imports torch)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run(f"'{sys.executable}' -m ddptune env --no-bandwidth | true", shell=True,
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr

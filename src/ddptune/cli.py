@@ -102,7 +102,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    code = _main(argv)
+    try:
+        code = _main(argv)
+    except BrokenPipeError:  # `ddptune env | head`: the reader has gone, so there is no one left to tell
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at exit, when Python flushes
+        code = 1
     dist.teardown()  # a finished command leaves its process group (NCCL warns at exit otherwise)
     return code
 
