@@ -67,8 +67,7 @@ def default_threads(nproc: int, cuda: bool | None = None) -> int:
 
 
 def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = None,
-             threads_per_process: int | None = None, nnodes: int = 1, node_rank: int = 0,
-             master: str | None = None, max_restarts: int = 0) -> int:
+             nnodes: int = 1, node_rank: int = 0, master: str | None = None, max_restarts: int = 0) -> int:
     """Run `python -m <module_args...>` in `nproc` processes on this host; return the exit code.
 
     One machine: torchrun's standalone rendezvous on a free local port. Several (`nnodes`, the same
@@ -77,8 +76,7 @@ def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = No
     every worker after one fails, up to that many times (they resume from the newest checkpoint).
 
     `module_args` starts with the module name, e.g. ["ddptune", "train", "cfg.yaml"]. Each child gets
-    `threads_per_process` OpenMP threads (default: `default_threads(nproc)`) unless
-    OMP_NUM_THREADS is set.
+    `default_threads(nproc)` OpenMP threads unless OMP_NUM_THREADS is set (in `env` or here).
 
     Signals: torchrun runs in a session of its own, so a Ctrl-C at the terminal reaches this process
     only, and SIGINT or SIGTERM sent to this process is passed to every worker exactly once (each
@@ -93,7 +91,7 @@ def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = No
     cmd = [sys.executable, "-m", "ddptune.launcher", *rendezvous, f"--nproc_per_node={nproc}",
            f"--max_restarts={max_restarts}", "-m", *module_args]
     child_env = dict(os.environ if env is None else env)
-    child_env.setdefault("OMP_NUM_THREADS", str(threads_per_process or default_threads(nproc)))
+    child_env.setdefault("OMP_NUM_THREADS", str(default_threads(nproc)))
     child_env[VALIDATED] = "1"
     if max_restarts:
         # torchrun (torch 2.13) shares one TCP store across rendezvous rounds without a per-round
