@@ -36,6 +36,12 @@ export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-cache}
 if [ -f .inductor/inductor.tgz ] && [ ! -d "$TORCHINDUCTOR_CACHE_DIR" ]; then
   mkdir -p "$TORCHINDUCTOR_CACHE_DIR" && tar xzf .inductor/inductor.tgz -C "$TORCHINDUCTOR_CACHE_DIR"
 fi
+keep_runs() {  # DIR PREFIX: a scale run's tables and every process count's per-step files, as far as they got
+  for f in scaling.json scaling.md scaling.png; do [ -f "$1/$f" ] && cp "$1/$f" "$2.${f#*.}"; done
+  find "$1" -name ranks.jsonl -o -name metrics.jsonl | while read -r f; do
+    cp "$f" "$2_$(basename "$(dirname "$f")")_$(basename "$f")"; done
+  return 0
+}
 quiet() { tr '\r' '\n' | grep -v -E '^(train|Loading weights|generate)' ; }
 case "$1" in
 recipe)
@@ -50,10 +56,13 @@ recipe)
   done
   ;;
 qlora-8b)
+  # a run cut by the call's limit leaves no scaling.json, but every finished run's ranks.jsonl and
+  # metrics.jsonl are copied (scaling_report.py --ranks rebuilds the rows from them)
+  mode=${MODE:-both}; dir=/tmp/scale-8b-$mode
+  trap 'keep_runs "$dir" "$OUT/scale_8b_$mode"' EXIT
+  trap 'exit 143' TERM  # timeout's SIGTERM: leave through the EXIT trap
   python3 -m ddptune scale configs/samsum_qlora_llama31_8b.yaml model.tokenizer=$TOK data.train=$DATA data.train_rows=0:700 data.val=null $EXTRA \
-    --nproc 1,2 --mode ${MODE:-both} --steps "$STEPS" --warmup 3 --out /tmp/scale-8b 2>&1 | quiet | grep -v '^ddptune:' | tail -30
-  cp /tmp/scale-8b/scaling.json "$OUT/scale_8b.json"; cp /tmp/scale-8b/scaling.md "$OUT/scale_8b.md"
-  cp /tmp/scale-8b/scaling.png "$OUT/scale_8b.png"
+    --nproc 1,2 --mode "$mode" --steps "$STEPS" --warmup 3 --out "$dir" 2>&1 | quiet | grep -v '^ddptune:' | tail -30
   ;;
 smollm2)
   python3 -m ddptune scale configs/demo.yaml model.source="$SMOLLM2" data.train=$DATA data.train_rows=0:700 \
