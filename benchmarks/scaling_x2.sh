@@ -5,7 +5,9 @@
 #   export PYTHONPATH=/tmp/site:$PWD/src
 # with .devdata/samsum_validation.json (a copy of ../shared/data) and .tok/smollm2 (the SmolLM2 tokenizer).
 #
-#   bash benchmarks/scaling_x2.sh recipe     # the tutorial's Trainer recipe, 8B-shape QLoRA, 1 and 2 GPUs (accelerate launch)
+#   bash benchmarks/scaling_x2.sh recipe     # the tutorial's Trainer recipe, 8B-shape QLoRA, 1 and 2 GPUs (accelerate launch);
+#                                            # about 200 s a count at RECIPE_STEPS=13 (load and quantize included) plus
+#                                            # 25 s to write the preset once: RECIPE_COUNTS=2 runs one count alone
 #   bash benchmarks/scaling_x2.sh qlora-8b   # ddptune scale on the same job, 1 and 2 GPUs, both modes
 #   bash benchmarks/scaling_x2.sh smollm2    # SmolLM2-135M LoRA (real weights at $SMOLLM2), global batch 16, 1 and 2 GPUs,
 #                                            # with validation loss and ROUGE on SAMSum rows 700-817 at each count
