@@ -65,3 +65,19 @@ def test_packed_full_fine_tune_fp32_weights_under_autocast():
     assert torch.allclose(packed, separate.detach(), rtol=1e-2)
     packed.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in net.parameters() if p.requires_grad)
+
+
+@cuda
+def test_an_in_process_gpu_run_gets_one_thread_as_nproc_1_would(monkeypatch):
+    """Without a launcher (and OMP_NUM_THREADS unset) `dist.setup` gives a GPU process the one OpenMP
+    thread `--nproc 1` gives it through torchrun."""
+    from ddptune import dist
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    try:
+        dist.setup()
+        assert torch.get_num_threads() == 1
+    finally:
+        dist.teardown()
+        torch.set_num_threads(before)

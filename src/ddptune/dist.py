@@ -57,7 +57,8 @@ def default_threads(nproc: int, cuda: bool | None = None) -> int:
     A GPU process does no CPU math worth a thread pool, and its workers spin after each parallel
     region: on 2 H200s (32 cores) the 8B QLoRA step at 2 processes took 0.397 s median with 1
     thread each and 0.411 s with 16 (1 process alone: 0.402 s; BENCHMARKS.md, 2026-11-30). torchrun
-    also gives 1 thread when it is the launcher. On CPUs the threads do the training: share the cores.
+    also gives 1 thread when it is the launcher, and `setup` gives it to an in-process GPU run. On CPUs
+    the threads do the training: share the cores.
     """
     if os.environ.get("OMP_NUM_THREADS"):
         return int(os.environ["OMP_NUM_THREADS"])
@@ -156,6 +157,8 @@ def _setup(precision: str, strategy: str, log_with: str, logging_dir) -> Acceler
         # cuDNN's attention spends ~25 ms of CPU per call building a plan for every new sequence
         # length (measured on H200, torch 2.11): with varying lengths it dominated the step.
         torch.backends.cuda.enable_cudnn_sdp(False)
+        if not os.environ.get("OMP_NUM_THREADS"):  # in-process (no launcher set it): what --nproc 1 gives
+            torch.set_num_threads(default_threads(1, cuda))
     bf16 = precision == "bf16" or (precision == "auto" and cuda)
     # Buffers (rotary frequencies) never change: broadcasting them before every forward would be a
     # collective that makes every process wait for the slowest at each micro-step, not once a step.
