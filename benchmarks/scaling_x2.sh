@@ -18,6 +18,8 @@
 #   bash benchmarks/scaling_x2.sh full-8b-1gpu  # the same 8B full fine-tune on ONE GPU (it held 119.8 GiB on an H200)
 #   bash benchmarks/scaling_x2.sh threads    # the OpenMP-threads lever: the 8B job same-per-device at OMP_NUM_THREADS
 #                                            # of each value in THREADS (default "1 16"; 1 is ddptune's default on GPUs)
+#   bash benchmarks/scaling_x2.sh binding    # the CPU-binding lever: the 8B job same-per-device without and with
+#                                            # --numa-binding exclusive (torchrun's; needs numactl on the machine)
 #   bash benchmarks/scaling_x2.sh stalls     # why a full fine-tune's steps stall: the 1B full run at 1 GPU with
 #                                            # TORCH_LOGS=recompiles, its per-step times and the recompile log
 #   bash benchmarks/scaling_x2.sh cache      # the compiler's cache to $OUT/inductor.tgz (kept only under the 16 MiB a
@@ -110,6 +112,16 @@ threads)
     for f in scaling.json scaling.md; do cp /tmp/scale-8b-t$t/$f "$OUT/scale_8b_threads$t.${f#*.}"; done
   done
   ;;
+binding)
+  command -v numactl > /dev/null || { echo "numactl is not installed here: torchrun cannot bind"; exit 0; }
+  for b in none exclusive; do
+    bind=(); [ "$b" != none ] && bind=(--numa-binding "$b")
+    python3 -m ddptune scale configs/samsum_qlora_llama31_8b.yaml model.tokenizer=$TOK data.train=$DATA data.train_rows=0:700 \
+      data.val=null $EXTRA --nproc 1,2 --mode same-per-device --steps "$STEPS" --warmup 3 "${bind[@]}" --out /tmp/scale-8b-bind-$b \
+      2>&1 | quiet | grep '^| same' | cut -c1-260 || true
+    keep_runs /tmp/scale-8b-bind-$b "$OUT/scale_8b_binding_$b"
+  done
+  ;;
 stalls)
   TORCH_LOGS=recompiles python3 -m ddptune train configs/samsum_qlora_llama31_8b.yaml model.source=preset:llama-3.2-1b \
     model.tokenizer=$TOK train.method=full data.train=$DATA data.train_rows=0:700 data.val=null train.max_steps="$STEPS" \
@@ -123,5 +135,5 @@ cache)
   size=$(stat -c %s "$OUT/inductor.tgz")
   if [ "$size" -gt 16000000 ]; then rm "$OUT/inductor.tgz"; echo "compiler cache: $size bytes, over what \$OUT brings back"; fi
   ;;
-*) echo "usage: $0 recipe|qlora-8b|smollm2|full-1b|full-8b|full-8b-1gpu|threads|stalls|cache" >&2; exit 2 ;;
+*) echo "usage: $0 recipe|qlora-8b|smollm2|full-1b|full-8b|full-8b-1gpu|threads|binding|stalls|cache" >&2; exit 2 ;;
 esac

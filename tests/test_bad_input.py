@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import ROOT
 from ddptune import cli, config, dist, scale
@@ -98,6 +99,12 @@ CASES = [
     ("nproc not a number", [*TRAIN, "--nproc", "two"], ["--nproc", "invalid int value: 'two'"]),
     ("nproc zero", [*TRAIN, "--nproc", "0"], ["--nproc: must be at least 1 (got 0)"]),
     ("nproc negative", [*TRAIN, "--nproc", "-3"], ["--nproc: must be at least 1 (got -3)"]),
+    ("numa binding without nproc", [*TRAIN, "--numa-binding", "exclusive"], ["--numa-binding: only with --nproc N"]),
+    ("numa binding unknown mode", [*TRAIN, "--nproc", "2", "--numa-binding", "tight"], ["argument --numa-binding: invalid choice: 'tight'"]),
+    *([("numa binding without a GPU", [*TRAIN, "--nproc", "2", "--numa-binding", "exclusive"],
+        ["--numa-binding: ", "this machine has no CUDA GPU (leave it out)"]),
+       ("scale numa binding without a GPU", ["scale", "{cfg}", "--nproc", "1,2", "--numa-binding", "node"],
+        ["--numa-binding: ", "no CUDA GPU"])] if not torch.cuda.is_available() else []),
     ("override without =", [*TRAIN, "train.lr"], ["train.lr: overrides are written key=value, e.g. train.lr=1e-4"]),
     ("override with empty key", [*TRAIN, "=5"], ["'' is not a key (write section.key=value"]),
     ("override with bad YAML", [*TRAIN, "train.lr=[1"], ["train.lr: '[1' is not a YAML value (quote it"]),

@@ -81,3 +81,24 @@ def test_an_in_process_gpu_run_gets_one_thread_as_nproc_1_would(monkeypatch):
     finally:
         dist.teardown()
         torch.set_num_threads(before)
+
+
+@cuda
+@pytest.mark.skipif(__import__("shutil").which("numactl") is None, reason="torch's NUMA binding runs numactl")
+def test_numa_binding_exclusive_gives_each_process_cores_of_its_own(tmp_path):
+    """`--numa-binding exclusive` (torchrun's): every GPU's process runs on CPUs no other process has."""
+    import os
+    import sys
+
+    from ddptune import dist
+
+    (tmp_path / "affinity_probe.py").write_text(
+        "import os, pathlib\n"
+        "pathlib.Path(os.environ['PROBE_DIR'], os.environ['LOCAL_RANK']).write_text("
+        "','.join(map(str, sorted(os.sched_getaffinity(0)))))\n")
+    n = torch.cuda.device_count()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]), PROBE_DIR=str(tmp_path))
+    assert dist.torchrun(n, ["affinity_probe"], env=env, numa_binding="exclusive") == 0
+    cpus = [set(map(int, (tmp_path / str(r)).read_text().split(","))) for r in range(n)]
+    assert all(cpus) and all(c <= os.sched_getaffinity(0) for c in cpus)
+    assert sum(map(len, cpus)) == len(set().union(*cpus))  # disjoint

@@ -142,7 +142,7 @@ def test_every_lost_percent_is_accounted_and_noise_is_named():
 
 def test_bad_nproc_is_one_line_error(tmp_path):
     args = types.SimpleNamespace(config=TINY, overrides=[], nproc="2,4", mode="same-per-device", steps=None, warmup=None,
-                                 out=str(tmp_path / "x"), bandwidth_sizes="1MB")
+                                 out=str(tmp_path / "x"), bandwidth_sizes="1MB", numa_binding=None)
     with pytest.raises(ConfigError, match="include 1"):
         scale.main(args)
 

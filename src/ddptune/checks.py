@@ -198,6 +198,23 @@ def launch_problems(nnodes: int, node_rank: int, master: str | None, max_restart
     return []
 
 
+def numa_problems(mode: str | None, launches: bool) -> list[str]:
+    """`--numa-binding`: torchrun binds the processes it starts, on a GPU machine, through numactl."""
+    import torch
+
+    if mode is None:
+        return []
+    if not launches:
+        return ["--numa-binding: only with --nproc N (it binds the processes ddptune starts through torchrun; "
+                "under your own launcher use its flag, e.g. torchrun --numa-binding)"]
+    if not torch.cuda.is_available():
+        return ["--numa-binding: binds each process to CPUs near its GPU, and this machine has no CUDA GPU (leave it out)"]
+    if shutil.which("numactl") is None:
+        return ["--numa-binding: torch's binding runs the numactl program, which is not installed "
+                "(apt install numactl), or leave it out"]
+    return []
+
+
 def has_checkpoint(output_dir: str | Path) -> bool:
     return bool(checkpoint.list_checkpoints(Path(output_dir) / "checkpoints"))
 

@@ -36,6 +36,10 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{command + ': ' if command else ''}{message} (see {self.prog} --help)")
 
 
+NUMA_HELP = ("with --nproc on GPUs: torchrun binds each process's threads to CPUs near its GPU (exclusive: a share of "
+             "the cores no other process uses; needs numactl)")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="ddptune", description="Data-parallel LoRA/QLoRA/full fine-tuning for dialogue summarization.")
     p.add_argument("-V", "--version", action="store_true", help="print ddptune's version and exit")  # (answered in _main)
@@ -55,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--master", default=None, metavar="HOST:PORT", help="node 0's address and a free port, reachable from every node")
     t.add_argument("--max-restarts", type=int, default=0,
                    help="restart the workers up to K times after one fails; they resume from the newest checkpoint")
+    t.add_argument("--numa-binding", choices=dist.NUMA_BINDINGS, default=None,
+                   help=NUMA_HELP)
     e = sub.add_parser("eval", help="generate summaries and score ROUGE")
     e.add_argument("target", help="a run folder (from train) or a YAML config")
     e.add_argument("overrides", nargs="*")
@@ -75,6 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int, default=None, help="measured steps of the largest batch (default 30)")
     s.add_argument("--warmup", type=int, default=None, help="steps of the largest batch before the measured window (default 3)")
     s.add_argument("--bandwidth-sizes", default="1MB,4MB,16MB,64MB,256MB,1GB", help="all-reduce sizes to time")
+    s.add_argument("--numa-binding", choices=dist.NUMA_BINDINGS, default=None, help=NUMA_HELP)
     m = sub.add_parser("plan", help="predict peak memory per GPU before loading anything, and how to run it")
     m.add_argument("config")
     m.add_argument("overrides", nargs="*")
@@ -190,6 +197,8 @@ def _train(args) -> int:
             # restarted by torchrun (--max-restarts) after a worker failed: continue from the newest checkpoint
             restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
             return _run(cfg, args.resume or (restarted and checks.has_checkpoint(cfg.output_dir)))
+        if problems := checks.numa_problems(args.numa_binding, launches=False):
+            raise ConfigError(problems)
         # under torchrun or accelerate launch: rank 0 locks output_dir, then validates (in train.run)
         with lock.acquire(cfg.output_dir) if dist.is_main_process() else contextlib.nullcontext():
             if args.overwrite and dist.is_main_process():  # the others wait at validation meanwhile
@@ -200,7 +209,9 @@ def _train(args) -> int:
     nproc = 1 if args.nproc is None else args.nproc
     if nproc < 1:
         raise ConfigError([f"--nproc: must be at least 1 (got {nproc})"])
-    if problems := checks.launch_problems(args.nnodes, args.node_rank, args.master, args.max_restarts):
+    launches = not (args.nproc is None and args.nnodes == 1 and not args.max_restarts)
+    if problems := (checks.launch_problems(args.nnodes, args.node_rank, args.master, args.max_restarts)
+                    or checks.numa_problems(args.numa_binding, launches)):
         raise ConfigError(problems)
     first = args.node_rank == 0  # node 0 holds rank 0, which writes: it alone checks and locks output_dir
     nproc_total = nproc * args.nnodes
@@ -214,12 +225,12 @@ def _train(args) -> int:
             checks.clear_run_folder(cfg.output_dir)
         if first and (problems := checks.output_problems(cfg, args.resume, nproc_total)):  # a run that ended since
             raise ConfigError(problems)
-        if args.nproc is None and args.nnodes == 1 and not args.max_restarts:
+        if not launches:
             with _validated():
                 return _run(cfg, args.resume)
         child = ["train", args.config, *args.overrides] + (["--resume"] if args.resume else [])
         return dist.torchrun(nproc, ["ddptune", *child], nnodes=args.nnodes, node_rank=args.node_rank,
-                             master=args.master, max_restarts=args.max_restarts)
+                             master=args.master, max_restarts=args.max_restarts, numa_binding=args.numa_binding)
 
 
 def _plan(args) -> int:

@@ -50,6 +50,10 @@ def validated_by_parent() -> bool:
     return os.environ.get(VALIDATED) == "1"
 
 
+# torch's modes (torch.numa.binding.AffinityMode), for `--numa-binding`
+NUMA_BINDINGS = ("node", "socket", "exclusive", "core-complex")
+
+
 def default_threads(nproc: int, cuda: bool | None = None) -> int:
     """OpenMP threads for each of `nproc` processes on this host: OMP_NUM_THREADS when set, else 1
     on GPUs and cores // nproc on CPUs.
@@ -68,13 +72,16 @@ def default_threads(nproc: int, cuda: bool | None = None) -> int:
 
 
 def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = None,
-             nnodes: int = 1, node_rank: int = 0, master: str | None = None, max_restarts: int = 0) -> int:
+             nnodes: int = 1, node_rank: int = 0, master: str | None = None, max_restarts: int = 0,
+             numa_binding: str | None = None) -> int:
     """Run `python -m <module_args...>` in `nproc` processes on this host; return the exit code.
 
     One machine: torchrun's standalone rendezvous on a free local port. Several (`nnodes`, the same
     command on each with its `node_rank`): torchrun's static rendezvous at `master` (HOST:PORT of
     node 0), so global rank 0, the one that writes, is on node 0. `max_restarts`: torchrun restarts
     every worker after one fails, up to that many times (they resume from the newest checkpoint).
+    `numa_binding` (one of NUMA_BINDINGS, GPUs only): torchrun's own binding of each worker's threads
+    to CPUs near its GPU (`exclusive`: a share of the GPU's NUMA node that no other worker uses).
 
     `module_args` starts with the module name, e.g. ["ddptune", "train", "cfg.yaml"]. Each child gets
     `default_threads(nproc)` OpenMP threads unless OMP_NUM_THREADS is set (in `env` or here).
@@ -89,8 +96,9 @@ def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = No
     else:
         host, _, port = master.rpartition(":")
         rendezvous = [f"--nnodes={nnodes}", f"--node_rank={node_rank}", f"--master_addr={host}", f"--master_port={port}"]
+    binding = [f"--numa-binding={numa_binding}"] if numa_binding else []
     cmd = [sys.executable, "-m", "ddptune.launcher", *rendezvous, f"--nproc_per_node={nproc}",
-           f"--max_restarts={max_restarts}", "-m", *module_args]
+           f"--max_restarts={max_restarts}", *binding, "-m", *module_args]
     child_env = dict(os.environ if env is None else env)
     child_env.setdefault("OMP_NUM_THREADS", str(default_threads(nproc)))
     child_env[VALIDATED] = "1"

@@ -87,6 +87,7 @@ def main(args) -> int:
     # 1. Plan and validate every run before anything runs or any folder is made.
     problems = config_lib.check_values(cfg)
     problems += checks.folder_problems("--out", out)
+    problems += checks.numa_problems(args.numa_binding, launches=True)
     if out.is_dir() and any(out.iterdir()):
         problems.append(f"--out: {out} already holds files (choose another --out, or remove it)")
     if warmup < 0 or measured < 1:
@@ -130,7 +131,7 @@ def main(args) -> int:
         run["command"] = shlex.join(child)
         print(f"ddptune scale: {run['nproc']} process(es), {run['steps']} steps: {shlex.join(child[1:])}", flush=True)
         before = env.cpu_times()
-        rc = dist.torchrun(run["nproc"], child, env=child_env)
+        rc = dist.torchrun(run["nproc"], child, env=child_env, numa_binding=args.numa_binding)
         run["host_cpu"] = env.cpu_share(before, env.cpu_times())  # a busy or stolen host explains lost compute
         if rc != 0:
             print(f"ddptune scale: the run with {run['nproc']} process(es) failed (exit {rc}); see {run['dir']}", file=sys.stderr)
@@ -155,10 +156,11 @@ def main(args) -> int:
     manifest = {
         "command": shlex.join(["ddptune", "scale", args.config, *overrides, "--nproc", args.nproc, "--mode", args.mode,
                                "--steps", str(measured), "--warmup", str(warmup), "--out", str(out),
-                               "--bandwidth-sizes", args.bandwidth_sizes]),
+                               "--bandwidth-sizes", args.bandwidth_sizes]
+                              + (["--numa-binding", args.numa_binding] if args.numa_binding else [])),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "modes": modes, "config": args.config,
         "overrides": overrides, "seed": cfg.train.seed, "sample_window": {m: list(w) for m, w in windows.items()},
-        "threads_per_process": threads,
+        "threads_per_process": threads, "numa_binding": args.numa_binding,
         "batch": [{"mode": m, "nproc": n, **dataclasses.asdict(p), "global_batch": p.global_batch, "describe": p.describe()}
                   for (m, n), p in plans.items()],
         "runs": {k: {"nproc": r["nproc"], "steps": r["steps"], "dir": str(r["dir"]), "command": r["command"]} for k, r in runs.items()},
