@@ -20,6 +20,8 @@
 #                                            # of each value in THREADS (default "1 16"; 1 is ddptune's default on GPUs)
 #   bash benchmarks/scaling_x2.sh binding    # the CPU-binding lever: the 8B job same-per-device without and with
 #                                            # --numa-binding exclusive (torchrun's; needs numactl on the machine)
+#   bash benchmarks/scaling_x2.sh graphs     # why CUDA graphs over the layers give NaN gradients under DDP: every variant of
+#                                            # benchmarks/graphs_probe.py, SmolLM2 shape, at 1 and 2 processes
 #   bash benchmarks/scaling_x2.sh stalls     # why a full fine-tune's steps stall: the 1B full run at 1 GPU with
 #                                            # TORCH_LOGS=recompiles, its per-step times and the recompile log
 #   bash benchmarks/scaling_x2.sh cache      # the compiler's cache to $OUT/inductor.tgz (kept only under the 16 MiB a
@@ -122,6 +124,12 @@ binding)
     keep_runs /tmp/scale-8b-bind-$b "$OUT/scale_8b_binding_$b"
   done
   ;;
+graphs)
+  for n in 1 2; do
+    torchrun --standalone --nproc_per_node $n benchmarks/graphs_probe.py --preset smollm2-135m --steps 8 \
+      --out "$OUT/graphs_probe_n$n.json" 2>&1 | grep '^{' || true
+  done
+  ;;
 stalls)
   TORCH_LOGS=recompiles python3 -m ddptune train configs/samsum_qlora_llama31_8b.yaml model.source=preset:llama-3.2-1b \
     model.tokenizer=$TOK train.method=full data.train=$DATA data.train_rows=0:700 data.val=null train.max_steps="$STEPS" \
@@ -135,5 +143,5 @@ cache)
   size=$(stat -c %s "$OUT/inductor.tgz")
   if [ "$size" -gt 16000000 ]; then rm "$OUT/inductor.tgz"; echo "compiler cache: $size bytes, over what \$OUT brings back"; fi
   ;;
-*) echo "usage: $0 recipe|qlora-8b|smollm2|full-1b|full-8b|full-8b-1gpu|threads|binding|stalls|cache" >&2; exit 2 ;;
+*) echo "usage: $0 recipe|qlora-8b|smollm2|full-1b|full-8b|full-8b-1gpu|threads|binding|graphs|stalls|cache" >&2; exit 2 ;;
 esac
