@@ -50,8 +50,12 @@ def validated_by_parent() -> bool:
     return os.environ.get(VALIDATED) == "1"
 
 
-# torch's modes (torch.numa.binding.AffinityMode), for `--numa-binding`
-NUMA_BINDINGS = ("node", "socket", "exclusive", "core-complex")
+try:  # torchrun's modes for `--numa-binding` (torch >= 2.9; an older torch offers none)
+    from torch.numa.binding import AffinityMode
+
+    NUMA_BINDINGS = tuple(m.value for m in AffinityMode)
+except ImportError:
+    NUMA_BINDINGS = ()
 
 
 def default_threads(nproc: int, cuda: bool | None = None) -> int:
