@@ -42,10 +42,10 @@ export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-cache}
 if [ -f .inductor/inductor.tgz ] && [ ! -d "$TORCHINDUCTOR_CACHE_DIR" ]; then
   mkdir -p "$TORCHINDUCTOR_CACHE_DIR" && tar xzf .inductor/inductor.tgz -C "$TORCHINDUCTOR_CACHE_DIR"
 fi
-keep_runs() {  # DIR PREFIX: a scale run's tables and every process count's per-step files, as far as they got
+keep_runs() {  # DIR PREFIX: a scale run's tables, and every process count's per-step files as far as they got
+  # in one PREFIX_runs.tgz (a device call brings back at most 8 files: one file per count would crowd them out)
   for f in scaling.json scaling.md scaling.png; do [ -f "$1/$f" ] && cp "$1/$f" "$2.${f#*.}"; done
-  find "$1" -name ranks.jsonl -o -name metrics.jsonl | while read -r f; do
-    cp "$f" "$2_$(basename "$(dirname "$f")")_$(basename "$f")"; done
+  (cd "$1" 2>/dev/null && find . -name ranks.jsonl -o -name metrics.jsonl | tar czf "$2_runs.tgz" -T -)
   return 0
 }
 quiet() { tr '\r' '\n' | grep -v -E '^(train|Loading weights|generate)' ; }
@@ -63,7 +63,7 @@ recipe)
   ;;
 qlora-8b)
   # a run cut by the call's limit leaves no scaling.json, but every finished run's ranks.jsonl and
-  # metrics.jsonl are copied (scaling_report.py --ranks rebuilds the rows from them)
+  # metrics.jsonl are kept in scale_8b_MODE_runs.tgz (scaling_report.py --ranks rebuilds the rows from them)
   mode=${MODE:-both}; dir=/tmp/scale-8b-$mode
   trap 'keep_runs "$dir" "$OUT/scale_8b_$mode"' EXIT
   trap 'exit 143' TERM  # timeout's SIGTERM: leave through the EXIT trap
