@@ -7,7 +7,8 @@ Each variant trains SmolLM2-135M's shape (LoRA, random weights: the same compute
 ones) on 16 SAMSum samples a step through `torchrun --nproc_per_node 1` (DDP around one process,
 as `ddptune scale` runs n = 1), profiles 5 steps, and reports the median step after 5 warm-up
 steps, with the recompiles torch logged. Variants: layers = the shipped default (each decoder
-layer compiled); eager = nothing compiled; decoder = the whole decoder stack compiled as one graph.
+layer compiled); graphs = compiled layers replayed as CUDA graphs (train.cuda_graphs); eager =
+nothing compiled; decoder = the whole decoder stack compiled as one graph.
 Writes benchmarks/results/<name>.json (and $OUT/<name>.json on the device machine).
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ def child(args) -> None:
         "data.train_rows=0:700", "data.val=null", "eval.enabled=false", "train.effective_batch_size=16",
         "train.grad_accum=null", f"train.max_steps={args.steps}", "train.warmup_steps=2", "train.lr=1e-3",
         f"train.compile={'false' if args.variant in ('eager', 'decoder') else 'true'}",
+        f"train.cuda_graphs={'true' if args.variant == 'graphs' else 'false'}",
         f"train.profile_steps={args.profile}", f"output_dir={args.out}"])
     r = train.setup(cfg)
     if args.variant == "decoder":
@@ -65,7 +67,7 @@ def main() -> int:
     for variant in args.variants.split(","):
         out = work / variant
         log = work / f"{variant}.log"
-        env = dict(os.environ, TORCH_LOGS="recompiles", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, TORCH_LOGS="recompiles,perf_hints", PYTHONUNBUFFERED="1")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", __file__,
                "--tokenizer", args.tokenizer, "--data", args.data, "--steps", str(args.steps), "--profile", str(args.profile),
                "--variant", variant, "--out", str(out)]
@@ -86,6 +88,7 @@ def main() -> int:
             "mfu": statistics.fmean(r["mfu"] for r in kept) if "mfu" in kept[0] else None,
             "first_step_s": rows[0]["step_time_s"], "losses": [r["loss"] for r in rows],
             "recompiles": text.count("Recompiling function"),
+            "cudagraph_skips": sorted({l.strip()[:300] for l in text.splitlines() if "skipping cudagraphs" in l})[:12],
             "recompile_reasons": [l.strip()[:300] for l in text.splitlines() if "triggered by the following guard" in l
                                   or l.strip().startswith("- ")][:12],
         }

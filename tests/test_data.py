@@ -123,11 +123,26 @@ def test_packing_keeps_samples_apart():
     # position t predicts token t+1, never across a sample boundary; found on the host
     assert batch["target_index"].tolist() == [2, 3, 5, 6] and batch["targets"].tolist() == [7, 8, 7, 8]
     assert sum(len(data.collate_packed(f)["targets"]) for f in forwards) == 6 == data.target_tokens(ex)
+    # for CUDA graphs: padded to a multiple of 16 tokens by a pad sample, boundaries to 64 entries
+    fixed = data.collate_packed(forwards[0], pad_to=16, max_length=32)
+    assert fixed["input_ids"].shape == (1, 16) and fixed["max_length_q"] == 32
+    assert fixed["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7]]
+    assert fixed["cu_seq_lens_q"].tolist() == [0, 5, 8] + [16] * 61
+    assert fixed["target_index"].tolist() == [2, 3, 5, 6] and fixed["targets"].tolist() == [7, 8, 7, 8]
+    # a pad longer than the longest sample is cut into pad samples of at most that length: the flash
+    # kernel leaves every position of a sample past max_length_q unwritten (NaN gradients on H200)
+    long = data.collate_packed(forwards[0], pad_to=30, max_length=5)
+    cu = long["cu_seq_lens_q"].tolist()
+    assert cu[:8] == [0, 5, 8, 13, 18, 23, 28, 30] and set(cu[8:]) == {30} and len(cu) == 64
+    assert max(b - a for a, b in zip(cu, cu[1:])) <= long["max_length_q"] == 5
+    assert long["targets"].tolist() == [7, 8, 7, 8]
 
 
-def test_packed_forward_equals_separate_forwards():
+@pytest.mark.parametrize("pad_to", [0, 16])
+def test_packed_forward_equals_separate_forwards(pad_to):
     """No sample attends across another: the packed loss (varlen attention, one row) equals the
-    sum of the samples' own losses, and so do its gradients."""
+    sum of the samples' own losses, and so do its gradients; also with the row padded to a fixed
+    shape for CUDA graphs (a pad sample and empty samples)."""
     ex = []
     g = torch.Generator().manual_seed(0)
     for n in (9, 14, 6):
@@ -137,7 +152,7 @@ def test_packed_forward_equals_separate_forwards():
     for packed in (False, True):
         net = model_lib.CausalLMLoss(model_lib.build_preset("tiny", 0, torch.float32, torch.device("cpu"), "varlen"))
         if packed:
-            loss = net(**data.collate_packed(ex), num_items=1)
+            loss = net(**data.collate_packed(ex, pad_to=pad_to), num_items=1)
         else:
             loss = sum(net(**data.collate([e], 0), num_items=1) for e in ex)
         loss.backward()

@@ -1,6 +1,8 @@
 """GPU-only checks (skipped without CUDA; run on the device machine, see BENCHMARKS.md)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -102,3 +104,67 @@ def test_numa_binding_exclusive_gives_each_process_cores_of_its_own(tmp_path):
     cpus = [set(map(int, (tmp_path / str(r)).read_text().split(","))) for r in range(n)]
     assert all(cpus) and all(c <= os.sched_getaffinity(0) for c in cpus)
     assert sum(map(len, cpus)) == len(set().union(*cpus))  # disjoint
+
+
+@cuda
+def test_flash_varlen_takes_a_padded_row_with_empty_samples():
+    """The fixed shapes of train.cuda_graphs: a pad sample, boundaries repeated (empty samples) and
+    max_length above every sample's length leave the real samples' attention and gradients as they are."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    lengths = [37, 200, 5]
+    real = sum(lengths)
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    padded_cu = torch.tensor([0, 37, 237, 242, 256] + [256] * 59, device="cuda", dtype=torch.int32)
+    q, k, v = (torch.randn(256, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True) for _ in range(3))
+    out = model_lib._flash_varlen(q[:real], k[:real], v[:real], cu, max(lengths), 0.125)
+    fixed = model_lib._flash_varlen(q, k, v, padded_cu, 512, 0.125)
+    assert torch.equal(fixed[:real], out)
+    w = torch.randn_like(out)
+    a = torch.autograd.grad((out.float() * w).sum(), (q, k, v))
+    b = torch.autograd.grad((fixed[:real].float() * w).sum(), (q, k, v))
+    for x, y in zip(a, b):
+        assert torch.allclose(x[:real].float(), y[:real].float(), atol=1e-3)
+
+
+@cuda
+def test_flash_varlen_computes_every_position_of_a_row_padded_for_graphs():
+    """A row padded for CUDA graphs far past the longest sample: every position, pad samples
+    included, gets the attention it would get alone, and every gradient is finite. (One pad sample
+    longer than max_length_q left positions unwritten: finite loss, NaN gradients on H200.)"""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    ex = [{"input_ids": [1] * n, "labels": [1] * n} for n in (37, 200, 5)]
+    row = data.collate_packed(ex, pad_to=1024, max_length=200)
+    cu = row["cu_seq_lens_q"].cuda()
+    q, k, v = (torch.randn(1024, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True) for _ in range(3))
+    out = model_lib._flash_varlen(q, k, v, cu, row["max_length_q"], 0.125)
+    bounds = sorted(set(cu.tolist()))
+    ref = torch.cat([
+        torch.nn.functional.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1).float(), k[a:b].transpose(0, 1).float(), v[a:b].transpose(0, 1).float(),
+            is_causal=True, scale=0.125).transpose(0, 1)
+        for a, b in zip(bounds[:-1], bounds[1:])])
+    assert bounds[-1] == 1024 and (out.float() - ref).abs().max() < 2e-2
+    out.float().square().sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+@cuda
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_cuda_graphs_train_to_the_losses_of_compiled_layers(tmp_path, checkpointing):
+    """train.cuda_graphs changes how kernels are launched, not the math: same losses as compiled
+    layers without graphs (bf16, so within rounding), and the gradients are not overwritten by replays;
+    also with gradient checkpointing (moved inside the compiled layer)."""
+    from conftest import ROOT
+    from ddptune import config, train
+
+    runs = {}
+    for graphs in (False, True):
+        cfg = config.load(ROOT / "configs" / "tiny.yaml", [
+            f"output_dir={tmp_path / str(graphs)}", "train.max_steps=8", "data.val=null", "train.compile=true",
+            f"train.cuda_graphs={str(graphs).lower()}", "train.micro_batch_size=8",
+            f"train.gradient_checkpointing={str(checkpointing).lower()}"])
+        summary, _ = train.run(cfg)
+        runs[graphs] = [json.loads(l)["loss"] for l in (tmp_path / str(graphs) / "metrics.jsonl").read_text().splitlines()
+                        if '"loss"' in l]
+    assert runs[True] == pytest.approx(runs[False], rel=2e-2)
+    assert runs[True][-1] < runs[True][0]

@@ -138,6 +138,13 @@ class TrainConfig:
     """Compile each decoder layer with torch.compile (one graph shared by all layers, dynamic
     lengths): far fewer kernel launches and fused element-wise work, same math. Costs one to two
     minutes of compiling in the first step. auto: on CUDA, off on CPU (slow to compile there)."""
+    cuda_graphs: bool = False
+    """With packing and compiled layers on a GPU: replay each decoder layer's kernels as a CUDA
+    graph (torch.compile's reduce-overhead mode), one launch per layer instead of dozens, for steps
+    whose time goes to the host issuing kernels (small models, small shares). Every packed row is
+    padded to the run's longest (rounded up to 256 tokens; the pad is made of samples of its own,
+    outside the loss), so one shape repeats: the GPU computes the padding too (about a third more
+    tokens on SAMSum), and the recorded graphs keep their own GPU memory. DDP only."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """auto: bf16 compute on GPU, fp32 on CPU."""
     seed: int = 0
@@ -424,6 +431,10 @@ def check_values(cfg: Config) -> list[str]:
         problems.append(f"train.seed: {t.seed} is outside 0..{2**32 - 1} (numpy and torch seeds are 32-bit)")
     if t.packing and t.tokens_per_forward < d.max_length:
         problems.append(f"train.tokens_per_forward: {t.tokens_per_forward} is shorter than data.max_length {d.max_length} (raise it)")
+    if t.cuda_graphs and (not t.packing or t.compile is False or t.strategy == "fsdp"):
+        problems.append("train.cuda_graphs: needs train.packing=true, train.compile not false and train.strategy=ddp "
+                        "(graphs replay the compiled layers at one padded length; FSDP gathers weights around each layer), "
+                        "or set train.cuda_graphs=false")
     if t.packing and cfg.model.attn_implementation not in PACKED_ATTENTION:
         problems.append(f"train.packing: needs model.attn_implementation in {list(PACKED_ATTENTION)} "
                         f"({cfg.model.attn_implementation} would attend across the whole packed row): use varlen, or set train.packing=false")

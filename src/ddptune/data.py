@@ -295,21 +295,35 @@ def pack(examples: list[dict], tokens_per_forward: int) -> list[list[dict]]:
     return groups
 
 
-def collate_packed(examples: list[dict]) -> dict:
+def collate_packed(examples: list[dict], pad_to: int = 0, max_length: int = 0) -> dict:
     """One row of concatenated samples: input_ids, position_ids that restart at 0 for every sample,
     the boundaries as transformers' varlen arguments (cu_seq_lens_q/k: int32 cumulative lengths;
     max_length_q/k), and the loss targets with their positions. No padding and no mask: the
-    attention kernel keeps every sample to itself."""
+    attention kernel keeps every sample to itself.
+
+    For replayed CUDA graphs the shapes must repeat: `pad_to` rounds the row up to a multiple of
+    that many tokens with pad samples (no targets), the boundaries are repeated up to a multiple of
+    64 entries (empty samples), and `max_length` (the data's) is given as the longest sample. No pad
+    sample is longer than that: the flash kernel computes nothing past `max_length_q` in a sample and
+    leaves those positions' outputs unwritten (whatever the memory held, NaN included, which then
+    reaches the weight gradients as 0 * NaN although the loss never looks at them)."""
     lengths = [len(e["input_ids"]) for e in examples]
-    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    labels = [[t for e in examples for t in e["labels"]]]
+    longest = max_length or max(lengths)
+    pad = -sum(lengths) % pad_to if pad_to else 0
+    pads = [longest] * (pad // longest) + ([pad % longest] if pad % longest else [])
+    ids = [t for e in examples for t in e["input_ids"]] + [0] * pad
+    labels = [[t for e in examples for t in e["labels"]] + [IGNORE] * pad]
+    bounds = [0] + lengths + pads
+    cu = torch.tensor(bounds, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     for a in cu[1:-1].tolist():  # the last token of a sample predicts nothing in the next one
         labels[0][a] = IGNORE
+    if pad_to:
+        cu = torch.cat([cu, cu[-1:].expand(-len(cu) % 64)])
     index, targets = targets_of(labels)
     return {
-        "input_ids": torch.tensor([[t for e in examples for t in e["input_ids"]]]),
-        "position_ids": torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0),
-        "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths), "max_length_k": max(lengths),
+        "input_ids": torch.tensor([ids]),
+        "position_ids": torch.cat([torch.arange(n) for n in bounds[1:]]).unsqueeze(0),
+        "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest,
         "target_index": index, "targets": targets,
     }
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import inspect
@@ -184,7 +185,7 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
             torch.nn.functional.scaled_dot_product_attention(
                 q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
                 is_causal=True, scale=scaling, enable_gqa=True).transpose(0, 1)
-            for a, b in zip(bounds[:-1], bounds[1:])
+            for a, b in zip(bounds[:-1], bounds[1:]) if b > a  # empty samples pad the boundaries
         ])
     return out.unsqueeze(0), None
 
@@ -313,12 +314,31 @@ def load_model(m: ModelConfig, method: str, device: torch.device, precision: str
     return model
 
 
-def compile_layers(model) -> None:
+def compile_layers(model, cuda_graphs: bool = False) -> None:
     """torch.compile every decoder layer (regional compilation: the layers share one compiled
-    graph, so compile time is that of one layer)."""
+    graph, so compile time is that of one layer). With `cuda_graphs`, each layer's forward and
+    backward are recorded once per input shape and replayed (mode reduce-overhead). Graphs are
+    compiled for static shapes, one compile per padded length: in torch 2.11 replaying graphs
+    compiled for dynamic shapes crashed the process (SIGSEGV in the backward, seen on H200)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if cuda_graphs:  # a few padded lengths, times the first layer (whose input needs no gradient)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     for layer in base.get_decoder().layers:
-        layer.compile(dynamic=True)
+        if cuda_graphs and getattr(layer, "gradient_checkpointing", False):
+            # Some transformers versions (5.17) checkpoint around the compiled call, so the backward
+            # would replay the forward's graph in the middle of the backward's. Checkpoint inside the
+            # compiled layer instead: its backward graph recomputes the layer (still only the layer's
+            # inputs are kept), and each recording holds one whole forward or backward.
+            layer.gradient_checkpointing = False
+            layer.forward = _checkpointed(layer.forward)
+        layer.compile(dynamic=not cuda_graphs, mode="reduce-overhead" if cuda_graphs else None)
+
+
+def _checkpointed(forward):
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return run
 
 
 def use_checkpointing(setting: bool | str, added_bytes: float, device: torch.device) -> bool:

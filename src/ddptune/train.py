@@ -48,6 +48,7 @@ class Interrupted(Exception):
 
 
 GC_EVERY = 50  # optimizer steps between collections of Python's young generations (every process at once)
+GRAPH_PAD = 256  # with train.cuda_graphs, every packed row is padded to the run's longest, rounded up to this
 
 
 @dataclass
@@ -74,9 +75,11 @@ class Run:
     total_steps: int
     checkpointing: bool
     compiled: bool
+    graphs: bool          # compiled layers replayed as CUDA graphs
     load_s: float
     started: float = 0.0  # perf_counter when setup began: the run's wall time counts from here
     eval_s: float = 0.0   # validation and generation (zero-shot, final), the run's "eval" time
+    graph_tokens: int = 0  # with graphs: the one length every packed row is padded to
 
 
 @dataclass
@@ -176,13 +179,16 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     ddp_model, optimizer = accelerator.prepare(loss_model, optimizer)
     clock = dist.StepClock(accelerator.device)
     dist.time_gradient_sync(ddp_model, clock)
+    graphs = compiled and cfg.train.cuda_graphs and accelerator.device.type == "cuda"
 
     start = resume_from(out, model, optimizer, scheduler, accelerator, plan.global_batch) if resume else 0
     targets = [data.target_tokens([e]) for e in train_set]
     costs = [flops.sample(len(e["input_ids"]), t) for e, t in zip(train_set, targets)]
     r = Run(cfg, plan, accelerator, out, tokenizer, train_set, val_set, model, loss_model, ddp_model, optimizer,
-            scheduler, clock, flops, costs, targets, start, total_steps, checkpointing, compiled,
+            scheduler, clock, flops, costs, targets, start, total_steps, checkpointing, compiled, graphs,
             time.perf_counter() - t0, started)
+    if graphs:
+        prepare_graphs(r)
     announce(r)
     return r
 
@@ -239,7 +245,7 @@ def build_model(cfg: Config, accelerator: Accelerator, plan: BatchPlan):
     model = model_lib.add_adapters(base, t.method, cfg.lora, checkpointing)
     compiled = t.compile is True or (t.compile == "auto" and accelerator.device.type == "cuda")
     if compiled:
-        model_lib.compile_layers(model)
+        model_lib.compile_layers(model, t.cuda_graphs and accelerator.device.type == "cuda")
     return model, checkpointing, compiled
 
 
@@ -257,11 +263,26 @@ def build_optimizer(cfg: Config, model, total_steps: int):
     return opt, sched
 
 
+def prepare_graphs(r: Run) -> None:
+    """One shape for the whole run (each new length would be a compile and a recording): the
+    longest packed row any process will see, rounded up; and gradients allocated once, outside the
+    graphs' memory, which every replay overwrites."""
+    rows = [sum(len(e["input_ids"]) for e in group) for step in range(r.start, r.total_steps)
+            for rank in split_step(r, step).forwards for group in rank]  # the same on every process
+    r.graph_tokens = -(-max(rows) // GRAPH_PAD) * GRAPH_PAD
+    r.accelerator.print(f"ddptune: CUDA graphs: every packed row padded to {r.graph_tokens} tokens "
+                        f"({1 - sum(rows) / (r.graph_tokens * len(rows)):.0%} of the computed tokens are padding)")
+    for p in r.model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+
+
 def announce(r: Run) -> None:
     say, cfg, acc = r.accelerator.print, r.cfg, r.accelerator
     trainable, total = model_lib.count_params(r.model)
     say(f"ddptune: {cfg.model.source} | {cfg.train.method} | {trainable:,} of {total:,} parameters trained"
-        f" | gradient checkpointing {'on' if r.checkpointing else 'off'} | compiled layers {'on' if r.compiled else 'off'}")
+        f" | gradient checkpointing {'on' if r.checkpointing else 'off'} | compiled layers {'on' if r.compiled else 'off'}"
+        + (" as CUDA graphs" if r.graphs else ""))
     say(f"ddptune: {acc.num_processes} process(es) on {acc.device.type} ({acc.distributed_type.value}, "
         f"mixed precision {acc.mixed_precision}){', ' + cfg.model.attn_implementation + ' attention' if cfg.train.packing else ''}")
     say(f"ddptune: {r.plan.describe()}" + ("; each step's samples split into shares of equal cost" if acc.num_processes > 1 else ""))
@@ -417,7 +438,9 @@ def train_step(r: Run, step: int) -> dict:
     sharded = dist.sharded(r.loss_model)
     for k, group in enumerate(forwards):
         # an empty group (sharded runs only, see lockstep): a forward in step with the others that counts nothing
-        batch = to_device(collate(r.cfg, group or forwards[0][:1], r.tokenizer.pad_token_id), acc.device)
+        batch = to_device(collate(r.cfg, group or forwards[0][:1], r.tokenizer.pad_token_id, r.graph_tokens), acc.device)
+        if r.graphs:  # a new forward: the previous replay's outputs are no longer needed
+            torch.compiler.cudagraph_mark_step_begin()
         sync = sharded or k == len(forwards) - 1
         with (nullcontext() if sync else acc.no_sync(r.ddp_model)), acc.autocast():
             loss = r.ddp_model(**batch, num_items=share.targets)
@@ -432,8 +455,8 @@ def train_step(r: Run, step: int) -> dict:
     lr = r.scheduler.get_last_lr()[0]
     r.optimizer.step()
     r.scheduler.step()
-    # DDP's gradients are views of its all-reduce buckets: zero them in place (None would mean a copy next step)
-    r.optimizer.zero_grad(set_to_none=dist.ddp_wrapper(r.ddp_model) is None)
+    # DDP's gradients are views of its all-reduce buckets (and graphs' must stay put): zero them in place
+    r.optimizer.zero_grad(set_to_none=not (r.graphs or dist.ddp_wrapper(r.ddp_model)))
     marks = r.clock.finish()
     return {"step": step, "share": share, "lr": lr, "loss": acc.reduce(loss_sum, "sum"), "grad_norm": grad_norm.detach(),
             "marks": marks}
@@ -463,7 +486,10 @@ def split_step(r: Run, step: int) -> Share:
         forwards = lockstep(forwards)
     longest = lambda group: max(len(e["input_ids"]) for e in group)  # noqa: E731
     tokens = [sum(len(r.train_set[i]["input_ids"]) for i in rank) for rank in ranks]
-    computed = sum(tokens) if r.cfg.train.packing else sum(len(g) * longest(g) for rank in forwards for g in rank)
+    if r.graph_tokens:  # every packed row padded to the one length the graphs were recorded at
+        computed = r.graph_tokens * sum(map(len, forwards))
+    else:
+        computed = sum(tokens) if r.cfg.train.packing else sum(len(g) * longest(g) for rank in forwards for g in rank)
     return Share(forwards, sum(r.targets[i] for i in idx), tokens, computed, [sum(r.costs[i] for i in rank) for rank in ranks])
 
 
@@ -497,8 +523,12 @@ def layout(cfg: Config, examples: list[dict]) -> list[list[dict]]:
     return [ordered[i:i + t.micro_batch_size] for i in range(0, len(ordered), t.micro_batch_size)]
 
 
-def collate(cfg: Config, group: list[dict], pad_id: int) -> dict:
-    return data.collate_packed(group) if cfg.train.packing else data.collate(group, pad_id)
+def collate(cfg: Config, group: list[dict], pad_id: int, pad_to: int = 0) -> dict:
+    if not cfg.train.packing:
+        return data.collate(group, pad_id)
+    if pad_to:  # one repeating shape for the recorded graphs
+        return data.collate_packed(group, pad_to=pad_to, max_length=cfg.data.max_length)
+    return data.collate_packed(group)
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
