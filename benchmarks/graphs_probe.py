@@ -22,6 +22,12 @@ Variants (comma-separated in --variants):
   compiled-empty, graphs-empty
                   the boundaries padded with empty samples (cu_seq_lens repeated up to a multiple of
                   64), as the branch wip/cuda-graphs padded them to keep one shape: is it the kernel?
+  graphs-decoder  the whole decoder stack compiled as one graph (not layer by layer) and replayed:
+                  a handful of replays a step instead of one per layer and direction, for steps whose
+                  time is the host's (small models; 2 processes side by side). Its first step is the
+                  compile: see first_step_s.
+(Found with this probe and call 2 of 2026-11-30's fourth session: none of these caused the NaN; an
+over-long pad sample did. See BENCHMARKS.md, "CUDA graphs under DDP, fixed".)
 On CPU every variant runs without graphs (inductor skips them for CPU tensors): a smoke test.
 """
 from __future__ import annotations
@@ -40,7 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddptune import config as config_lib, data, model as model_lib
 
 VARIANTS = ("compiled", "graphs", "graphs-nobv", "graphs-keep", "graphs-nodrop", "graphs-nomark", "graphs-noddp",
-            "compiled-empty", "graphs-empty")
+            "compiled-empty", "graphs-empty", "graphs-decoder")
 
 
 def batch(step: int, rank: int, tokens: int, samples: int, vocab: int, device: torch.device, empty: bool) -> dict:
@@ -66,8 +72,12 @@ def run_variant(name: str, args, rank: int, world: int, device: torch.device) ->
     model = model_lib.build_preset(args.preset, 0, dtype, device, "varlen" if cuda else "sdpa")
     lora = config_lib.LoraConfig(r=16, alpha=32, dropout=0.0 if name == "graphs-nodrop" else args.dropout)
     model = model_lib.add_adapters(model, "lora", lora, gradient_checkpointing=False)
-    for layer in model.get_base_model().get_decoder().layers:
-        layer.compile(dynamic=False, mode="reduce-overhead" if graphs else None)
+    decoder = model.get_base_model().get_decoder()
+    if name == "graphs-decoder":
+        decoder.compile(dynamic=False, mode="reduce-overhead")
+    else:
+        for layer in decoder.layers:
+            layer.compile(dynamic=False, mode="reduce-overhead" if graphs else None)
     net = model_lib.CausalLMLoss(model).to(device)
     if name != "graphs-noddp":
         net = DistributedDataParallel(net, device_ids=[device.index] if cuda else None, broadcast_buffers=False,
@@ -108,7 +118,7 @@ def summary(rows: list[dict], reference: list[dict] | None) -> dict:
         drift = max(abs(a["grad_norm"] - b["grad_norm"]) / max(abs(b["grad_norm"]), 1e-12) for a, b in zip(rows, reference))
     times = [r["step_s"] for r in rows[3:]] or [r["step_s"] for r in rows]
     return {"variant": rows[0]["variant"], "first_nonfinite_step": bad, "max_rel_grad_norm_drift": drift,
-            "median_step_ms": 1000 * statistics.median(times)}
+            "median_step_ms": 1000 * statistics.median(times), "first_step_s": rows[0]["step_s"]}
 
 
 def main() -> int:

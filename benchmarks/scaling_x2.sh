@@ -11,6 +11,9 @@
 #   bash benchmarks/scaling_x2.sh qlora-8b   # ddptune scale on the same job, 1 and 2 GPUs, both modes
 #   bash benchmarks/scaling_x2.sh smollm2    # SmolLM2-135M LoRA (real weights at $SMOLLM2), global batch 16, 1 and 2 GPUs,
 #                                            # with validation loss and ROUGE on SAMSum rows 700-817 at each count
+#   bash benchmarks/scaling_x2.sh smollm2-shape  # the same SmolLM2 job with random weights (no GGUF to carry, no ROUGE):
+#                                            # scale at 1 and 2 GPUs, then `train` at 1 GPU for the step time and losses,
+#                                            # each with and without train.cuda_graphs (GRAPHS="true false"), about 300 s each
 #   bash benchmarks/scaling_x2.sh full-1b    # Llama-3.2-1B shape, full fine-tuning: DDP and FSDP, 1 and 2 GPUs, with `plan`
 #                                            # (STRATEGIES=fsdp for one of them)
 #   bash benchmarks/scaling_x2.sh full-8b    # Llama-3.1-8B shape, full fine-tuning with AdamW: `plan` for 1 GPU (does not fit)
@@ -20,8 +23,8 @@
 #                                            # of each value in THREADS (default "1 16"; 1 is ddptune's default on GPUs)
 #   bash benchmarks/scaling_x2.sh binding    # the CPU-binding lever: the 8B job same-per-device without and with
 #                                            # --numa-binding exclusive (torchrun's; needs numactl on the machine)
-#   bash benchmarks/scaling_x2.sh graphs     # why CUDA graphs over the layers give NaN gradients under DDP: every variant of
-#                                            # benchmarks/graphs_probe.py, SmolLM2 shape, at 1 and 2 processes
+#   bash benchmarks/scaling_x2.sh graphs     # CUDA graphs under DDP: the variants of benchmarks/graphs_probe.py (VARIANTS=a,b,..;
+#                                            # default all), SmolLM2 shape, at 1 and 2 processes (all: about 240 s)
 #   bash benchmarks/scaling_x2.sh stalls     # why a full fine-tune's steps stall: the 1B full run at 1 GPU with
 #                                            # TORCH_LOGS=recompiles, its per-step times and the recompile log
 #   bash benchmarks/scaling_x2.sh cache      # the compiler's cache to $OUT/inductor.tgz (kept only under the 16 MiB a
@@ -79,6 +82,18 @@ smollm2)
   cp /tmp/scale-smollm2/scaling.json "$OUT/scale_smollm2.json"; cp /tmp/scale-smollm2/scaling.md "$OUT/scale_smollm2.md"
   cp /tmp/scale-smollm2/scaling.png "$OUT/scale_smollm2.png"
   ;;
+smollm2-shape)
+  job=(configs/demo.yaml model.source=preset:smollm2-135m model.tokenizer=$TOK data.train=$DATA data.train_rows=0:700 data.val=null
+       data.max_length=512 train.effective_batch_size=16 train.grad_accum=null train.lr=5e-4 train.warmup_steps=5 eval.enabled=false $EXTRA)
+  for g in ${GRAPHS:-true false}; do
+    python3 -m ddptune scale "${job[@]}" train.cuda_graphs=$g --nproc 1,2 --mode same-global --steps 30 --warmup 4 \
+      --out /tmp/scale-smol-graphs$g 2>&1 | quiet | grep -E '^\| same|^ddptune: CUDA' | cut -c1-260
+    keep_runs /tmp/scale-smol-graphs$g "$OUT/scale_smollm2_shape_graphs$g"
+    python3 -m ddptune train "${job[@]}" train.cuda_graphs=$g train.max_steps=34 train.save_every=0 --nproc 1 \
+      output_dir=/tmp/train-smol-graphs$g 2>&1 | quiet | tail -2
+    cp /tmp/train-smol-graphs$g/metrics.jsonl "$OUT/train_smollm2_shape_graphs${g}_n1.jsonl"
+  done
+  ;;
 full-1b)
   job=(configs/samsum_qlora_llama31_8b.yaml model.source=preset:llama-3.2-1b model.tokenizer=$TOK train.method=full
        data.train=$DATA data.train_rows=0:700 data.val=null $EXTRA)
@@ -126,7 +141,7 @@ binding)
   ;;
 graphs)
   for n in 1 2; do
-    torchrun --standalone --nproc_per_node $n benchmarks/graphs_probe.py --preset smollm2-135m --steps 8 \
+    torchrun --standalone --nproc_per_node $n benchmarks/graphs_probe.py --preset smollm2-135m --steps 8 ${VARIANTS:+--variants $VARIANTS} \
       --out "$OUT/graphs_probe_n$n.json" 2>&1 | grep '^{' || true
   done
   ;;
@@ -143,5 +158,5 @@ cache)
   size=$(stat -c %s "$OUT/inductor.tgz")
   if [ "$size" -gt 16000000 ]; then rm "$OUT/inductor.tgz"; echo "compiler cache: $size bytes, over what \$OUT brings back"; fi
   ;;
-*) echo "usage: $0 recipe|qlora-8b|smollm2|full-1b|full-8b|full-8b-1gpu|threads|binding|graphs|stalls|cache" >&2; exit 2 ;;
+*) echo "usage: $0 recipe|qlora-8b|smollm2|smollm2-shape|full-1b|full-8b|full-8b-1gpu|threads|binding|graphs|stalls|cache" >&2; exit 2 ;;
 esac
