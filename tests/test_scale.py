@@ -164,6 +164,17 @@ def test_a_stall_inside_the_window_is_named_with_the_median_efficiency():
     assert "efficiency_median" not in steady and "median" not in (steady["note"] or "")
 
 
+def test_a_count_that_pads_less_says_so():
+    """Rows padded for CUDA graphs: a count whose longest row is shorter computes fewer padded tokens
+    per real token (efficiency can pass 100 %); the note names it, equal padding goes unnamed."""
+    one = scale.account({**_row(1, 16, 0.341, 0.338, 0, 0, 0.003), "padding": 0.27}, None, cuda=True)
+    two = scale.account({**_row(2, 16, 0.309, 0.305, 0.001, 0.0001, 0.003), "padding": 0.18}, one, cuda=True)
+    assert two["efficiency"] > 1 and "padding 18% of the computed tokens against 27% at n = 1" in two["note"]
+    assert "each GPU computes -11% tokens per real token" in two["note"]
+    same = scale.account({**_row(2, 16, 0.35, 0.34, 0.001, 0.0001, 0.003), "padding": 0.26}, one, cuda=True)
+    assert "padding" not in (same["note"] or "")
+
+
 def test_fsdp_rows_say_their_communication_is_counted_in_compute():
     one = scale.account({**_row(1, 8, 1.0, 0.9, 0, 0, 0.1), "strategy": "fsdp"}, None, cuda=True)
     two = scale.account({**_row(2, 8, 1.2, 1.1, 0.01, 0.0, 0.1), "strategy": "fsdp"}, one, cuda=True)

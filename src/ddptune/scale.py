@@ -23,6 +23,10 @@ A part smaller than twice its standard error over the window is reported as nois
 negative time. On CPU, a speedup above the process count means the runs fought over the cores:
 it is flagged as contention and not published.
 
+Padding: the share of the computed tokens that are padding (padded batches, or packed rows padded
+to one length for CUDA graphs, whose longest row depends on how the samples were split) is a column,
+and named in the note where it differs from n = 1's: it moves compute without moving real tokens.
+
 Gradient bytes per optimizer step = trainable parameters x 4 (DDP all-reduces fp32 gradients);
 comm.predict models the all-reduce overlapped with backward (a FLOP share of the step:
 metrics.per_weight_flops) with the peak measured bus bandwidth.
@@ -52,13 +56,15 @@ WHAT_IF_N = (2, 4, 8)
 PART_KEYS = ("compute_s", "imbalance_s", "exposed_comm_s", "rest_s")
 STALL_FACTOR = 3  # a step this many times the run's median is a stall, named in the row's note
 STEAL_NOTE = 0.01  # a share of the host's CPU time stolen by the hypervisor worth naming beside a row
+PADDING_NOTE = 0.02  # a difference in padding share from n = 1 worth naming (it moves compute per real token)
 COLUMNS = [  # (row key, header): scaling.csv uses the keys, scaling.md the headers
     ("mode", "mode"), ("nproc", "n"), ("batch", "samples per step"), ("steps", "steps measured"),
     ("step_s", "step (s)"), ("compute_s", "compute (s)"), ("imbalance_s", "imbalance (s)"),
     ("exposed_comm_s", "exposed comm (s)"), ("rest_s", "rest (s)"), ("tokens_per_s_per_gpu", "tokens/s/GPU"),
     ("samples_per_s", "samples/s"), ("speedup", "speedup"), ("efficiency", "efficiency"),
     ("lost_compute", "lost: compute"), ("lost_imbalance", "lost: imbalance"), ("lost_comm", "lost: comm"),
-    ("lost_rest", "lost: rest"), ("balance", "predicted max/mean share"), ("peak_mem_gib", "peak mem/GPU (GiB)"),
+    ("lost_rest", "lost: rest"), ("balance", "predicted max/mean share"), ("padding", "padding"),
+    ("peak_mem_gib", "peak mem/GPU (GiB)"),
     ("final_loss", "final loss"), ("val_loss", "val loss"), ("note", "note"),
 ]
 PRED_COLUMNS = [
@@ -288,6 +294,8 @@ def measure(run: dict, window: tuple[int, int]) -> dict:
             **timing([r["step_time_s"] for r in steps], sum(r["tokens"] for r in steps), window[1] - window[0],
                      plan.world_size, ranks),
             "strategy": summary.get("strategy", "ddp"), "balance": statistics.fmean(r["balance"] for r in steps),
+            # of the tokens the GPUs computed: padded batches, or rows padded for CUDA graphs
+            "padding": 1 - sum(r["tokens"] for r in steps) / sum(r["padded_tokens"] for r in steps),
             "peak_mem_gib": max(peaks) if peaks else None, "final_loss": summary["final_loss"],
             "val_loss": summary["val_loss"], **(summary.get("rouge") or {}),
             # the whole run's, loading and compilation included
@@ -348,6 +356,10 @@ def account(row: dict, base: dict | None, cuda: bool) -> dict:
     if not cuda and n > 1 and row["speedup"] > n * 1.05:
         notes.append(f"speedup {row['speedup']:.2f} above {n}: the processes fought over the CPU cores; not published")
         row["speedup"] = row["efficiency"] = None
+    if n > 1 and abs(row.get("padding", 0) - base.get("padding", 0)) >= PADDING_NOTE:
+        # the GPUs compute padding too: a count whose rows pad less does less work per real token
+        notes.append(f"padding {row['padding']:.0%} of the computed tokens against {base['padding']:.0%} at n = 1: "
+                     f"each GPU computes {(1 - base['padding']) / (1 - row['padding']) - 1:+.0%} tokens per real token")
     if n > 1 and row.get("strategy") == "fsdp":
         # FSDP's all-gathers and reduce-scatters run inside forward and backward: no mark separates them
         notes.append("fsdp: its communication runs inside forward and backward and is counted in compute")
