@@ -62,6 +62,10 @@ def test_tiny_runs_ddp_as_is_and_checkpointing_is_recommended_when_activations_d
     assert p["verdict"] == "ddp_checkpointing"
     off, on = p["options"]
     assert off["activations"] > 5 * on["activations"] and off["weights"] == on["weights"]
+    # what it does not count, it says: the recorded CUDA graphs' own memory
+    graphs = config.load(CONFIG_8B, ["train.cuda_graphs=true"])
+    assert "not counted: the memory train.cuda_graphs' recorded graphs keep" in plan.table(plan.plan(graphs, plan.model_shape(graphs)))
+    assert "not counted" not in plan.table(p)
 
 
 def test_plan_command_prints_the_table_and_writes_json(tmp_path, capsys):
