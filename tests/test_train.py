@@ -257,18 +257,46 @@ def test_gradient_checkpointing_works_under_ddp(method, tmp_path):
 
 
 def test_packing_gives_the_padded_losses_without_padding(tmp_path):
+    """Padded micro-batches, packed rows, and packed rows padded to one length as train.cuda_graphs
+    pads them (pad samples outside the loss): the same losses on 2 processes, different work."""
     args = ["train.max_steps=4", "train.micro_batch_size=2", "train.grad_accum=2", "lora.dropout=0.0", "data.val=null"]
-    padded, packed = tmp_path / "padded", tmp_path / "packed"
+    padded, packed, fixed = tmp_path / "padded", tmp_path / "packed", tmp_path / "fixed"
     multiproc.run(train_tiny, 2, [f"output_dir={padded}", "train.packing=false", *args])
     multiproc.run(train_tiny, 2, [f"output_dir={packed}", "train.packing=true", *args])
+    multiproc.run(train_tiny_padded, 2, [f"output_dir={fixed}", "train.packing=true", *args])
     assert losses(packed) == pytest.approx(losses(padded), abs=1e-5)
-    a = [r for r in metrics(padded) if "loss" in r]
-    b = [r for r in metrics(packed) if "loss" in r]
-    assert [r["tokens"] for r in a] == [r["tokens"] for r in b]  # the same samples
+    assert losses(fixed) == pytest.approx(losses(packed), abs=1e-5)
+    a, b, c = ([r for r in metrics(d) if "loss" in r] for d in (padded, packed, fixed))
+    assert [r["tokens"] for r in a] == [r["tokens"] for r in b] == [r["tokens"] for r in c]  # the same samples
     assert all(rb["forwards"] == 1 and ra["forwards"] == 2 for ra, rb in zip(a, b))
     # each process's 4 samples fit one 8192-token row: nothing but real tokens is computed
     assert all(r["padded_tokens"] == r["tokens"] for r in b)
     assert all(r["padded_tokens"] > r["tokens"] for r in a)
+    # for graphs: one row per process, every one padded to the same multiple of GRAPH_PAD
+    length = c[0]["padded_tokens"] // 2
+    assert length % train.GRAPH_PAD == 0 and all(r["padded_tokens"] == 2 * length > r["tokens"] for r in c)
+
+
+def train_tiny_padded(overrides: list[str]) -> dict:
+    """As train_tiny, with every packed row padded as train.cuda_graphs pads it: on CPU the graphs
+    themselves are off, but the padded length, the pad samples and their accounting are the same."""
+    r = train.setup(config.load(TINY, overrides))
+    train.prepare_graphs(r)
+    try:
+        return train.finish(r, *train.fit(r))[0]
+    finally:
+        train.stop_trackers(r)
+
+
+def train_tiny_padded(overrides: list[str]) -> dict:
+    """As train_tiny, with every packed row padded as train.cuda_graphs pads it: on CPU the graphs
+    themselves are off, but the padded length, the pad samples and their accounting are the same."""
+    r = train.setup(config.load(TINY, overrides))
+    train.prepare_graphs(r)
+    try:
+        return train.finish(r, *train.fit(r))[0]
+    finally:
+        train.stop_trackers(r)
 
 
 def test_compiled_layers_give_the_eager_losses_and_still_evaluate(tmp_path):
