@@ -14,6 +14,9 @@
 #   bash benchmarks/scaling_x2.sh smollm2-shape  # the same SmolLM2 job with random weights (no GGUF to carry, no ROUGE):
 #                                            # scale at 1 and 2 GPUs, then `train` at 1 GPU for the step time and losses,
 #                                            # each with and without train.cuda_graphs (GRAPHS="true false"), about 300 s each
+#   bash benchmarks/scaling_x2.sh graphs-profile  # where the SmolLM2-shape step with CUDA graphs goes at 1 and 2 processes
+#                                            # (the 2-GPU step is slower than the 1-GPU one): a profile of 4 steps each, and
+#                                            # benchmarks/gpu_gaps.py on rank 0's trace; about 150 s
 #   bash benchmarks/scaling_x2.sh full-1b    # Llama-3.2-1B shape, full fine-tuning: DDP and FSDP, 1 and 2 GPUs, with `plan`
 #                                            # (STRATEGIES=fsdp for one of them)
 #   bash benchmarks/scaling_x2.sh full-8b    # Llama-3.1-8B shape, full fine-tuning with AdamW: `plan` for 1 GPU (does not fit)
@@ -94,6 +97,16 @@ smollm2-shape)
     cp /tmp/train-smol-graphs$g/metrics.jsonl "$OUT/train_smollm2_shape_graphs${g}_n1.jsonl"
   done
   ;;
+graphs-profile)
+  for n in 1 2; do
+    python3 -m ddptune train configs/demo.yaml model.source=preset:smollm2-135m model.tokenizer=$TOK data.train=$DATA \
+      data.train_rows=0:700 data.val=null data.max_length=512 train.effective_batch_size=16 train.grad_accum=null \
+      train.lr=5e-4 train.warmup_steps=5 eval.enabled=false train.cuda_graphs=true train.max_steps=16 train.profile_steps=4 \
+      train.save_every=0 $EXTRA --nproc $n output_dir=/tmp/prof-smol-n$n 2>&1 | quiet | tail -2
+    python3 benchmarks/gpu_gaps.py /tmp/prof-smol-n$n/trace.json --json "$OUT/smollm2_shape_graphs_n${n}_gaps.json" | tail -8
+    [ -f /tmp/prof-smol-n$n/profile.txt ] && cp /tmp/prof-smol-n$n/profile.txt "$OUT/smollm2_shape_graphs_n${n}_profile.txt"
+  done
+  ;;
 full-1b)
   job=(configs/samsum_qlora_llama31_8b.yaml model.source=preset:llama-3.2-1b model.tokenizer=$TOK train.method=full
        data.train=$DATA data.train_rows=0:700 data.val=null $EXTRA)
@@ -158,5 +171,5 @@ cache)
   size=$(stat -c %s "$OUT/inductor.tgz")
   if [ "$size" -gt 16000000 ]; then rm "$OUT/inductor.tgz"; echo "compiler cache: $size bytes, over what \$OUT brings back"; fi
   ;;
-*) echo "usage: $0 recipe|qlora-8b|smollm2|smollm2-shape|full-1b|full-8b|full-8b-1gpu|threads|binding|graphs|stalls|cache" >&2; exit 2 ;;
+*) echo "usage: $0 recipe|qlora-8b|smollm2|smollm2-shape|graphs-profile|full-1b|full-8b|full-8b-1gpu|threads|binding|graphs|stalls|cache" >&2; exit 2 ;;
 esac
