@@ -288,17 +288,6 @@ def train_tiny_padded(overrides: list[str]) -> dict:
         train.stop_trackers(r)
 
 
-def train_tiny_padded(overrides: list[str]) -> dict:
-    """As train_tiny, with every packed row padded as train.cuda_graphs pads it: on CPU the graphs
-    themselves are off, but the padded length, the pad samples and their accounting are the same."""
-    r = train.setup(config.load(TINY, overrides))
-    train.prepare_graphs(r)
-    try:
-        return train.finish(r, *train.fit(r))[0]
-    finally:
-        train.stop_trackers(r)
-
-
 def test_compiled_layers_give_the_eager_losses_and_still_evaluate(tmp_path):
     """train.compile (regional torch.compile, dynamic lengths, varlen attention inside the graph)
     changes speed, not math; validation and generation afterwards run the layers eagerly."""
