@@ -23,6 +23,10 @@ A part smaller than twice its standard error over the window is reported as nois
 negative time. On CPU, a speedup above the process count means the runs fought over the cores:
 it is flagged as contention and not published.
 
+On GPUs, a count with fewer samples per process whose compute shrank by less than half as much
+is named as bound by the host (launching kernels), not the GPU: more GPUs cannot help that step,
+fewer launches (train.cuda_graphs) can.
+
 Padding: the share of the computed tokens that are padding (padded batches, or packed rows padded
 to one length for CUDA graphs, whose longest row depends on how the samples were split) is a column,
 and named in the note where it differs from n = 1's: it moves compute without moving real tokens.
@@ -293,7 +297,8 @@ def measure(run: dict, window: tuple[int, int]) -> dict:
             "batch": f"{plan.per_process} x {plan.world_size} = {plan.global_batch}", "steps": len(steps),
             **timing([r["step_time_s"] for r in steps], sum(r["tokens"] for r in steps), window[1] - window[0],
                      plan.world_size, ranks),
-            "strategy": summary.get("strategy", "ddp"), "balance": statistics.fmean(r["balance"] for r in steps),
+            "strategy": summary.get("strategy", "ddp"), "cuda_graphs": summary.get("cuda_graphs", False),
+            "balance": statistics.fmean(r["balance"] for r in steps),
             # of the tokens the GPUs computed: padded batches, or rows padded for CUDA graphs
             "padding": 1 - sum(r["tokens"] for r in steps) / sum(r["padded_tokens"] for r in steps),
             "peak_mem_gib": max(peaks) if peaks else None, "final_loss": summary["final_loss"],
@@ -356,6 +361,12 @@ def account(row: dict, base: dict | None, cuda: bool) -> dict:
     if not cuda and n > 1 and row["speedup"] > n * 1.05:
         notes.append(f"speedup {row['speedup']:.2f} above {n}: the processes fought over the CPU cores; not published")
         row["speedup"] = row["efficiency"] = None
+    if cuda and k < 1 and row["compute_s"] > (1 + k) / 2 * one["compute_s"]:
+        # less work per process, yet compute shrank by less than half as much: the host issuing kernels sets the pace
+        change = row["compute_s"] / one["compute_s"] - 1
+        notes.append(f"compute per process {'fell' if change < 0 else 'grew'} {abs(change):.0%} with {1 - k:.0%} fewer "
+                     "samples per process: the step is bound by the host launching kernels, not by the GPU"
+                     + (" (even with CUDA graphs)" if row.get("cuda_graphs") else " (try train.cuda_graphs=true)"))
     if n > 1 and abs(row.get("padding", 0) - base.get("padding", 0)) >= PADDING_NOTE:
         # the GPUs compute padding too: a count whose rows pad less does less work per real token
         notes.append(f"padding {row['padding']:.0%} of the computed tokens against {base['padding']:.0%} at n = 1: "
