@@ -153,6 +153,7 @@ CASES = [
      ["train.profile_steps: 2 steps after 2 warm-up steps need train.max_steps >= 4"]),
     ("row shorter than a sample", [*TRAIN, "train.tokens_per_forward=100"], ["train.tokens_per_forward: 100 is shorter than data.max_length 384"]),
     ("graphs without packing", [*TRAIN, "train.cuda_graphs=true", "train.packing=false"], ["train.cuda_graphs: needs train.packing=true"]),
+    ("graph lengths zero", [*TRAIN, "train.cuda_graph_lengths=0"], ["train.cuda_graph_lengths: 0 is outside 1..8"]),
     ("graphs with fsdp", [*TRAIN, "train.cuda_graphs=true", "train.strategy=fsdp"], ["train.cuda_graphs: needs train.packing=true, train.compile not false and train.strategy=ddp"]),
     ("packing with sdpa", [*TRAIN, "model.attn_implementation=sdpa"], ["train.packing: needs model.attn_implementation in"]),
     ("unknown attention", [*TRAIN, "model.attn_implementation=flash"], ["model.attn_implementation: 'flash' is not allowed"]),

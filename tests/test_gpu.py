@@ -149,11 +149,12 @@ def test_flash_varlen_computes_every_position_of_a_row_padded_for_graphs():
 
 
 @cuda
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_cuda_graphs_train_to_the_losses_of_compiled_layers(tmp_path, checkpointing):
+@pytest.mark.parametrize("checkpointing, lengths", [(False, 1), (True, 1), (False, 3)])
+def test_cuda_graphs_train_to_the_losses_of_compiled_layers(tmp_path, checkpointing, lengths):
     """train.cuda_graphs changes how kernels are launched, not the math: same losses as compiled
     layers without graphs (bf16, so within rounding), and the gradients are not overwritten by replays;
-    also with gradient checkpointing (moved inside the compiled layer)."""
+    also with gradient checkpointing (moved inside the compiled layer), and with rows padded to
+    several lengths (a recording each)."""
     from conftest import ROOT
     from ddptune import config, train
 
@@ -162,7 +163,7 @@ def test_cuda_graphs_train_to_the_losses_of_compiled_layers(tmp_path, checkpoint
         cfg = config.load(ROOT / "configs" / "tiny.yaml", [
             f"output_dir={tmp_path / str(graphs)}", "train.max_steps=8", "data.val=null", "train.compile=true",
             f"train.cuda_graphs={str(graphs).lower()}", "train.micro_batch_size=8",
-            f"train.gradient_checkpointing={str(checkpointing).lower()}"])
+            f"train.gradient_checkpointing={str(checkpointing).lower()}", f"train.cuda_graph_lengths={lengths}"])
         summary, _ = train.run(cfg)
         runs[graphs] = [json.loads(l)["loss"] for l in (tmp_path / str(graphs) / "metrics.jsonl").read_text().splitlines()
                         if '"loss"' in l]

@@ -142,9 +142,15 @@ class TrainConfig:
     """With packing and compiled layers on a GPU: replay each decoder layer's kernels as a CUDA
     graph (torch.compile's reduce-overhead mode), one launch per layer instead of dozens, for steps
     whose time goes to the host issuing kernels (small models, small shares). Every packed row is
-    padded to the run's longest (rounded up to 256 tokens; the pad is made of samples of its own,
-    outside the loss), so one shape repeats: the GPU computes the padding too (about a third more
-    tokens on SAMSum), and the recorded graphs keep their own GPU memory. DDP only."""
+    padded (with samples of its own, outside the loss) to one of train.cuda_graph_lengths lengths,
+    so a few shapes repeat: the GPU computes the padding too, and the recorded graphs keep their own
+    GPU memory. DDP only."""
+    cuda_graph_lengths: int = 1
+    """With train.cuda_graphs: how many lengths packed rows are padded to, chosen before the first
+    step as the multiples of 256 tokens that leave the least padding over the run's rows. 1: every
+    row padded to the run's longest (SAMSum: 27% of the computed tokens are padding). More: less
+    padding (SAMSum: 7-8% at 4), for one more compile and recording, and their memory, each the
+    first time a row needs that length. Measured on a GPU only at 1 so far."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """auto: bf16 compute on GPU, fp32 on CPU."""
     seed: int = 0
@@ -431,6 +437,8 @@ def check_values(cfg: Config) -> list[str]:
         problems.append(f"train.seed: {t.seed} is outside 0..{2**32 - 1} (numpy and torch seeds are 32-bit)")
     if t.packing and t.tokens_per_forward < d.max_length:
         problems.append(f"train.tokens_per_forward: {t.tokens_per_forward} is shorter than data.max_length {d.max_length} (raise it)")
+    if not 1 <= t.cuda_graph_lengths <= 8:
+        problems.append(f"train.cuda_graph_lengths: {t.cuda_graph_lengths} is outside 1..8 (each length is a compile and a recording)")
     if t.cuda_graphs and (not t.packing or t.compile is False or t.strategy == "fsdp"):
         problems.append("train.cuda_graphs: needs train.packing=true, train.compile not false and train.strategy=ddp "
                         "(graphs replay the compiled layers at one padded length; FSDP gathers weights around each layer), "

@@ -328,6 +328,24 @@ def collate_packed(examples: list[dict], pad_to: int = 0, max_length: int = 0) -
     }
 
 
+def pad_lengths(rows: list[int], k: int, unit: int) -> list[int]:
+    """At most `k` lengths, multiples of `unit`, such that every row length in `rows` fits one of them
+    and padding each row to the shortest that fits leaves the least padding in all (ascending). The
+    longest row's rounded length is always one; the others come from an exact search over the rounded
+    row lengths (best[j][i]: least padding of the rows up to candidate i with j lengths, i the top)."""
+    cands = sorted({-(-n // unit) * unit for n in rows})
+    groups = [[n for n in rows if -(-n // unit) * unit == c] for c in cands]
+
+    def padding(lo: int, hi: int) -> int:  # rows of candidates lo+1..hi, all padded to candidate hi
+        return sum(cands[hi] * len(g) - sum(g) for g in groups[lo + 1:hi + 1])
+
+    best = [{i: (padding(-1, i), [cands[i]]) for i in range(len(cands))}]
+    for _ in range(1, min(k, len(cands))):
+        best.append({i: min([best[-1][i]] + [(best[-1][j][0] + padding(j, i), best[-1][j][1] + [cands[i]])
+                                              for j in range(i)]) for i in range(len(cands))})
+    return best[-1][len(cands) - 1][1]
+
+
 def target_tokens(examples: list[dict]) -> int:
     """Tokens the loss is computed on (summary tokens, not counting each sample's first label)."""
     return sum(sum(1 for t in e["labels"][1:] if t != IGNORE) for e in examples)

@@ -21,7 +21,7 @@ import math
 import signal
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,7 @@ class Interrupted(Exception):
 
 
 GC_EVERY = 50  # optimizer steps between collections of Python's young generations (every process at once)
-GRAPH_PAD = 256  # with train.cuda_graphs, every packed row is padded to the run's longest, rounded up to this
+GRAPH_PAD = 256  # with train.cuda_graphs, packed rows are padded to multiples of this (train.cuda_graph_lengths of them)
 
 
 @dataclass
@@ -79,7 +79,7 @@ class Run:
     load_s: float
     started: float = 0.0  # perf_counter when setup began: the run's wall time counts from here
     eval_s: float = 0.0   # validation and generation (zero-shot, final), the run's "eval" time
-    graph_tokens: int = 0  # with graphs: the one length every packed row is padded to
+    graph_lengths: list[int] = field(default_factory=list)  # with graphs: the lengths packed rows are padded to
 
 
 @dataclass
@@ -264,14 +264,15 @@ def build_optimizer(cfg: Config, model, total_steps: int):
 
 
 def prepare_graphs(r: Run) -> None:
-    """One shape for the whole run (each new length would be a compile and a recording): the
-    longest packed row any process will see, rounded up; and gradients allocated once, outside the
-    graphs' memory, which every replay overwrites."""
-    rows = [sum(len(e["input_ids"]) for e in group) for step in range(r.start, r.total_steps)
+    """A few shapes for the whole run (each new length is a compile and a recording): the lengths
+    that pad the packed rows every process will see least; and gradients allocated once, outside
+    the graphs' memory, which every replay overwrites."""
+    rows = [tokens_of(group) for step in range(r.start, r.total_steps)
             for rank in split_step(r, step).forwards for group in rank]  # the same on every process
-    r.graph_tokens = -(-max(rows) // GRAPH_PAD) * GRAPH_PAD
-    r.accelerator.print(f"ddptune: CUDA graphs: every packed row padded to {r.graph_tokens} tokens "
-                        f"({1 - sum(rows) / (r.graph_tokens * len(rows)):.0%} of the computed tokens are padding)")
+    r.graph_lengths = data.pad_lengths(rows, r.cfg.train.cuda_graph_lengths, GRAPH_PAD)
+    padded = sum(padded_length(r, n) for n in rows)
+    r.accelerator.print(f"ddptune: CUDA graphs: packed rows padded to {', '.join(map(str, r.graph_lengths))} tokens "
+                        f"({1 - sum(rows) / padded:.0%} of the computed tokens are padding)")
     for p in r.model.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
@@ -438,7 +439,8 @@ def train_step(r: Run, step: int) -> dict:
     sharded = dist.sharded(r.loss_model)
     for k, group in enumerate(forwards):
         # an empty group (sharded runs only, see lockstep): a forward in step with the others that counts nothing
-        batch = to_device(collate(r.cfg, group or forwards[0][:1], r.tokenizer.pad_token_id, r.graph_tokens), acc.device)
+        rows = group or forwards[0][:1]
+        batch = to_device(collate(r.cfg, rows, r.tokenizer.pad_token_id, padded_length(r, tokens_of(rows))), acc.device)
         if r.graphs:  # a new forward: the previous replay's outputs are no longer needed
             torch.compiler.cudagraph_mark_step_begin()
         sync = sharded or k == len(forwards) - 1
@@ -486,8 +488,8 @@ def split_step(r: Run, step: int) -> Share:
         forwards = lockstep(forwards)
     longest = lambda group: max(len(e["input_ids"]) for e in group)  # noqa: E731
     tokens = [sum(len(r.train_set[i]["input_ids"]) for i in rank) for rank in ranks]
-    if r.graph_tokens:  # every packed row padded to the one length the graphs were recorded at
-        computed = r.graph_tokens * sum(map(len, forwards))
+    if r.graph_lengths:  # every packed row padded to a length the graphs are recorded at
+        computed = sum(padded_length(r, tokens_of(g)) for rank in forwards for g in rank)
     else:
         computed = sum(tokens) if r.cfg.train.packing else sum(len(g) * longest(g) for rank in forwards for g in rank)
     return Share(forwards, sum(r.targets[i] for i in idx), tokens, computed, [sum(r.costs[i] for i in rank) for rank in ranks])
@@ -521,6 +523,15 @@ def layout(cfg: Config, examples: list[dict]) -> list[list[dict]]:
         return data.pack(examples, t.tokens_per_forward)
     ordered = sorted(examples, key=lambda e: -len(e["input_ids"]))
     return [ordered[i:i + t.micro_batch_size] for i in range(0, len(ordered), t.micro_batch_size)]
+
+
+def tokens_of(group: list[dict]) -> int:
+    return sum(len(e["input_ids"]) for e in group)
+
+
+def padded_length(r: Run, tokens: int) -> int:
+    """With graphs: the shortest of the run's recorded lengths that holds a row of `tokens`; else 0."""
+    return min((n for n in r.graph_lengths if n >= tokens), default=0)
 
 
 def collate(cfg: Config, group: list[dict], pad_id: int, pad_to: int = 0) -> dict:
