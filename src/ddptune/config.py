@@ -441,7 +441,7 @@ def check_values(cfg: Config) -> list[str]:
         problems.append(f"train.cuda_graph_lengths: {t.cuda_graph_lengths} is outside 1..8 (each length is a compile and a recording)")
     if t.cuda_graphs and (not t.packing or t.compile is False or t.strategy == "fsdp"):
         problems.append("train.cuda_graphs: needs train.packing=true, train.compile not false and train.strategy=ddp "
-                        "(graphs replay the compiled layers at one padded length; FSDP gathers weights around each layer), "
+                        "(graphs replay the compiled layers at a few padded lengths; FSDP gathers weights around each layer), "
                         "or set train.cuda_graphs=false")
     if t.packing and cfg.model.attn_implementation not in PACKED_ATTENTION:
         problems.append(f"train.packing: needs model.attn_implementation in {list(PACKED_ATTENTION)} "

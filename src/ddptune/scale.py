@@ -367,10 +367,11 @@ def account(row: dict, base: dict | None, cuda: bool) -> dict:
         notes.append(f"compute per process {'fell' if change < 0 else 'grew'} {abs(change):.0%} with {1 - k:.0%} fewer "
                      "samples per process: the step is bound by the host launching kernels, not by the GPU"
                      + (" (even with CUDA graphs)" if row.get("cuda_graphs") else " (try train.cuda_graphs=true)"))
-    if n > 1 and abs(row.get("padding", 0) - base.get("padding", 0)) >= PADDING_NOTE:
+    padding, padding_1 = row.get("padding", 0.0), base.get("padding", 0.0)
+    if n > 1 and abs(padding - padding_1) >= PADDING_NOTE:
         # the GPUs compute padding too: a count whose rows pad less does less work per real token
-        notes.append(f"padding {row['padding']:.0%} of the computed tokens against {base['padding']:.0%} at n = 1: "
-                     f"each GPU computes {(1 - base['padding']) / (1 - row['padding']) - 1:+.0%} tokens per real token")
+        notes.append(f"padding {padding:.0%} of the computed tokens against {padding_1:.0%} at n = 1: "
+                     f"each GPU computes {(1 - padding_1) / (1 - padding) - 1:+.0%} tokens per real token")
     if n > 1 and row.get("strategy") == "fsdp":
         # FSDP's all-gathers and reduce-scatters run inside forward and backward: no mark separates them
         notes.append("fsdp: its communication runs inside forward and backward and is counted in compute")

@@ -537,7 +537,7 @@ def padded_length(r: Run, tokens: int) -> int:
 def collate(cfg: Config, group: list[dict], pad_id: int, pad_to: int = 0) -> dict:
     if not cfg.train.packing:
         return data.collate(group, pad_id)
-    if pad_to:  # one repeating shape for the recorded graphs
+    if pad_to:  # a length the graphs are recorded at
         return data.collate_packed(group, pad_to=pad_to, max_length=cfg.data.max_length)
     return data.collate_packed(group)
 
