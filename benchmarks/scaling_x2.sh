@@ -55,6 +55,10 @@ keep_runs() {  # DIR PREFIX: a scale run's tables, and every process count's per
   return 0
 }
 quiet() { tr '\r' '\n' | grep -v -E '^(train|Loading weights|generate)' ; }
+# the SmolLM2 job of the smollm2 part with random weights of the same shape (no GGUF to carry, no ROUGE)
+smol_shape=(configs/demo.yaml model.source=preset:smollm2-135m model.tokenizer=$TOK data.train=$DATA data.train_rows=0:700
+            data.val=null data.max_length=512 train.effective_batch_size=16 train.grad_accum=null train.lr=5e-4
+            train.warmup_steps=5 eval.enabled=false $EXTRA)
 case "$1" in
 recipe)
   model=$(python3 -c "from ddptune import model; print(model.preset_folder('llama-3.1-8b', 0))")
@@ -86,23 +90,19 @@ smollm2)
   cp /tmp/scale-smollm2/scaling.png "$OUT/scale_smollm2.png"
   ;;
 smollm2-shape)
-  job=(configs/demo.yaml model.source=preset:smollm2-135m model.tokenizer=$TOK data.train=$DATA data.train_rows=0:700 data.val=null
-       data.max_length=512 train.effective_batch_size=16 train.grad_accum=null train.lr=5e-4 train.warmup_steps=5 eval.enabled=false $EXTRA)
   for g in ${GRAPHS:-true false}; do
-    python3 -m ddptune scale "${job[@]}" train.cuda_graphs=$g --nproc 1,2 --mode same-global --steps 30 --warmup 4 \
+    python3 -m ddptune scale "${smol_shape[@]}" train.cuda_graphs=$g --nproc 1,2 --mode same-global --steps 30 --warmup 4 \
       --out /tmp/scale-smol-graphs$g 2>&1 | quiet | grep -E '^\| same|^ddptune: CUDA' | cut -c1-260
     keep_runs /tmp/scale-smol-graphs$g "$OUT/scale_smollm2_shape_graphs$g"
-    python3 -m ddptune train "${job[@]}" train.cuda_graphs=$g train.max_steps=34 train.save_every=0 --nproc 1 \
+    python3 -m ddptune train "${smol_shape[@]}" train.cuda_graphs=$g train.max_steps=34 train.save_every=0 --nproc 1 \
       output_dir=/tmp/train-smol-graphs$g 2>&1 | quiet | tail -2
     cp /tmp/train-smol-graphs$g/metrics.jsonl "$OUT/train_smollm2_shape_graphs${g}_n1.jsonl"
   done
   ;;
 graphs-profile)
   for n in 1 2; do
-    python3 -m ddptune train configs/demo.yaml model.source=preset:smollm2-135m model.tokenizer=$TOK data.train=$DATA \
-      data.train_rows=0:700 data.val=null data.max_length=512 train.effective_batch_size=16 train.grad_accum=null \
-      train.lr=5e-4 train.warmup_steps=5 eval.enabled=false train.cuda_graphs=true train.max_steps=16 train.profile_steps=4 \
-      train.save_every=0 $EXTRA --nproc $n output_dir=/tmp/prof-smol-n$n 2>&1 | quiet | tail -2
+    python3 -m ddptune train "${smol_shape[@]}" train.cuda_graphs=true train.max_steps=16 train.profile_steps=4 \
+      train.save_every=0 --nproc $n output_dir=/tmp/prof-smol-n$n 2>&1 | quiet | tail -2
     python3 benchmarks/gpu_gaps.py /tmp/prof-smol-n$n/trace.json --json "$OUT/smollm2_shape_graphs_n${n}_gaps.json" | tail -8
     [ -f /tmp/prof-smol-n$n/profile.txt ] && cp /tmp/prof-smol-n$n/profile.txt "$OUT/smollm2_shape_graphs_n${n}_profile.txt"
   done
