@@ -17,15 +17,16 @@ FAST = ["data.val=null", "--steps", "3", "--warmup", "1", "--bandwidth-sizes", "
 
 def test_scale_both_modes_on_the_same_samples(tmp_path):
     out = tmp_path / "scale"
-    proc = check(ddptune("scale", TINY, *FAST, "--nproc", "1,2", "--mode", "both", "--out", str(out)))
+    proc = check(ddptune("scale", TINY, *FAST, "--nproc", "1,2", "--mode", "both", "--alone", "--out", str(out)))
 
     for name in ("scaling.json", "scaling.csv", "scaling.md", "scaling.png", "manifest.json"):
         assert (out / name).is_file(), name
     assert (out / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     result = json.loads((out / "scaling.json").read_text())  # strict JSON: no NaN
     assert result["modes"] == ["same-per-device", "same-global"]
-    # three runs: n = 1 is shared by both modes and runs the longer of their windows
-    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["n1", "same-global-n2", "same-per-device-n2"]
+    # three runs: n = 1 is shared by both modes and runs the longer of their windows; --alone adds one
+    # process at same-global n = 2's share (2 samples a step)
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["alone-n2", "n1", "same-global-n2", "same-per-device-n2"]
     assert result["manifest"]["sample_window"] == {"same-per-device": [8, 32], "same-global": [4, 16]}
     rows = {(r["mode"], r["nproc"]): r for r in result["rows"]}
     assert [r["global_batch"] for r in result["rows"]] == [4, 8, 4, 4]
@@ -43,7 +44,12 @@ def test_scale_both_modes_on_the_same_samples(tmp_path):
     # the window's steps are the same samples: tokens per window agree across counts
     tokens = lambda run, a, b: sum([x["tokens"] for x in metrics(out / run) if "tokens" in x][a:b])  # noqa: E731
     assert tokens("n1", 2, 8) == tokens("same-per-device-n2", 1, 4)
-    assert tokens("n1", 1, 4) == tokens("same-global-n2", 1, 4)
+    assert tokens("n1", 1, 4) == tokens("same-global-n2", 1, 4) == tokens("alone-n2", 2, 8)
+    # --alone: the same-global count's compute beside one process's alone at its share, and the ceiling
+    two = rows["same-global", 2]
+    assert two["alone_compute_s"] > 0 and two["ceiling"] == pytest.approx(0.5 * rows["same-global", 1]["step_s"] / two["alone_step_s"])
+    assert "one process alone at 2 samples a step" in two["note"]
+    assert "alone_compute_s" not in rows["same-per-device", 2]
 
     # communication: bandwidth over 2 processes, predictions beside the measurements
     assert result["bandwidth"]["status"] == "measured" and result["bandwidth"]["peak_busbw_GBps"] > 0
@@ -142,9 +148,13 @@ def test_every_lost_percent_is_accounted_and_noise_is_named():
 
 def test_bad_nproc_is_one_line_error(tmp_path):
     args = types.SimpleNamespace(config=TINY, overrides=[], nproc="2,4", mode="same-per-device", steps=None, warmup=None,
-                                 out=str(tmp_path / "x"), bandwidth_sizes="1MB", numa_binding=None)
+                                 out=str(tmp_path / "x"), bandwidth_sizes="1MB", numa_binding=None, alone=False)
     with pytest.raises(ConfigError, match="include 1"):
         scale.main(args)
+    args.nproc, args.alone = "1,2", True  # one process at the share of a count only means something at a fixed global batch
+    with pytest.raises(ConfigError, match="--alone: it compares same-global counts"):
+        scale.main(args)
+    assert not (tmp_path / "x").exists()
 
 
 def test_a_stall_inside_the_window_is_named_with_the_median_efficiency():
@@ -190,6 +200,43 @@ def test_a_host_bound_step_is_named_when_less_work_per_process_does_not_shrink_c
     assert "bound by the host" not in (gpu["note"] or "")
     per_device = scale.account(_row(2, 16, 0.475, 0.454, 0.011, 0.001, 0.009), one, cuda=True)  # same work: no claim
     assert "bound by the host" not in (per_device["note"] or "")
+
+
+def test_the_alone_run_splits_lost_compute_and_gives_the_ceiling():
+    """scale --alone on packed rows without padding: the alone run computes the count's tokens per process."""
+    one = scale.account({**_row(1, 16, 0.456, 0.447, 0, 0, 0.009), "computed_per_process": 3400}, None, cuda=True)
+    two = scale.account({**_row(2, 8, 0.250, 0.240, 0.004, 0.001, 0.005), "computed_per_process": 1700,
+                         "alone_compute_s": 0.235, "alone_compute_s_se": 0.001, "alone_step_s": 0.244,
+                         "alone_computed_per_process": 1700}, one, cuda=True)
+    assert two["lost_smaller_batch"] == pytest.approx((0.235 - 0.2235) / 0.250)
+    assert two["lost_compute"] == pytest.approx((0.240 - 0.2235) / 0.250)  # the whole lost compute is unchanged
+    assert two["ceiling"] == pytest.approx(0.228 / 0.244) and two["alone_compute_s"] == 0.235
+    assert "93.4% is the most n = 2 can keep at this share" in two["note"]
+    assert "4.6% is the smaller batch (one GPU alone loses it too) and 2.0% running beside" in two["note"]
+    assert "moved" not in two["note"]
+    # within noise: the split is left blank, the ceiling stays
+    close = scale.account({**_row(2, 8, 0.250, 0.240, 0.004, 0.001, 0.005), "computed_per_process": 1700,
+                           "alone_compute_s": 0.224, "alone_compute_s_se": 0.002, "alone_step_s": 0.233,
+                           "alone_computed_per_process": 1700}, one, cuda=True)
+    assert close["lost_smaller_batch"] is None and close["ceiling"] == pytest.approx(0.228 / 0.233)
+
+
+def test_the_alone_run_is_moved_to_the_tokens_of_the_count_when_rows_are_padded():
+    """Measured on 2 H200s (8B QLoRA, CUDA graphs, same-global): n = 1 pads its rows of 16 samples to 4,608
+    tokens, n = 2's balanced halves to 2,304, the alone run's consecutive 8-sample rows to 2,816. Its compute
+    is moved to 2,304 tokens along the line through n = 1 and it: 64 µs a token, 38 ms a step fixed."""
+    one = scale.account({**_row(1, 16, 0.3362, 0.3335, 0, 0, 0.0027), "computed_per_process": 4608}, None, cuda=True)
+    two = scale.account({**_row(2, 8, 0.1918, 0.1887, 0.0004, 0.0001, 0.0026), "computed_per_process": 2304,
+                         "alone_compute_s": 0.2187, "alone_compute_s_se": 0.0005, "alone_step_s": 0.2212,
+                         "alone_computed_per_process": 2816}, one, cuda=True)
+    per_token = (0.3335 - 0.2187) / (4608 - 2816)
+    moved = 0.2187 - per_token * 512
+    assert two["alone_compute_s"] == pytest.approx(moved) and two["alone_compute_measured_s"] == 0.2187
+    assert two["lost_smaller_batch"] == pytest.approx((moved - 0.5 * 0.3335) / 0.1918)  # 10.0 %
+    assert two["ceiling"] == pytest.approx(0.5 * 0.3362 / (0.2212 - 0.2187 + moved))  # 89.2 %
+    assert "89.2% is the most n = 2 can keep" in two["note"] and "10.0% is the smaller batch" in two["note"]
+    assert "1.5% running beside" in two["note"]
+    assert "alone computed 2,816 tokens a step against 2,304 per process here" in two["note"] and "0.0383 s fixed" in two["note"]
 
 
 def test_fsdp_rows_say_their_communication_is_counted_in_compute():

@@ -82,6 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--warmup", type=int, default=None, help="steps of the largest batch before the measured window (default 3)")
     s.add_argument("--bandwidth-sizes", default="1MB,4MB,16MB,64MB,256MB,1GB", help="all-reduce sizes to time")
     s.add_argument("--numa-binding", choices=dist.NUMA_BINDINGS, default=None, help=NUMA_HELP)
+    s.add_argument("--alone", action="store_true",
+                   help="same-global: also train one process alone at each count's per-process share, to tell the "
+                        "smaller batch's cost from data parallelism's (one more 1-process run per count)")
     m = sub.add_parser("plan", help="predict peak memory per GPU before loading anything, and how to run it")
     m.add_argument("config")
     m.add_argument("overrides", nargs="*")

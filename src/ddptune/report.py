@@ -133,7 +133,9 @@ def plot_scaling(path: str | os.PathLike[str], groups: dict[str, Sequence[dict[s
     (ideal y = x; dashed "predicted_speedup" where present) and (b) each count's step time
     stacked from its parts (`PARTS`; a part that is None, e.g. lost in noise, draws as 0).
 
-    Row keys: "nproc", "speedup" (None: not published), and the PARTS keys; "predicted_speedup" optional.
+    Row keys: "nproc", "speedup" (None: not published), and the PARTS keys; "predicted_speedup",
+    "per_process" (a marker at each count's ideal step) and "alone_compute_s" (a marker on the count's
+    bar) optional.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg: no display needed
     from matplotlib.figure import Figure
@@ -164,6 +166,18 @@ def plot_scaling(path: str | os.PathLike[str], groups: dict[str, Sequence[dict[s
             heights = [max(0.0, float(r.get(key) or 0.0)) for r in data]
             ax2.bar(pos, heights, bottom=bottom, label=name)
             bottom = [b + h for b, h in zip(bottom, heights)]
+        one = data[0] if data and data[0]["nproc"] == 1 else None
+        ideal = [(x, r["per_process"] / one["per_process"] * one["step_s"]) for x, r in zip(pos, data)
+                 if one and r is not one and r.get("per_process") and one.get("per_process")]
+        if ideal:  # n = 1's step for the count's samples per process: the bar above it is what was lost
+            xs, ys = zip(*ideal)
+            ax2.hlines(ys, [x - 0.4 for x in xs], [x + 0.4 for x in xs], colors="black", linestyles="--", linewidth=1.5,
+                       zorder=3, label="ideal step: n = 1's for as many samples per process")
+        alone = [(x, r["alone_compute_s"]) for x, r in zip(pos, data) if r.get("alone_compute_s") is not None]
+        if alone:  # scale --alone: one process's compute at the same share, beside the count's compute
+            xs, ys = zip(*alone)
+            ax2.hlines(ys, [x - 0.25 for x in xs], [x + 0.25 for x in xs], colors="black", linewidth=3, zorder=3,
+                       label="compute of one process alone at the same share")
         ax2.set_xticks(pos, [str(n) for n in ns])
         ax2.set_xlabel("processes (GPUs)")
         ax2.set_ylabel("step time (s)")

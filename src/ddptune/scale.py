@@ -27,6 +27,16 @@ On GPUs, a count with fewer samples per process whose compute shrank by less tha
 is named as bound by the host (launching kernels), not the GPU: more GPUs cannot help that step,
 fewer launches (train.cuda_graphs) can.
 
+--alone (same-global): one process also trains alone at each count's per-process share, over the
+same window. Its compute splits the lost compute into what the smaller batch costs on any GPU
+(work a step does whatever its size: dequantizing weights, kernels too small to fill the GPU)
+and what running beside the other processes costs (contention for the host, memory, the links);
+its step gives the ceiling, the efficiency a count could reach at that share if data parallelism
+itself cost nothing: k·t1 / t_alone. Where rows are padded (CUDA graphs pad every row of a run to
+its longest), the alone run's consecutive shares reach a longer row than the count's balanced
+ones; its compute is then moved to the count's computed tokens per process along the line through
+n = 1 and it (compute = fixed + per-token x tokens, both read from the two runs).
+
 Padding: the share of the computed tokens that are padding (padded batches, or packed rows padded
 to one length for CUDA graphs, whose longest row depends on how the samples were split) is a column,
 and named in the note where it differs from n = 1's: it moves compute without moving real tokens.
@@ -67,7 +77,8 @@ COLUMNS = [  # (row key, header): scaling.csv uses the keys, scaling.md the head
     ("exposed_comm_s", "exposed comm (s)"), ("rest_s", "rest (s)"), ("tokens_per_s_per_gpu", "tokens/s/GPU"),
     ("samples_per_s", "samples/s"), ("speedup", "speedup"), ("efficiency", "efficiency"),
     ("lost_compute", "lost: compute"), ("lost_imbalance", "lost: imbalance"), ("lost_comm", "lost: comm"),
-    ("lost_rest", "lost: rest"), ("balance", "predicted max/mean share"), ("padding", "padding"),
+    ("lost_rest", "lost: rest"), ("alone_compute_s", "compute alone (s)"), ("lost_smaller_batch", "lost: smaller batch"),
+    ("ceiling", "ceiling"), ("balance", "predicted max/mean share"), ("padding", "padding"),
     ("peak_mem_gib", "peak mem/GPU (GiB)"),
     ("final_loss", "final loss"), ("val_loss", "val loss"), ("note", "note"),
 ]
@@ -104,6 +115,8 @@ def main(args) -> int:
         problems.append(f"--warmup {warmup} / --steps {measured}: need warm-up >= 0 and at least 1 measured step")
     if cuda and max(counts) > torch.cuda.device_count():
         problems.append(f"--nproc: {max(counts)} processes but only {torch.cuda.device_count()} GPUs (one process per GPU)")
+    if args.alone and SAME_GLOBAL not in modes:
+        problems.append(f"--alone: it compares same-global counts with one process at their share; add --mode same-global (or both)")
     if problems:
         raise ConfigError(problems)
     plans = {(m, n): plan_for(cfg.train, m, n) for m in modes for n in counts}  # raises for a count that does not divide
@@ -114,6 +127,10 @@ def main(args) -> int:
         steps = max(windows[mm][1] // plan.global_batch for mm in modes) if n == 1 else windows[m][1] // plan.global_batch
         run = runs.setdefault(key, {"nproc": n, "dir": out / key, "plan": plan, "steps": 0})
         run["steps"] = max(run["steps"], steps)
+        if args.alone and m == SAME_GLOBAL and n > 1:  # one process, the share of one of the n
+            share = dataclasses.replace(plan, world_size=1)
+            runs[f"alone-n{n}"] = {"nproc": 1, "dir": out / f"alone-n{n}", "plan": share,
+                                   "steps": windows[m][1] // share.global_batch}
     for key, run in runs.items():
         run["overrides"] = [*batch_overrides(run["plan"], cfg.train), f"train.max_steps={run['steps']}", f"output_dir={as_yaml(run['dir'])}"]
         try:
@@ -153,7 +170,11 @@ def main(args) -> int:
         base = None
         for n in counts:
             run = runs["n1" if n == 1 else f"{m}-n{n}"]
-            row = account(dict(measure(run, windows[m]), mode=m), base, cuda)
+            row = dict(measure(run, windows[m]), mode=m)
+            if f"alone-n{n}" in runs and m == SAME_GLOBAL:
+                alone = measure(runs[f"alone-n{n}"], windows[m])
+                row.update({f"alone_{k}": alone[k] for k in ("compute_s", "compute_s_se", "step_s", "padding", "computed_per_process")})
+            row = account(row, base, cuda)
             base = base or row
             rows.append(row)
 
@@ -167,10 +188,11 @@ def main(args) -> int:
         "command": shlex.join(["ddptune", "scale", args.config, *overrides, "--nproc", args.nproc, "--mode", args.mode,
                                "--steps", str(measured), "--warmup", str(warmup), "--out", str(out),
                                "--bandwidth-sizes", args.bandwidth_sizes]
-                              + (["--numa-binding", args.numa_binding] if args.numa_binding else [])),
+                              + (["--numa-binding", args.numa_binding] if args.numa_binding else [])
+                              + (["--alone"] if args.alone else [])),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "modes": modes, "config": args.config,
         "overrides": overrides, "seed": cfg.train.seed, "sample_window": {m: list(w) for m, w in windows.items()},
-        "threads_per_process": threads, "numa_binding": args.numa_binding,
+        "threads_per_process": threads, "numa_binding": args.numa_binding, "alone": args.alone,
         "batch": [{"mode": m, "nproc": n, **dataclasses.asdict(p), "global_batch": p.global_batch, "describe": p.describe()}
                   for (m, n), p in plans.items()],
         "runs": {k: {"nproc": r["nproc"], "steps": r["steps"], "dir": str(r["dir"]), "command": r["command"]} for k, r in runs.items()},
@@ -301,6 +323,7 @@ def measure(run: dict, window: tuple[int, int]) -> dict:
             "balance": statistics.fmean(r["balance"] for r in steps),
             # of the tokens the GPUs computed: padded batches, or rows padded for CUDA graphs
             "padding": 1 - sum(r["tokens"] for r in steps) / sum(r["padded_tokens"] for r in steps),
+            "computed_per_process": sum(r["padded_tokens"] for r in steps) / len(steps) / plan.world_size,
             "peak_mem_gib": max(peaks) if peaks else None, "final_loss": summary["final_loss"],
             "val_loss": summary["val_loss"], **(summary.get("rouge") or {}),
             # the whole run's, loading and compilation included
@@ -367,6 +390,8 @@ def account(row: dict, base: dict | None, cuda: bool) -> dict:
         notes.append(f"compute per process {'fell' if change < 0 else 'grew'} {abs(change):.0%} with {1 - k:.0%} fewer "
                      "samples per process: the step is bound by the host launching kernels, not by the GPU"
                      + (" (even with CUDA graphs)" if row.get("cuda_graphs") else " (try train.cuda_graphs=true)"))
+    if n > 1 and row.get("alone_compute_s") is not None:
+        notes.append(alone_split(row, base, one["compute_s"], one_se["compute_s"], k))
     padding, padding_1 = row.get("padding", 0.0), base.get("padding", 0.0)
     if n > 1 and abs(padding - padding_1) >= PADDING_NOTE:
         # the GPUs compute padding too: a count whose rows pad less does less work per real token
@@ -386,6 +411,34 @@ def account(row: dict, base: dict | None, cuda: bool) -> dict:
         notes.append(f"by median steps the efficiency is {row['efficiency_median']:.1%}")
     row["note"] = "; ".join(notes) or None
     return row
+
+
+def alone_split(row: dict, base: dict, compute_1: float, compute_1_se: float, k: float) -> str:
+    """Split a count's lost compute with its --alone run (module docstring), given the n = 1 row
+    and its compute; sets the row's `lost_smaller_batch` (blank when noise swamps it) and `ceiling`,
+    and returns the note."""
+    alone, n = row["alone_compute_s"], row["nproc"]
+    tokens, tokens_alone, tokens_1 = (r.get(key) for r, key in ((row, "computed_per_process"),
+                                      (row, "alone_computed_per_process"), (base, "computed_per_process")))
+    moved = ""
+    if None not in (tokens, tokens_alone, tokens_1) and tokens_alone != tokens_1 \
+            and abs(tokens_alone - tokens) >= PADDING_NOTE * tokens:
+        per_token = (compute_1 - alone) / (tokens_1 - tokens_alone)
+        moved = (f" (alone computed {tokens_alone:,.0f} tokens a step against {tokens:,.0f} per process here, padding "
+                 f"included: moved to {tokens:,.0f} at {per_token * 1e6:.3g} µs a token, {compute_1 - per_token * tokens_1:.3g} s "
+                 f"fixed, the line through n = 1 and alone: {alone * 1e3:.4g} → {(alone + per_token * (tokens - tokens_alone)) * 1e3:.4g} ms)")
+        alone += per_token * (tokens - tokens_alone)
+    row["alone_compute_measured_s"], row["alone_compute_s"] = row["alone_compute_s"], alone  # the column: what is compared
+    smaller = alone - k * compute_1
+    err = math.hypot(row.get("alone_compute_s_se") or 0.0, k * compute_1_se)
+    row["lost_smaller_batch"] = None if abs(smaller) < 2 * err else smaller / row["step_s"]
+    step_alone = row["alone_step_s"] + alone - row["alone_compute_measured_s"]
+    row["ceiling"] = k * base["step_s"] / step_alone
+    beside = row["parts"]["compute_s"] - alone
+    return (f"one process alone at {row['per_process']} samples a step: compute {alone * 1e3:.4g} ms, step "
+            f"{step_alone * 1e3:.4g} ms, so {row['ceiling']:.1%} is the most n = {n} can keep at this share; of the "
+            f"lost compute {smaller / row['step_s']:.1%} is the smaller batch (one GPU alone loses it too) and "
+            f"{beside / row['step_s']:.1%} running beside the other process(es)" + moved)
 
 
 def backward_fraction(method: str, checkpointing: bool) -> float:
