@@ -8,6 +8,10 @@ but every finished run left its ranks.jsonl: `--ranks N1.jsonl N2.jsonl --mode s
 --warmup 3` rebuilds the rows from them, over the same sample window and with the same accounting as
 `ddptune scale` (tokens per second from the per-process token counts).
 
+`--runs DIR` (a scale_*_runs.tgz unpacked) accounts the rows of `--scale` again with this checkout's
+`ddptune scale`, reading each run's computed tokens per process from its metrics.jsonl: for runs made
+before scale recorded them (the --alone split moves the alone run to the count's computed tokens).
+
 One file per scaling mode: device, mode, model, steps, and for each process count a row with nproc,
 speedup and efficiency (ddptune's, from `ddptune scale`), with the reference recipe's rows beside it
 (same-per-device only: the recipe keeps its per-device batch, as the tutorial does).
@@ -19,10 +23,12 @@ import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-KEEP = ("nproc", "batch", "steps", "samples_measured", "step_s", "median_step_s", "tokens_per_s_per_gpu", "samples_per_s",
+KEEP = ("nproc", "per_process", "batch", "steps", "samples_measured", "step_s", "median_step_s", "tokens_per_s_per_gpu", "samples_per_s",
         "speedup", "efficiency", "compute_s", "imbalance_s", "exposed_comm_s", "rest_s", "lost_compute",
         "lost_imbalance", "lost_comm", "lost_rest", "balance", "peak_mem_gib", "final_loss", "val_loss", "note",
-        "rouge1", "rouge2", "rougeL", "rougeLsum", "stall_steps", "stall_s", "efficiency_median", "padding")
+        "rouge1", "rouge2", "rougeL", "rougeLsum", "stall_steps", "stall_s", "efficiency_median", "padding",
+        "computed_per_process", "alone_compute_s", "alone_compute_measured_s", "alone_step_s",
+        "alone_computed_per_process", "lost_smaller_batch", "ceiling")
 
 
 def with_median_efficiency(rows: list[dict]) -> list[dict]:
@@ -68,10 +74,37 @@ def rows_from_ranks(files: list[str], mode: str, per_process_at_1: int, steps: i
     return rows, window
 
 
+def account_again(rows: list[dict], runs: Path, mode: str, window: list[int]) -> list[dict]:
+    """`ddptune scale`'s accounting of `rows` (one mode's, n = 1 first) redone, with each run's computed
+    tokens per process read from its metrics.jsonl under `runs`."""
+    from ddptune import scale
+
+    def computed(name: str, batch: int, nproc: int) -> float:
+        lines = (runs / name / "metrics.jsonl").read_text().splitlines()
+        kept = [json.loads(l) for l in lines if '"step_time_s"' in l][window[0] // batch:window[1] // batch]
+        return sum(r["padded_tokens"] for r in kept) / len(kept) / nproc
+
+    again, base = [], None
+    for r in rows:
+        n = r["nproc"]
+        r = {k: v for k, v in r.items() if k not in ("note", "lost_smaller_batch", "ceiling", "alone_compute_measured_s")}
+        r.update(r["parts"], **{k + "_se": v for k, v in r["parts_se"].items()})  # before noise blanked any
+        r["alone_compute_s"] = r.get("alone_compute_s")
+        r["computed_per_process"] = computed("n1" if n == 1 else f"{mode}-n{n}", r["global_batch"], n)
+        if r["alone_compute_s"] is not None:
+            r["alone_computed_per_process"] = computed(f"alone-n{n}", r["per_process"], 1)
+        else:
+            del r["alone_compute_s"]
+        again.append(scale.account(r, base, cuda=True))
+        base = base or again[-1]
+    return again
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scale", help="scaling.json written by ddptune scale")
     p.add_argument("--ranks", nargs="+", help="instead of --scale: each run's ranks.jsonl, 1 process first")
+    p.add_argument("--runs", type=Path, help="with --scale: the runs' folder (scale_*_runs.tgz unpacked): account again")
     p.add_argument("--mode", help="with --ranks: same-per-device or same-global")
     p.add_argument("--per-process", type=int, default=16, help="with --ranks: samples per process at 1 process")
     p.add_argument("--steps", type=int, default=20, help="with --ranks: as given to ddptune scale")
@@ -95,8 +128,10 @@ def main() -> int:
     scale = json.loads(Path(args.scale).read_text())
     manifest = scale["manifest"]
     for mode in scale["modes"]:
-        rows = [{k: r.get(k) for k in KEEP if k in r}
-                for r in with_median_efficiency([r for r in scale["rows"] if r["mode"] == mode])]
+        rows = [r for r in scale["rows"] if r["mode"] == mode]
+        if args.runs:
+            rows = account_again(rows, args.runs, mode, manifest["sample_window"][mode])
+        rows = [{k: r.get(k) for k in KEEP if k in r} for r in with_median_efficiency(rows)]
         out = {"device": args.device, "date": args.date, "mode": mode, "model": args.model, "command": manifest["command"],
                "sample_window": manifest["sample_window"][mode], "steps": {str(r["nproc"]): r["steps"] for r in rows},
                "interconnect": scale["interconnect"], "peak_busbw_GBps": scale["bandwidth"].get("peak_busbw_GBps"),

@@ -8,12 +8,14 @@
 #   bash benchmarks/scaling_x2.sh recipe     # the tutorial's Trainer recipe, 8B-shape QLoRA, 1 and 2 GPUs (accelerate launch);
 #                                            # about 200 s a count at RECIPE_STEPS=13 (load and quantize included) plus
 #                                            # 25 s to write the preset once: RECIPE_COUNTS=2 runs one count alone
-#   bash benchmarks/scaling_x2.sh qlora-8b   # ddptune scale on the same job, 1 and 2 GPUs, both modes
+#   bash benchmarks/scaling_x2.sh qlora-8b   # ddptune scale on the same job, 1 and 2 GPUs, both modes (MODE=one of them;
+#                                            # SCALE_ARGS=--alone adds one GPU alone at 2 GPUs' share, same-global)
 #   bash benchmarks/scaling_x2.sh smollm2    # SmolLM2-135M LoRA (real weights at $SMOLLM2), global batch 16, 1 and 2 GPUs,
 #                                            # with validation loss and ROUGE on SAMSum rows 700-817 at each count
 #   bash benchmarks/scaling_x2.sh smollm2-shape  # the same SmolLM2 job with random weights (no GGUF to carry, no ROUGE):
 #                                            # scale at 1 and 2 GPUs, then `train` at 1 GPU for the step time and losses,
-#                                            # each with and without train.cuda_graphs (GRAPHS="true false"), about 300 s each
+#                                            # each with and without train.cuda_graphs (GRAPHS="true false"), about 300 s each;
+#                                            # SMOL_TRAIN=0 leaves out the `train` runs
 #   bash benchmarks/scaling_x2.sh graphs-profile  # where the SmolLM2-shape step with CUDA graphs goes at 1 and 2 processes
 #                                            # (the 2-GPU step is slower than the 1-GPU one): a profile of 4 steps each, and
 #                                            # benchmarks/gpu_gaps.py on rank 0's trace; about 150 s
@@ -43,6 +45,7 @@ TOK=.tok/smollm2
 STEPS=${STEPS:-20}
 OUT=${OUT:-/tmp/out}
 EXTRA=${EXTRA:-}   # more config overrides for the ddptune parts, e.g. EXTRA=train.cuda_graphs=true
+SCALE_ARGS=${SCALE_ARGS:-}  # more `ddptune scale` options for qlora-8b and smollm2-shape, e.g. SCALE_ARGS=--alone
 mkdir -p "$OUT"
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-cache}
 if [ -f .inductor/inductor.tgz ] && [ ! -d "$TORCHINDUCTOR_CACHE_DIR" ]; then
@@ -78,7 +81,7 @@ qlora-8b)
   trap 'keep_runs "$dir" "$OUT/scale_8b_$mode"' EXIT
   trap 'exit 143' TERM  # timeout's SIGTERM: leave through the EXIT trap
   python3 -m ddptune scale configs/samsum_qlora_llama31_8b.yaml model.tokenizer=$TOK data.train=$DATA data.train_rows=0:700 data.val=null $EXTRA \
-    --nproc 1,2 --mode "$mode" --steps "$STEPS" --warmup 3 --out "$dir" 2>&1 | quiet | grep -v '^ddptune:' | tail -30
+    --nproc 1,2 --mode "$mode" --steps "$STEPS" --warmup 3 $SCALE_ARGS --out "$dir" 2>&1 | quiet | grep -v '^ddptune:' | tail -30
   ;;
 smollm2)
   python3 -m ddptune scale configs/demo.yaml model.source="$SMOLLM2" data.train=$DATA data.train_rows=0:700 \
@@ -92,8 +95,9 @@ smollm2)
 smollm2-shape)
   for g in ${GRAPHS:-true false}; do
     python3 -m ddptune scale "${smol_shape[@]}" train.cuda_graphs=$g --nproc 1,2 --mode same-global --steps 30 --warmup 4 \
-      --out /tmp/scale-smol-graphs$g 2>&1 | quiet | grep -E '^\| same|^ddptune: CUDA' | cut -c1-260
+      $SCALE_ARGS --out /tmp/scale-smol-graphs$g 2>&1 | quiet | grep -E '^\| same|^ddptune: CUDA' | cut -c1-900
     keep_runs /tmp/scale-smol-graphs$g "$OUT/scale_smollm2_shape_graphs$g"
+    [ "${SMOL_TRAIN:-1}" = 1 ] || continue
     python3 -m ddptune train "${smol_shape[@]}" train.cuda_graphs=$g train.max_steps=34 train.save_every=0 --nproc 1 \
       output_dir=/tmp/train-smol-graphs$g 2>&1 | quiet | tail -2
     cp /tmp/train-smol-graphs$g/metrics.jsonl "$OUT/train_smollm2_shape_graphs${g}_n1.jsonl"
