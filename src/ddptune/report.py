@@ -134,8 +134,8 @@ def plot_scaling(path: str | os.PathLike[str], groups: dict[str, Sequence[dict[s
     stacked from its parts (`PARTS`; a part that is None, e.g. lost in noise, draws as 0).
 
     Row keys: "nproc", "speedup" (None: not published), and the PARTS keys; "predicted_speedup",
-    "per_process" (a marker at each count's ideal step) and "alone_compute_s" (a marker on the count's
-    bar) optional.
+    "ceiling" (an efficiency: scale --alone), "per_process" (a marker at each count's ideal step) and
+    "alone_compute_s" (a marker on the count's bar) optional.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg: no display needed
     from matplotlib.figure import Figure
@@ -149,8 +149,10 @@ def plot_scaling(path: str | os.PathLike[str], groups: dict[str, Sequence[dict[s
         top = max(ns + [1])
         ax1.plot([1, top], [1, top], color="grey", linestyle=":", label="ideal (y = x)")
         for key, style, name in (("speedup", dict(marker="o"), "measured"),
-                                 ("predicted_speedup", dict(linestyle="--", marker="x"), "predicted")):
-            points = [(n, r[key]) for n, r in zip(ns, data) if r.get(key) is not None]
+                                 ("predicted_speedup", dict(linestyle="--", marker="x"), "predicted"),
+                                 ("ceiling", dict(linestyle="none", marker="_", markersize=18, color="black"),
+                                  "ceiling: one GPU alone at each share")):
+            points = [(n, r[key] * (n if key == "ceiling" else 1)) for n, r in zip(ns, data) if r.get(key) is not None]
             if points:
                 ax1.plot(*zip(*points), label=name, **style)
         ax1.set_xlabel("processes (GPUs)")
