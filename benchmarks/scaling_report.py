@@ -87,14 +87,12 @@ def account_again(rows: list[dict], runs: Path, mode: str, window: list[int]) ->
     again, base = [], None
     for r in rows:
         n = r["nproc"]
-        r = {k: v for k, v in r.items() if k not in ("note", "lost_smaller_batch", "ceiling", "alone_compute_measured_s")}
+        r = {k: v for k, v in r.items() if k not in ("note", "lost_smaller_batch", "ceiling")}
         r.update(r["parts"], **{k + "_se": v for k, v in r["parts_se"].items()})  # before noise blanked any
-        r["alone_compute_s"] = r.get("alone_compute_s")
         r["computed_per_process"] = computed("n1" if n == 1 else f"{mode}-n{n}", r["global_batch"], n)
-        if r["alone_compute_s"] is not None:
+        if "alone_compute_s" in r:  # as measured (scale moves it to the count's tokens)
+            r["alone_compute_s"] = r.pop("alone_compute_measured_s", r["alone_compute_s"])
             r["alone_computed_per_process"] = computed(f"alone-n{n}", r["per_process"], 1)
-        else:
-            del r["alone_compute_s"]
         again.append(scale.account(r, base, cuda=True))
         base = base or again[-1]
     return again
