@@ -234,7 +234,8 @@ def test_the_alone_run_is_moved_to_the_tokens_of_the_count_when_rows_are_padded(
     assert two["alone_compute_s"] == pytest.approx(moved) and two["alone_compute_measured_s"] == 0.2187
     assert two["lost_smaller_batch"] == pytest.approx((moved - 0.5 * 0.3335) / 0.1918)  # 10.0 %
     assert two["ceiling"] == pytest.approx(0.5 * 0.3362 / (0.2212 - 0.2187 + moved))  # 89.2 %
-    assert "89.2% is the most n = 2 can keep" in two["note"] and "10.0% is the smaller batch" in two["note"]
+    assert "89.2% is the most n = 2 can keep at this share, and data parallelism kept 98.2% of that" in two["note"]
+    assert "10.0% is the smaller batch" in two["note"]
     assert "1.5% running beside" in two["note"]
     assert "alone computed 2,816 tokens a step against 2,304 per process here" in two["note"] and "0.0383 s fixed" in two["note"]
 

@@ -435,9 +435,10 @@ def alone_split(row: dict, base: dict, compute_1: float, compute_1_se: float, k:
     step_alone = row["alone_step_s"] + alone - row["alone_compute_measured_s"]
     row["ceiling"] = k * base["step_s"] / step_alone
     beside = row["parts"]["compute_s"] - alone
+    kept = f", and data parallelism kept {row['efficiency'] / row['ceiling']:.1%} of that" if row["efficiency"] else ""
     return (f"one process alone at {row['per_process']} samples a step: compute {alone * 1e3:.4g} ms, step "
-            f"{step_alone * 1e3:.4g} ms, so {row['ceiling']:.1%} is the most n = {n} can keep at this share; of the "
-            f"lost compute {smaller / row['step_s']:.1%} is the smaller batch (one GPU alone loses it too) and "
+            f"{step_alone * 1e3:.4g} ms, so {row['ceiling']:.1%} is the most n = {n} can keep at this share{kept}; of "
+            f"the lost compute {smaller / row['step_s']:.1%} is the smaller batch (one GPU alone loses it too) and "
             f"{beside / row['step_s']:.1%} running beside the other process(es)" + moved)
 
 
