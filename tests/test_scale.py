@@ -78,8 +78,11 @@ def test_scale_both_modes_on_the_same_samples(tmp_path):
 def test_scale_four_processes_report_their_balance(tmp_path):
     out = tmp_path / "scale"
     check(ddptune("scale", TINY, *FAST, "train.micro_batch_size=2", "train.grad_accum=4", "--nproc", "1,4",
-                  "--mode", "same-global", "--out", str(out)))
-    rows = json.loads((out / "scaling.json").read_text())["rows"]
+                  "--mode", "same-global", "--bandwidth-sizes", "none", "--out", str(out)))
+    result = json.loads((out / "scaling.json").read_text())
+    assert result["bandwidth"]["status"] == "not measured (--bandwidth-sizes none)"  # and no predictions
+    assert result["predictions"]["measured"] == [r for r in result["predictions"]["measured"] if r["nproc"] == 1]
+    rows = result["rows"]
     assert [(r["nproc"], r["global_batch"], r["per_process"]) for r in rows] == [(1, 8, 8), (4, 8, 2)]
     four = rows[1]
     assert 1.0 <= four["balance"] < 1.3  # 2 samples a process: the longest sample decides

@@ -80,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default=None, help="output folder (default: <output_dir>-scale)")
     s.add_argument("--steps", type=int, default=None, help="measured steps of the largest batch (default 30)")
     s.add_argument("--warmup", type=int, default=None, help="steps of the largest batch before the measured window (default 3)")
-    s.add_argument("--bandwidth-sizes", default="1MB,4MB,16MB,64MB,256MB,1GB", help="all-reduce sizes to time")
+    s.add_argument("--bandwidth-sizes", default="1MB,4MB,16MB,64MB,256MB,1GB", help="all-reduce sizes to time, or none (no predictions)")
     s.add_argument("--numa-binding", choices=dist.NUMA_BINDINGS, default=None, help=NUMA_HELP)
     s.add_argument("--alone", action="store_true",
                    help="same-global: also train one process alone at each count's per-process share, to tell the "

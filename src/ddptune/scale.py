@@ -143,7 +143,9 @@ def main(args) -> int:
     # 2. All-reduce bandwidth over the largest count, then the runs.
     topo = comm.topology()
     bandwidth = {"nproc": max(counts), "status": "single process: no all-reduce to measure"}
-    if max(counts) >= 2:
+    if max(counts) >= 2 and not sizes:
+        bandwidth["status"] = "not measured (--bandwidth-sizes none)"
+    elif max(counts) >= 2:
         iters, bw_warmup = (20, 5) if cuda else (5, 2)
         try:
             result = comm.measure_bandwidth(max(counts), sizes, iters=iters, warmup=bw_warmup)
@@ -272,6 +274,9 @@ def parse_counts(text: str) -> list[int]:
 
 
 def parse_sizes(text: str) -> list[int]:
+    """All-reduce sizes to time; "none" times none (no bandwidth, so no predictions)."""
+    if text.strip().lower() == "none":
+        return []
     try:
         return [comm.parse_size(s) for s in text.split(",") if s.strip()] or [comm.MiB]
     except ValueError as e:
