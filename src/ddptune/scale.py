@@ -71,6 +71,7 @@ PART_KEYS = ("compute_s", "imbalance_s", "exposed_comm_s", "rest_s")
 STALL_FACTOR = 3  # a step this many times the run's median is a stall, named in the row's note
 STEAL_NOTE = 0.01  # a share of the host's CPU time stolen by the hypervisor worth naming beside a row
 PADDING_NOTE = 0.02  # a difference in padding share from n = 1 worth naming (it moves compute per real token)
+CEILING_ADVICE = 0.97  # scale --alone: below this ceiling, the note gives the global batch that would reach it
 COLUMNS = [  # (row key, header): scaling.csv uses the keys, scaling.md the headers
     ("mode", "mode"), ("nproc", "n"), ("batch", "samples per step"), ("steps", "steps measured"),
     ("step_s", "step (s)"), ("compute_s", "compute (s)"), ("imbalance_s", "imbalance (s)"),
@@ -421,18 +422,20 @@ def account(row: dict, base: dict | None, cuda: bool) -> dict:
 def alone_split(row: dict, base: dict, compute_1: float, compute_1_se: float, k: float) -> str:
     """Split a count's lost compute with its --alone run (module docstring), given the n = 1 row
     and its compute; sets the row's `lost_smaller_batch` (blank when noise swamps it) and `ceiling`,
-    and returns the note."""
+    and returns the note. Where the two runs' computed tokens per process differ, a step is fixed
+    time + time per token (the line through n = 1 and alone), and the note gives the global batch
+    whose ceiling at this count would be CEILING_ADVICE."""
     alone, n = row["alone_compute_s"], row["nproc"]
     tokens, tokens_alone, tokens_1 = (r.get(key) for r, key in ((row, "computed_per_process"),
                                       (row, "alone_computed_per_process"), (base, "computed_per_process")))
-    moved = ""
-    if None not in (tokens, tokens_alone, tokens_1) and tokens_alone != tokens_1 \
-            and abs(tokens_alone - tokens) >= PADDING_NOTE * tokens:
-        per_token = (compute_1 - alone) / (tokens_1 - tokens_alone)
+    lines = None not in (tokens, tokens_alone, tokens_1) and tokens_alone != tokens_1
+    moved = advice = ""
+    if lines and abs(tokens_alone - tokens) >= PADDING_NOTE * tokens:
+        fixed, per_token = line(tokens_1, compute_1, tokens_alone, alone)
         moved = (f" (alone computed {tokens_alone:,.0f} tokens a step against {tokens:,.0f} per process here, padding "
-                 f"included: moved to {tokens:,.0f} at {per_token * 1e6:.3g} µs a token, {compute_1 - per_token * tokens_1:.3g} s "
-                 f"fixed, the line through n = 1 and alone: {alone * 1e3:.4g} → {(alone + per_token * (tokens - tokens_alone)) * 1e3:.4g} ms)")
-        alone += per_token * (tokens - tokens_alone)
+                 f"included: its compute moved to {tokens:,.0f} tokens along the line through n = 1 and alone, "
+                 f"{alone * 1e3:.4g} → {(fixed + per_token * tokens) * 1e3:.4g} ms)")
+        alone = fixed + per_token * tokens
     row["alone_compute_measured_s"], row["alone_compute_s"] = row["alone_compute_s"], alone  # the column: what is compared
     smaller = alone - k * compute_1
     err = math.hypot(row.get("alone_compute_s_se") or 0.0, k * compute_1_se)
@@ -441,10 +444,24 @@ def alone_split(row: dict, base: dict, compute_1: float, compute_1_se: float, k:
     row["ceiling"] = k * base["step_s"] / step_alone
     beside = row["parts"]["compute_s"] - alone
     kept = f", and data parallelism kept {row['efficiency'] / row['ceiling']:.1%} of that" if row["efficiency"] else ""
+    if lines:
+        fixed, per_token = line(tokens_1, base["step_s"], tokens_alone, row["alone_step_s"])
+        if fixed > 0 and per_token > 0 and row["ceiling"] < CEILING_ADVICE:
+            # ceiling = (fixed + per_token * T) / (n * (fixed + per_token * T / n)) >= e, T = n = 1's tokens a step
+            needed = fixed * (CEILING_ADVICE * n - 1) / (per_token * (1 - CEILING_ADVICE))
+            batch = math.ceil(needed * base["per_process"] / tokens_1 / n) * n
+            advice = (f"; a step is {fixed * 1e3:.3g} ms fixed + {per_token * 1e6:.3g} µs a computed token, so a global "
+                      f"batch of about {batch} samples would raise that ceiling to {CEILING_ADVICE:.0%}")
     return (f"one process alone at {row['per_process']} samples a step: compute {alone * 1e3:.4g} ms, step "
             f"{step_alone * 1e3:.4g} ms, so {row['ceiling']:.1%} is the most n = {n} can keep at this share{kept}; of "
             f"the lost compute {smaller / row['step_s']:.1%} is the smaller batch (one GPU alone loses it too) and "
-            f"{beside / row['step_s']:.1%} running beside the other process(es)" + moved)
+            f"{beside / row['step_s']:.1%} running beside the other process(es)" + moved + advice)
+
+
+def line(x1: float, y1: float, x2: float, y2: float) -> tuple[float, float]:
+    """The line through two points: (value at 0, slope)."""
+    slope = (y1 - y2) / (x1 - x2)
+    return y1 - slope * x1, slope
 
 
 def backward_fraction(method: str, checkpointing: bool) -> float:
