@@ -203,6 +203,15 @@ def test_a_host_bound_step_is_named_when_less_work_per_process_does_not_shrink_c
     assert "bound by the host" not in (gpu["note"] or "")
     per_device = scale.account(_row(2, 16, 0.475, 0.454, 0.011, 0.001, 0.009), one, cuda=True)  # same work: no claim
     assert "bound by the host" not in (per_device["note"] or "")
+    # with --alone the guess is checked: one process alone at the share barely faster too, or clearly faster
+    one = scale.account(_row(1, 16, 0.051, 0.043, 0, 0, 0.008), None, cuda=True)
+    host = scale.account({**_row(2, 8, 0.075, 0.057, 0.005, 0.002, 0.011), "cuda_graphs": True, "alone_compute_s": 0.040,
+                          "alone_compute_s_se": 0.0005, "alone_step_s": 0.048}, one, cuda=True)
+    assert "with 50% fewer samples per process (one process alone too): the step is bound by the host" in host["note"]
+    beside = scale.account({**_row(2, 8, 0.075, 0.057, 0.005, 0.002, 0.011), "cuda_graphs": True, "alone_compute_s": 0.030,
+                            "alone_compute_s_se": 0.0005, "alone_step_s": 0.038}, one, cuda=True)
+    assert "bound by the host" not in beside["note"]
+    assert "36.0% running beside the other process(es)" in beside["note"]
 
 
 def test_the_alone_run_splits_lost_compute_and_gives_the_ceiling():

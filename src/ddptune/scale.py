@@ -25,7 +25,8 @@ it is flagged as contention and not published.
 
 On GPUs, a count with fewer samples per process whose compute shrank by less than half as much
 is named as bound by the host (launching kernels), not the GPU: more GPUs cannot help that step,
-fewer launches (train.cuda_graphs) can.
+fewer launches (train.cuda_graphs) can. With --alone that guess is checked: it stands only where one
+process alone at the share barely shrank too; otherwise running beside the others is the cause.
 
 --alone (same-global): one process also trains alone at each count's per-process share, over the
 same window. Its compute splits the lost compute into what the smaller batch costs on any GPU
@@ -390,14 +391,18 @@ def account(row: dict, base: dict | None, cuda: bool) -> dict:
     if not cuda and n > 1 and row["speedup"] > n * 1.05:
         notes.append(f"speedup {row['speedup']:.2f} above {n}: the processes fought over the CPU cores; not published")
         row["speedup"] = row["efficiency"] = None
-    if cuda and k < 1 and row["compute_s"] > (1 + k) / 2 * one["compute_s"]:
-        # less work per process, yet compute shrank by less than half as much: the host issuing kernels sets the pace
+    if n > 1 and row.get("alone_compute_s") is not None:  # measured: it supersedes the guess below
+        notes.append(alone_split(row, base, one["compute_s"], one_se["compute_s"], k))
+    barely = (1 + k) / 2 * one["compute_s"]  # compute that shrank by less than half as much as the samples
+    alone = row.get("alone_compute_s")
+    if cuda and k < 1 and row["compute_s"] > barely and (alone is None or alone > barely):
+        # less work per process, yet compute barely shrank (one process alone at the share too, where measured):
+        # the host issuing kernels sets the pace. Where alone did shrink, running beside the others is the cause.
         change = row["compute_s"] / one["compute_s"] - 1
         notes.append(f"compute per process {'fell' if change < 0 else 'grew'} {abs(change):.0%} with {1 - k:.0%} fewer "
-                     "samples per process: the step is bound by the host launching kernels, not by the GPU"
+                     "samples per process" + (" (one process alone too)" if alone is not None else "")
+                     + ": the step is bound by the host launching kernels, not by the GPU"
                      + (" (even with CUDA graphs)" if row.get("cuda_graphs") else " (try train.cuda_graphs=true)"))
-    if n > 1 and row.get("alone_compute_s") is not None:
-        notes.append(alone_split(row, base, one["compute_s"], one_se["compute_s"], k))
     padding, padding_1 = row.get("padding", 0.0), base.get("padding", 0.0)
     if n > 1 and abs(padding - padding_1) >= PADDING_NOTE:
         # the GPUs compute padding too: a count whose rows pad less does less work per real token
