@@ -177,7 +177,7 @@ def main(args) -> int:
             row = dict(measure(run, windows[m]), mode=m)
             if f"alone-n{n}" in runs and m == SAME_GLOBAL:
                 alone = measure(runs[f"alone-n{n}"], windows[m])
-                row.update({f"alone_{k}": alone[k] for k in ("compute_s", "compute_s_se", "step_s", "padding", "computed_per_process")})
+                row.update({f"alone_{k}": alone[k] for k in ("compute_s", "compute_s_se", "step_s", "computed_per_process")})
             row = account(row, base, cuda)
             base = base or row
             rows.append(row)
