@@ -80,9 +80,7 @@ def account_again(rows: list[dict], runs: Path, mode: str, window: list[int]) ->
     from ddptune import scale
 
     def computed(name: str, batch: int, nproc: int) -> float:
-        lines = (runs / name / "metrics.jsonl").read_text().splitlines()
-        kept = [json.loads(l) for l in lines if '"step_time_s"' in l][window[0] // batch:window[1] // batch]
-        return sum(r["padded_tokens"] for r in kept) / len(kept) / nproc
+        return scale.computed_per_process(scale.window_lines(runs / name, "metrics.jsonl", batch, window), nproc)
 
     again, base = [], None
     for r in rows:

@@ -314,12 +314,24 @@ def sample_window(global_batches: list[int], warmup: int, measured: int) -> tupl
     return start, start + math.ceil(measured * big / unit) * unit
 
 
+def window_lines(folder: Path, name: str, global_batch: int, window: tuple[int, int]) -> list[dict]:
+    """A run's per-step lines (metrics.jsonl's step lines, or ranks.jsonl) inside the sample window."""
+    lines = [json.loads(l) for l in (folder / name).read_text().splitlines()]
+    if name == "metrics.jsonl":
+        lines = [r for r in lines if "step_time_s" in r]
+    return lines[window[0] // global_batch:window[1] // global_batch]  # steps [first, last), 0-based
+
+
+def computed_per_process(steps: list[dict], nproc: int) -> float:
+    """Tokens each process computed a step, padding included (metrics.jsonl counts all processes)."""
+    return sum(r["padded_tokens"] for r in steps) / len(steps) / nproc
+
+
 def measure(run: dict, window: tuple[int, int]) -> dict:
     """A row for one run over the sample window: means over its steps in the window."""
     plan: BatchPlan = run["plan"]
-    first, last = window[0] // plan.global_batch, window[1] // plan.global_batch  # steps [first, last), 0-based
-    steps = [json.loads(l) for l in (run["dir"] / "metrics.jsonl").read_text().splitlines() if '"step_time_s"' in l][first:last]
-    ranks = [json.loads(l) for l in (run["dir"] / "ranks.jsonl").read_text().splitlines()][first:last]
+    steps = window_lines(run["dir"], "metrics.jsonl", plan.global_batch, window)
+    ranks = window_lines(run["dir"], "ranks.jsonl", plan.global_batch, window)
     summary = json.loads((run["dir"] / "summary.json").read_text())
     peaks = [p for p in summary.get("peak_mem_gib_per_process") or [] if p is not None]
     return {"nproc": plan.world_size, "per_process": plan.per_process, "global_batch": plan.global_batch,
@@ -330,7 +342,7 @@ def measure(run: dict, window: tuple[int, int]) -> dict:
             "balance": statistics.fmean(r["balance"] for r in steps),
             # of the tokens the GPUs computed: padded batches, or rows padded for CUDA graphs
             "padding": 1 - sum(r["tokens"] for r in steps) / sum(r["padded_tokens"] for r in steps),
-            "computed_per_process": sum(r["padded_tokens"] for r in steps) / len(steps) / plan.world_size,
+            "computed_per_process": computed_per_process(steps, plan.world_size),
             "peak_mem_gib": max(peaks) if peaks else None, "final_loss": summary["final_loss"],
             "val_loss": summary["val_loss"], **(summary.get("rouge") or {}),
             # the whole run's, loading and compilation included
