@@ -404,7 +404,7 @@ def account(row: dict, base: dict | None, cuda: bool) -> dict:
         notes.append(f"speedup {row['speedup']:.2f} above {n}: the processes fought over the CPU cores; not published")
         row["speedup"] = row["efficiency"] = None
     if n > 1 and row.get("alone_compute_s") is not None:  # measured: it supersedes the guess below
-        notes.append(alone_split(row, base, one["compute_s"], one_se["compute_s"], k))
+        notes.append(alone_split(row, base, k))
     barely = (1 + k) / 2 * one["compute_s"]  # compute that shrank by less than half as much as the samples
     alone = row.get("alone_compute_s")
     if cuda and k < 1 and row["compute_s"] > barely and (alone is None or alone > barely):
@@ -436,13 +436,14 @@ def account(row: dict, base: dict | None, cuda: bool) -> dict:
     return row
 
 
-def alone_split(row: dict, base: dict, compute_1: float, compute_1_se: float, k: float) -> str:
-    """Split a count's lost compute with its --alone run (module docstring), given the n = 1 row
-    and its compute; sets the row's `lost_smaller_batch` (blank when noise swamps it) and `ceiling`,
+def alone_split(row: dict, base: dict, k: float) -> str:
+    """Split a count's lost compute with its --alone run (module docstring), given the accounted
+    n = 1 row; sets the row's `lost_smaller_batch` (blank when noise swamps it) and `ceiling`,
     and returns the note. Where the two runs' computed tokens per process differ, a step is fixed
     time + time per token (the line through n = 1 and alone), and the note gives the global batch
     whose ceiling at this count would be CEILING_ADVICE."""
     alone, n = row["alone_compute_s"], row["nproc"]
+    compute_1, compute_1_se = base["parts"]["compute_s"], base["parts_se"]["compute_s"]
     tokens, tokens_alone, tokens_1 = (r.get(key) for r, key in ((row, "computed_per_process"),
                                       (row, "alone_computed_per_process"), (base, "computed_per_process")))
     lines = None not in (tokens, tokens_alone, tokens_1) and tokens_alone != tokens_1
