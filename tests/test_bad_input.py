@@ -145,6 +145,8 @@ CASES = [
     ("seed negative", [*TRAIN, "train.seed=-1"], ["train.seed: -1 is outside 0..4294967295"]),
     ("seed too large", [*TRAIN, "train.seed=4294967296"], ["train.seed: 4294967296 is outside 0..4294967295"]),
     ("unknown method", [*TRAIN, "train.method=lora2"], ["train.method: 'lora2' is not allowed (use one of lora, qlora, full)"]),
+    ("dequantize a lora base", [*TRAIN, "train.method=lora", "train.dequantize_base=true"],
+     ["train.dequantize_base: only for train.method=qlora (a lora base is not quantized)"]),
     ("unknown optimizer", [*TRAIN, "train.optimizer=sgd"], ["train.optimizer: 'sgd' is not allowed"]),
     ("unknown schedule", [*TRAIN, "train.lr_schedule=step"], ["train.lr_schedule: 'step' is not allowed"]),
     ("unknown precision", [*TRAIN, "train.precision=fp16"], ["train.precision: 'fp16' is not allowed"]),

@@ -119,6 +119,19 @@ def test_qlora_is_never_told_to_shard_and_fsdp_auto_checkpointing_is_not_refused
     assert checks.memory_problems(auto, 2, 60)  # with checkpointing on it still needs 80 GiB
 
 
+def test_qlora_with_room_is_told_its_base_fits_dequantized_and_that_costs_lora_s_weights():
+    cfg = config.load(CONFIG_8B, [])
+    shape = plan.model_shape(cfg)
+    roomy, tight = plan.plan(cfg, shape, gpus=2, gpu_gib=80), plan.plan(cfg, shape, gpus=2, gpu_gib=20)
+    kept = plan.plan(config.load(CONFIG_8B, ["train.dequantize_base=true"]), shape, gpus=2, gpu_gib=80)
+    lora = plan.plan(config.load(CONFIG_8B, ["train.method=lora"]), shape, gpus=2, gpu_gib=80)
+    assert kept["options"][0]["weights"] == lora["options"][0]["weights"] > roomy["options"][0]["weights"] + 9
+    assert roomy["dequantized_base_gib"] == pytest.approx(kept["options"][0]["total"])
+    assert "faster: train.dequantize_base=true fits too" in plan.table(roomy)
+    assert tight["options"][0]["fits"] and tight["dequantized_base_gib"] is None and "faster" not in plan.table(tight)
+    assert kept["dequantized_base_gib"] is None  # already on
+
+
 def test_fsdp_is_refused_when_the_whole_model_cannot_load_onto_one_gpu():
     """FSDP shards after loading: each process first holds the whole model (fp32 for full)."""
     cfg = config.load(CONFIG_8B, ["train.method=full", "train.strategy=fsdp"])

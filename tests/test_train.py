@@ -246,14 +246,21 @@ def test_accelerate_launch_with_the_shipped_config(tmp_path):
 def test_gradient_checkpointing_works_under_ddp(method, tmp_path):
     """Non-reentrant checkpointing under DDP (reentrant fails with "marked ready twice"); the
     recomputation replays dropout exactly, so the losses equal a run without it. QLoRA runs on
-    bitsandbytes' CPU 4-bit kernels here."""
+    bitsandbytes' CPU 4-bit kernels here. train.dequantize_base keeps the NF4-rounded base as plain
+    weights: the same losses and the same adapter as dequantizing in every pass."""
     args = [f"train.method={method}", "train.max_steps=3", "lora.dropout=0.1", "data.val=null"]
-    on, off = tmp_path / "on", tmp_path / "off"
+    on, off, kept = tmp_path / "on", tmp_path / "off", tmp_path / "kept"
     (summary, _) = multiproc.run(train_tiny, 2, [f"output_dir={on}", "train.gradient_checkpointing=true", *args])
     multiproc.run(train_tiny, 2, [f"output_dir={off}", "train.gradient_checkpointing=false", *args])
+    (dequantized, _) = multiproc.run(train_tiny, 2, [f"output_dir={kept}", "train.gradient_checkpointing=true",
+                                                     "train.dequantize_base=true", *args])
     assert summary["gradient_checkpointing"] is True and summary["method"] == method
+    assert summary["base_4bit"] is True and dequantized["base_4bit"] is False
     assert len(set(summary["replica_fingerprints"])) == 1
     assert losses(on) == pytest.approx(losses(off), abs=1e-5)
+    assert losses(kept) == losses(on)  # fp32 on CPU: bit for bit
+    adapter = load_file(on / "adapter" / "adapter_model.safetensors")
+    assert adapter and all(torch.equal(v, adapter[k]) for k, v in load_file(kept / "adapter" / "adapter_model.safetensors").items())
 
 
 def test_packing_gives_the_padded_losses_without_padding(tmp_path):

@@ -314,6 +314,20 @@ def load_model(m: ModelConfig, method: str, device: torch.device, precision: str
     return model
 
 
+def dequantize_base(model, precision: str, device: torch.device):
+    """A QLoRA base with its NF4 weights turned into plain linears of the compute dtype: the values
+    bitsandbytes dequantizes in every pass and computes with, kept (2 bytes a weight instead of
+    about 0.5). transformers' `dequantize`, without its notice of the dtype chosen here."""
+    import transformers
+
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        return model.dequantize(dtype=compute_dtype(precision, device))
+    finally:
+        transformers.logging.set_verbosity(level)
+
+
 def compile_layers(model, cuda_graphs: bool = False) -> None:
     """torch.compile every decoder layer (regional compilation: the layers share one compiled
     graph, so compile time is that of one layer). With `cuda_graphs`, each layer's forward and
@@ -434,6 +448,11 @@ def count_params(model) -> tuple[int, int]:
     return trainable, total
 
 
+def holds_4bit(model) -> bool:
+    """Whether any of the model's weights are stored in 4 bits (QLoRA, not dequantize_base)."""
+    return any(getattr(p, "quant_state", None) is not None for p in model.parameters())
+
+
 def trainable_state(model) -> dict[str, torch.Tensor]:
     """The trained weights by name (what a checkpoint must hold)."""
     return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
@@ -466,7 +485,7 @@ def load_trained(run_dir: Path, m: ModelConfig, method: str, device: torch.devic
 
     base = load_model(m, method, device, precision, seed)
     if dequantize and method == "qlora":
-        base = base.dequantize(dtype=compute_dtype(precision, device))
+        base = dequantize_base(base, precision, device)
     with _peft_quietly():
         return PeftModel.from_pretrained(base, weights)
 

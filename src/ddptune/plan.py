@@ -3,7 +3,8 @@
 Five terms, in bytes per GPU (`estimate`):
 - weights: NF4 with double quantization for QLoRA's decoder matrices (`NF4_BYTES` a weight: 4 bits
   plus an 8-bit absmax per 64 weights plus an fp32 absmax per 256 of those); embeddings, norms and
-  head stay bf16 in LoRA and QLoRA (`model.add_adapters`); bf16 everything in LoRA; full fine-tuning
+  head stay bf16 in LoRA and QLoRA (`model.add_adapters`); bf16 everything in LoRA (and in QLoRA with
+  train.dequantize_base: the NF4-rounded weights kept dequantized); full fine-tuning
   keeps fp32 master weights, and autocast's bf16 copies of the matrices live until backward uses them:
   all of them without checkpointing, the head's and one layer's (the one recomputing) with it.
 - adapters: LoRA's r·(d_in + d_out) per adapted projection, in fp32 (peft upcasts them).
@@ -138,6 +139,7 @@ class Job:
     lora_dropout: float = 0.05
     shards: int = 1               # FSDP full shard over this many GPUs; 1: every GPU holds everything (DDP)
     processes: int = 1            # processes in the group (DDP's reducer exists from 2)
+    dequantized: bool = False     # qlora with train.dequantize_base: the base kept in bf16 after quantizing
 
 
 def layer_activation_bytes(s: Shape, job: Job) -> float:
@@ -177,10 +179,10 @@ def estimate(s: Shape, job: Job) -> dict:
     and `total` (with the CUDA context and the allocator's slack: what the GPU must hold)."""
     n = job.shards
     trained = s.params if job.method == "full" else s.lora_params(job.lora_r, list(job.lora_targets))
-    if job.method == "qlora":
+    if job.method == "qlora" and not job.dequantized:
         weights = s.matrix_params * NF4_BYTES + s.other_params * 2
         weights += 2 * max(a * b for a, b in (f(s) for f in PROJECTIONS.values()))  # one matrix dequantized at a time
-    elif job.method == "lora":
+    elif job.method in ("lora", "qlora"):  # qlora dequantized: bf16 weights as LoRA's
         weights = s.params * 2 / n
     elif n == 1:  # fp32 master weights; autocast's bf16 copies are saved for backward: every matrix's, or
         # with checkpointing only the head's and the recomputing layer's (8B on one H200: 119.8 GiB
@@ -225,7 +227,8 @@ def job_of(cfg: Config, world: int = 1, checkpointing: bool | None = None, shard
     return Job(t.method, t.optimizer, t.gradient_checkpointing is True if checkpointing is None else checkpointing,
                tokens, math.ceil(tokens * TARGET_SHARE) if targets is None else targets,
                t.compile is not False if compiled is None else compiled,
-               cfg.lora.r, tuple(cfg.lora.target_modules), cfg.lora.dropout, shards, world)
+               cfg.lora.r, tuple(cfg.lora.target_modules), cfg.lora.dropout, shards, world,
+               t.method == "qlora" and t.dequantize_base)
 
 
 def plan(cfg: Config, shape: Shape, gpus: int = 1, gpu_gib: float = DEFAULT_GPU_GIB) -> dict:
@@ -289,6 +292,12 @@ def plan(cfg: Config, shape: Shape, gpus: int = 1, gpu_gib: float = DEFAULT_GPU_
             "no GPU count fits: one forward's activations exceed a GPU (lower train.tokens_per_forward or micro_batch_size)")
         if needed:
             option(f"FSDP over {needed} GPUs{with_gc}", needed_gc, needed)
+    faster = None  # QLoRA that fits: whether its base would fit dequantized too (no dequantizing in every pass)
+    if chosen and cfg.train.method == "qlora" and not cfg.train.dequantize_base:
+        est = estimate(shape, dataclasses.replace(job_of(cfg, world, checkpointing=chosen["gradient_checkpointing"]),
+                                                  dequantized=True))
+        if est["total"] <= budget:
+            faster = est["total"] / GIB
     job = job_of(cfg, world)
     return {"model": cfg.model.source, "method": cfg.train.method, "optimizer": cfg.train.optimizer,
             "gpus": gpus, "gpu_memory_gib": gpu_gib, "tokens_per_forward": job.tokens, "targets_assumed": job.targets,
@@ -296,7 +305,7 @@ def plan(cfg: Config, shape: Shape, gpus: int = 1, gpu_gib: float = DEFAULT_GPU_
             else shape.lora_params(cfg.lora.r, list(cfg.lora.target_modules)),
             "shape": dataclasses.asdict(shape), "options": options, "verdict": verdict, "recommendation": action,
             "margin": options[0]["total"] / gpu_gib - 1,  # as configured: over (+) or under (-) the GPU's memory
-            "fsdp_gpus_needed": needed, "cuda_graphs": cfg.train.cuda_graphs,
+            "fsdp_gpus_needed": needed, "cuda_graphs": cfg.train.cuda_graphs, "dequantized_base_gib": faster,
             "constants": {"cuda_context_gib": CUDA_CONTEXT_GIB, "allocator_slack": ALLOCATOR_SLACK,
                           "compiled_activations": COMPILED_ACTIVATIONS, "target_share": TARGET_SHARE}}
 
@@ -338,6 +347,9 @@ def table(p: dict) -> str:
     elif -PLAN_UNDER < p["margin"] <= 0:
         lines.append(f"close: as configured it leaves {-p['margin']:.0%} of the GPU free, and the plan has been up to "
                      f"{PLAN_UNDER:.0%} under measured peaks: it may not fit")
+    if p.get("dequantized_base_gib"):
+        lines.append(f"faster: train.dequantize_base=true fits too ({p['dequantized_base_gib']:.1f} GiB per GPU): the base stays "
+                     "dequantized instead of being dequantized in every pass (the same NF4-rounded weights)")
     if p.get("cuda_graphs"):
         lines.append("not counted: the memory train.cuda_graphs' recorded graphs keep (the 8B QLoRA job peaked at 19.9 GiB "
                      "with them against 8.3 GiB without, on an H200: BENCHMARKS.md)")

@@ -236,6 +236,8 @@ def build_model(cfg: Config, accelerator: Accelerator, plan: BatchPlan):
     t = cfg.train
     with accelerator.main_process_first():  # a preset checkpoint or hub download is made once
         base = model_lib.load_model(cfg.model, t.method, accelerator.device, t.precision, t.seed)
+    if t.dequantize_base:
+        base = model_lib.dequantize_base(base, t.precision, accelerator.device)
     # what training adds to the loaded model without checkpointing: activations, gradients, optimizer states
     shards = plan.world_size if t.strategy == "fsdp" else 1  # FSDP holds 1/n of the weights, gradients and states
     est = plan_lib.estimate(plan_lib.shape_of(base.config), plan_lib.job_of(cfg, plan.world_size, checkpointing=False, shards=shards))
@@ -670,6 +672,7 @@ def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
         "train_rows": len(r.train_set), "steps_per_epoch": len(r.train_set) / r.plan.global_batch,
         "method": cfg.train.method, "strategy": cfg.train.strategy, "mixed_precision": acc.mixed_precision,
         "gradient_checkpointing": r.checkpointing, "compiled": r.compiled, "cuda_graphs": r.graphs,
+        "base_4bit": model_lib.holds_4bit(r.model),
         "trainable_params": trainable, "total_params": total,
         "output": str(final), "replica_fingerprints": fingerprints,
     }
