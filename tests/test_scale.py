@@ -151,11 +151,15 @@ def test_every_lost_percent_is_accounted_and_noise_is_named():
 
 def test_bad_nproc_is_one_line_error(tmp_path):
     args = types.SimpleNamespace(config=TINY, overrides=[], nproc="2,4", mode="same-per-device", steps=None, warmup=None,
-                                 out=str(tmp_path / "x"), bandwidth_sizes="1MB", numa_binding=None, alone=False)
+                                 out=str(tmp_path / "x"), bandwidth_sizes="1MB", numa_binding=None, alone=False,
+                                 alone_only=False)
     with pytest.raises(ConfigError, match="include 1"):
         scale.main(args)
     args.nproc, args.alone = "1,2", True  # one process at the share of a count only means something at a fixed global batch
     with pytest.raises(ConfigError, match="--alone: it compares same-global counts"):
+        scale.main(args)
+    args.alone, args.alone_only, args.mode = False, True, "both"  # one process says nothing of same-per-device counts
+    with pytest.raises(ConfigError, match="--alone-only: it runs one process only"):
         scale.main(args)
     assert not (tmp_path / "x").exists()
 
@@ -253,6 +257,42 @@ def test_the_alone_run_is_moved_to_the_tokens_of_the_count_when_rows_are_padded(
     # a step: 40.5 ms fixed + 64.2 µs a token (n = 1 and alone); a ceiling of 97 % at 2 needs 19,776 tokens a step
     # at n = 1, 68.7 samples of 288 tokens: rounded up to what splits over 2 processes
     assert "a step is 40.5 ms fixed + 64.2 µs a computed token, so a global batch of about 70 samples" in two["note"]
+
+
+def test_alone_only_measures_the_ceiling_of_two_gpus_on_one(tmp_path):
+    """--alone-only: n = 1 and one process alone at n = 2's share, nothing in parallel (one GPU is enough)."""
+    out = tmp_path / "ceiling"
+    args = types.SimpleNamespace(config=TINY, overrides=["data.val=null"], nproc="1,2", mode="same-global", steps=3,
+                                 warmup=1, out=str(out), bandwidth_sizes="1MB", numa_binding=None, alone=False,
+                                 alone_only=True)
+    assert scale.main(args) == 0
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["alone-n2", "n1"]
+    result = json.loads((out / "scaling.json").read_text())
+    one, two = result["rows"]
+    assert result["bandwidth"]["status"].startswith("not measured (--alone-only")
+    assert two["speedup"] is None and two["samples_measured"] == one["samples_measured"]  # the same samples
+    assert two["ceiling"] == pytest.approx(0.5 * one["step_s"] / two["alone_step_s"])
+    assert two["speedup_ceiling"] == pytest.approx(2 * two["ceiling"])
+    assert "not run (--alone-only): one process alone at 2 samples a step" in two["note"]
+    assert "--alone-only" in result["manifest"]["command"] and (out / "scaling.png").is_file()
+
+
+def test_alone_only_moves_a_padded_alone_run_to_n_1_s_tokens_split_evenly():
+    """The 8B QLoRA numbers above without the n = 2 run: the alone run's 2,816 computed tokens a step
+    are moved to 2,304 (half of n = 1's) along the line through n = 1 and it: the same 89 % ceiling
+    as --alone's with the n = 2 run (89.2 %: there the compute is moved, here the step)."""
+    one = scale.account({**_row(1, 16, 0.3362, 0.3335, 0, 0, 0.0027), "computed_per_process": 4608,
+                         "global_batch": 16}, None, cuda=True)
+    alone = {"per_process": 8, "steps": 40, "samples_measured": 320, "step_s": 0.2212, "compute_s": 0.2187,
+             "computed_per_process": 2816}
+    two = scale.ceiling_row(alone, one, 2)
+    step = 0.2212 - (0.3362 - 0.2212) / (4608 - 2816) * 512
+    assert two["alone_step_s"] == pytest.approx(step) and two["ceiling"] == pytest.approx(0.5 * 0.3362 / step)
+    assert two["alone_compute_s"] == pytest.approx(0.2187 + step - 0.2212) and two["alone_step_measured_s"] == 0.2212
+    assert "n = 2 can keep at most 89.3% at this global batch, a speedup of at most 1.79x" in two["note"]
+    assert "against 2,304, 1/2 of n = 1's, which the line through n = 1 and it puts at 188.3 ms" in two["note"] and "a global batch of about 70 samples" in two["note"]
+    even = scale.ceiling_row({**alone, "computed_per_process": 2304, "step_s": 0.19}, one, 2)  # unpadded: as measured
+    assert even["alone_step_s"] == 0.19 and "the line through" not in even["note"]
 
 
 def test_fsdp_rows_say_their_communication_is_counted_in_compute():

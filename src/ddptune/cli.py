@@ -85,6 +85,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--alone", action="store_true",
                    help="same-global: also train one process alone at each count's per-process share, to tell the "
                         "smaller batch's cost from data parallelism's (one more 1-process run per count)")
+    s.add_argument("--alone-only", action="store_true",
+                   help="same-global, on one GPU: run n = 1 and the --alone runs only, for the ceiling each count "
+                        "could reach at this global batch before any more GPUs are used")
     m = sub.add_parser("plan", help="predict peak memory per GPU before loading anything, and how to run it")
     m.add_argument("config")
     m.add_argument("overrides", nargs="*")

@@ -38,6 +38,10 @@ its longest), the alone run's consecutive shares reach a longer row than the cou
 ones; its compute is then moved to the count's computed tokens per process along the line through
 n = 1 and it (compute = fixed + per-token x tokens, both read from the two runs).
 
+--alone-only (same-global): n = 1 and the alone runs only, on one GPU: each count's row holds its
+ceiling and the batch advice, and no measured speedup. What a second GPU could buy at this global
+batch, asked before there is one.
+
 Padding: the share of the computed tokens that are padding (padded batches, or packed rows padded
 to one length for CUDA graphs, whose longest row depends on how the samples were split) is a column,
 and named in the note where it differs from n = 1's: it moves compute without moving real tokens.
@@ -115,10 +119,16 @@ def main(args) -> int:
         problems.append(f"--out: {out} already holds files (choose another --out, or remove it)")
     if warmup < 0 or measured < 1:
         problems.append(f"--warmup {warmup} / --steps {measured}: need warm-up >= 0 and at least 1 measured step")
-    if cuda and max(counts) > torch.cuda.device_count():
-        problems.append(f"--nproc: {max(counts)} processes but only {torch.cuda.device_count()} GPUs (one process per GPU)")
-    if args.alone and SAME_GLOBAL not in modes:
-        problems.append(f"--alone: it compares same-global counts with one process at their share; add --mode same-global (or both)")
+    alone_only = args.alone_only
+    if (args.alone or alone_only) and SAME_GLOBAL not in modes:
+        flag = "--alone-only" if alone_only else "--alone"
+        problems.append(f"{flag}: it compares same-global counts with one process at their share; add --mode same-global"
+                        + ("" if alone_only else " (or both)"))
+    elif alone_only and SAME_PER_DEVICE in modes:
+        problems.append("--alone-only: it runs one process only, which says nothing of same-per-device counts; use --mode same-global")
+    if cuda and max(counts) > torch.cuda.device_count() and not alone_only:
+        problems.append(f"--nproc: {max(counts)} processes but only {torch.cuda.device_count()} GPUs (one process per GPU; "
+                        "--alone-only measures a same-global count's ceiling on one)")
     if problems:
         raise ConfigError(problems)
     plans = {(m, n): plan_for(cfg.train, m, n) for m in modes for n in counts}  # raises for a count that does not divide
@@ -127,9 +137,10 @@ def main(args) -> int:
     for (m, n), plan in plans.items():
         key = "n1" if n == 1 else f"{m}-n{n}"
         steps = max(windows[mm][1] // plan.global_batch for mm in modes) if n == 1 else windows[m][1] // plan.global_batch
-        run = runs.setdefault(key, {"nproc": n, "dir": out / key, "plan": plan, "steps": 0})
-        run["steps"] = max(run["steps"], steps)
-        if args.alone and m == SAME_GLOBAL and n > 1:  # one process, the share of one of the n
+        if n == 1 or not alone_only:
+            run = runs.setdefault(key, {"nproc": n, "dir": out / key, "plan": plan, "steps": 0})
+            run["steps"] = max(run["steps"], steps)
+        if (args.alone or alone_only) and m == SAME_GLOBAL and n > 1:  # one process, the share of one of the n
             share = dataclasses.replace(plan, world_size=1)
             runs[f"alone-n{n}"] = {"nproc": 1, "dir": out / f"alone-n{n}", "plan": share,
                                    "steps": windows[m][1] // share.global_batch}
@@ -145,7 +156,9 @@ def main(args) -> int:
     # 2. All-reduce bandwidth over the largest count, then the runs.
     topo = comm.topology()
     bandwidth = {"nproc": max(counts), "status": "single process: no all-reduce to measure"}
-    if max(counts) >= 2 and not sizes:
+    if alone_only:
+        bandwidth["status"] = "not measured (--alone-only: one process at a time)"
+    elif max(counts) >= 2 and not sizes:
         bandwidth["status"] = "not measured (--bandwidth-sizes none)"
     elif max(counts) >= 2:
         iters, bw_warmup = (20, 5) if cuda else (5, 2)
@@ -173,6 +186,9 @@ def main(args) -> int:
     for m in modes:
         base = None
         for n in counts:
+            if n > 1 and alone_only:
+                rows.append(ceiling_row(measure(runs[f"alone-n{n}"], windows[m]), base, n))
+                continue
             run = runs["n1" if n == 1 else f"{m}-n{n}"]
             row = dict(measure(run, windows[m]), mode=m)
             if f"alone-n{n}" in runs and m == SAME_GLOBAL:
@@ -193,10 +209,10 @@ def main(args) -> int:
                                "--steps", str(measured), "--warmup", str(warmup), "--out", str(out),
                                "--bandwidth-sizes", args.bandwidth_sizes]
                               + (["--numa-binding", args.numa_binding] if args.numa_binding else [])
-                              + (["--alone"] if args.alone else [])),
+                              + (["--alone"] if args.alone else []) + (["--alone-only"] if alone_only else [])),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "modes": modes, "config": args.config,
         "overrides": overrides, "seed": cfg.train.seed, "sample_window": {m: list(w) for m, w in windows.items()},
-        "threads_per_process": threads, "numa_binding": args.numa_binding, "alone": args.alone,
+        "threads_per_process": threads, "numa_binding": args.numa_binding, "alone": args.alone, "alone_only": alone_only,
         "batch": [{"mode": m, "nproc": n, **dataclasses.asdict(p), "global_batch": p.global_batch, "describe": p.describe()}
                   for (m, n), p in plans.items()],
         "runs": {k: {"nproc": r["nproc"], "steps": r["steps"], "dir": str(r["dir"]), "command": r["command"]} for k, r in runs.items()},
@@ -463,17 +479,57 @@ def alone_split(row: dict, base: dict, k: float) -> str:
     beside = row["parts"]["compute_s"] - alone
     kept = f", and data parallelism kept {row['efficiency'] / row['ceiling']:.1%} of that" if row["efficiency"] else ""
     if lines:
-        fixed, per_token = line(tokens_1, base["step_s"], tokens_alone, row["alone_step_s"])
-        if fixed > 0 and per_token > 0 and row["ceiling"] < CEILING_ADVICE:
-            # ceiling = (fixed + per_token * T) / (n * (fixed + per_token * T / n)) >= e, T = n = 1's tokens a step
-            needed = fixed * (CEILING_ADVICE * n - 1) / (per_token * (1 - CEILING_ADVICE))
-            batch = math.ceil(needed * base["per_process"] / tokens_1 / n) * n
-            advice = (f"; a step is {fixed * 1e3:.3g} ms fixed + {per_token * 1e6:.3g} µs a computed token, so a global "
-                      f"batch of about {batch} samples would raise that ceiling to {CEILING_ADVICE:.0%}")
+        advice = batch_advice(base, tokens_alone, row["alone_step_s"], row["ceiling"], n)
     return (f"one process alone at {row['per_process']} samples a step: compute {alone * 1e3:.4g} ms, step "
             f"{step_alone * 1e3:.4g} ms, so {row['ceiling']:.1%} is the most n = {n} can keep at this share{kept}; of "
             f"the lost compute {smaller / row['step_s']:.1%} is the smaller batch (one GPU alone loses it too) and "
             f"{beside / row['step_s']:.1%} running beside the other process(es)" + moved + advice)
+
+
+def batch_advice(base: dict, tokens_alone: float, step_alone: float, ceiling: float, n: int) -> str:
+    """Where a ceiling is under CEILING_ADVICE: a step as fixed time + time per computed token (the
+    line through n = 1's steps and the alone run's), and the global batch whose ceiling at n would
+    be CEILING_ADVICE. Empty where the line says nothing (no slope, or no fixed part)."""
+    tokens_1 = base["computed_per_process"]
+    fixed, per_token = line(tokens_1, base["step_s"], tokens_alone, step_alone)
+    if not (fixed > 0 and per_token > 0 and ceiling < CEILING_ADVICE):
+        return ""
+    # ceiling = (fixed + per_token * T) / (n * (fixed + per_token * T / n)) >= e, T = n = 1's tokens a step
+    needed = fixed * (CEILING_ADVICE * n - 1) / (per_token * (1 - CEILING_ADVICE))
+    batch = math.ceil(needed * base["per_process"] / tokens_1 / n) * n
+    return (f"; a step is {fixed * 1e3:.3g} ms fixed + {per_token * 1e6:.3g} µs a computed token, so a global "
+            f"batch of about {batch} samples would raise that ceiling to {CEILING_ADVICE:.0%}")
+
+
+def ceiling_row(alone: dict, base: dict, n: int) -> dict:
+    """--alone-only: count `n`, not run, as one process alone at its share says it could be
+    (`alone`: that run's measured row; `base`: the accounted n = 1 row). Balanced shares compute
+    1/n of n = 1's tokens a step (padding as at n = 1); where the alone run's consecutive shares
+    computed more than that (padded rows), its step and compute are moved there along the line
+    through n = 1 and it, as --alone does."""
+    k = alone["per_process"] / base["per_process"]
+    tokens_1, tokens_alone = base["computed_per_process"], alone["computed_per_process"]
+    share = tokens_1 / n
+    step, compute, moved = alone["step_s"], alone["compute_s"], ""
+    if abs(tokens_alone - share) >= PADDING_NOTE * share:
+        fixed, per_token = line(tokens_1, base["step_s"], tokens_alone, alone["step_s"])
+        step = fixed + per_token * share
+        compute += step - alone["step_s"]
+        moved = (f"; it computed {tokens_alone:,.0f} tokens a step (padding included) against {share:,.0f}, 1/{n} of "
+                 f"n = 1's, which the line through n = 1 and it puts at {step * 1e3:.4g} ms")
+    ceiling = k * base["step_s"] / step
+    row = {"mode": SAME_GLOBAL, "nproc": n, "per_process": alone["per_process"], "global_batch": base["global_batch"],
+           "batch": f"{alone['per_process']} x {n} = {base['global_batch']}", "steps": alone["steps"],
+           "samples_measured": alone["samples_measured"], "speedup": None, "efficiency": None,
+           "alone_compute_s": compute, "alone_compute_measured_s": alone["compute_s"], "alone_step_s": step,
+           "alone_step_measured_s": alone["step_s"], "alone_computed_per_process": tokens_alone,
+           "ceiling": ceiling, "speedup_ceiling": n * ceiling}
+    advice = batch_advice(base, tokens_alone, alone["step_s"], ceiling, n) if tokens_alone != tokens_1 else ""
+    row["note"] = (f"not run (--alone-only): one process alone at {alone['per_process']} samples a step took "
+                   f"{alone['step_s'] * 1e3:.4g} ms{moved}; against {base['step_s'] * 1e3:.4g} ms at n = 1, n = {n} can keep at "
+                   f"most {ceiling:.1%} at this global batch, a speedup of at most {n * ceiling:.2f}x, before data "
+                   "parallelism's own costs" + advice)
+    return row
 
 
 def line(x1: float, y1: float, x2: float, y2: float) -> tuple[float, float]:
