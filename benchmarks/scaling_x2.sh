@@ -77,7 +77,7 @@ recipe)
 qlora-8b)
   # a run cut by the call's limit leaves no scaling.json, but every finished run's ranks.jsonl and
   # metrics.jsonl are kept in scale_8b_MODE_runs.tgz (scaling_report.py --ranks rebuilds the rows from them)
-  mode=${MODE:-both}; dir=/tmp/scale-8b-$mode
+  mode=${MODE:-both}; dir=$(mktemp -u -d /tmp/scale-8b-$mode-XXXX)  # a fresh folder for each run of this part
   trap 'keep_runs "$dir" "$OUT/scale_8b_$mode"' EXIT
   trap 'exit 143' TERM  # timeout's SIGTERM: leave through the EXIT trap
   python3 -m ddptune scale configs/samsum_qlora_llama31_8b.yaml model.tokenizer=$TOK data.train=$DATA data.train_rows=0:700 data.val=null $EXTRA \
