@@ -130,6 +130,8 @@ def test_qlora_with_room_is_told_its_base_fits_dequantized_and_that_costs_lora_s
     assert "faster: train.dequantize_base=true fits too" in plan.table(roomy)
     assert tight["options"][0]["fits"] and tight["dequantized_base_gib"] is None and "faster" not in plan.table(tight)
     assert kept["dequantized_base_gib"] is None  # already on
+    graphs = plan.plan(config.load(CONFIG_8B, ["train.cuda_graphs=true"]), shape, gpus=2, gpu_gib=80)
+    assert graphs["dequantized_base_gib"] is None  # measured slower with CUDA graphs: not offered
 
 
 def test_fsdp_is_refused_when_the_whole_model_cannot_load_onto_one_gpu():

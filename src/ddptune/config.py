@@ -97,11 +97,12 @@ class TrainConfig:
     """lora: frozen base + adapters; qlora: 4-bit NF4 base + adapters; full: every weight."""
     dequantize_base: bool = False
     """qlora: quantize the base to NF4 as it loads, then keep it dequantized in the compute dtype (bf16
-    on GPU) for the whole run, instead of dequantizing every 4-bit weight in each pass (three passes a
-    step with gradient checkpointing, whatever the batch: 23.6 ms of a 0.34 s step of the 8B job on an
-    H200). The adapters train against the same NF4-rounded weights, and the adapter saved is a QLoRA
-    one; the base takes 2 bytes a weight instead of about 0.5 (8B: 15 GiB more), so `ddptune plan`
-    says whether it fits. For GPUs with room to spare, where a step's fixed cost limits speed and scaling."""
+    on GPU) for the whole run instead of dequantizing every 4-bit weight in each pass (three passes a
+    step with gradient checkpointing, whatever the batch). The adapters train against the same
+    NF4-rounded weights (same losses; the adapter saved is a QLoRA one); the base takes 2 bytes a
+    weight instead of about 0.5 (8B: 9.5 GiB more), so `ddptune plan` says whether it fits. Measured
+    on an H200 (8B, 16 samples a step, one GPU): about 10% faster a step without train.cuda_graphs;
+    with them 15% slower, though the step's fixed part halves (37 -> 18 ms): BENCHMARKS.md."""
     strategy: Literal["ddp", "fsdp"] = "ddp"
     """ddp: every process holds the whole model, gradients are all-reduced. fsdp: PyTorch's FSDP2
     (fully_shard, through accelerate) shards weights, gradients and optimizer states over the
