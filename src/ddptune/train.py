@@ -633,7 +633,7 @@ def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
     """Check the replicas agree, write the processes' times, save, evaluate, summarize."""
     cfg, acc, out = r.cfg, r.accelerator, r.out
     train_s = sum(row["step_time_s"] for row in history)
-    val_loss = float("nan")
+    val_loss = None  # no validation set: null in summary.json (NaN is not JSON)
     t0 = time.perf_counter()
     if r.val_set:
         val_loss = validation_loss(r.loss_model, r.val_set, cfg.train.micro_batch_size, r.tokenizer.pad_token_id, acc)
@@ -664,7 +664,7 @@ def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
     summary = {
         "steps": r.total_steps, "world_size": acc.num_processes, "global_batch": r.plan.global_batch,
         "per_process": r.plan.per_process, "grad_accum": r.plan.grad_accum, "micro_batch_size": r.plan.micro_batch_size,
-        "packing": cfg.train.packing, "final_loss": history[-1]["loss"] if history else float("nan"), "val_loss": val_loss,
+        "packing": cfg.train.packing, "final_loss": history[-1]["loss"] if history else None, "val_loss": val_loss,
         "load_time_s": r.load_s, "train_time_s": train_s, **metrics.summarize_steps(history, warm, acc.num_processes),
         "eval_time_s": r.eval_s, "wall_time_s": time.perf_counter() - r.started,
         "time_split": metrics.split(ranks[warm:]),
@@ -691,7 +691,8 @@ def closing_lines(r: Run, summary: dict, final: Path) -> list[str]:
     out = r.out
     lines = [f"ddptune: done in {_duration(wall)}: load {load:.1f}s, train {train_s:.1f}s, eval {eval_s:.1f}s "
              f"(validation and generation), other {max(wall - load - train_s - eval_s, 0):.1f}s (setup, checks, saving)",
-             f"ddptune: final loss {summary['final_loss']:.4f}" + (f", val loss {summary['val_loss']:.4f}" if r.val_set else "")
+             "ddptune: final loss " + ("n/a (no step left to run)" if summary["final_loss"] is None else f"{summary['final_loss']:.4f}")
+             + (f", val loss {summary['val_loss']:.4f}" if r.val_set else "")
              + f", {summary['tokens_per_s_per_gpu']:.0f} tokens/s per process"
              + (f", ROUGE-1 {summary['rouge']['rouge1']:.1f}" if "rouge" in summary else "")]
     wrote = [("metrics.jsonl", "a line per step"), ("summary.json", "the run's figures"),
