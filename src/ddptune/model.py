@@ -440,7 +440,7 @@ def count_params(model) -> tuple[int, int]:
     trainable = total = 0
     for p in model.parameters():
         n = p.numel()
-        if getattr(p, "quant_state", None) is not None or p.dtype == torch.uint8:
+        if _is_4bit(p):
             n *= 2  # two 4-bit values per byte
         total += n
         if p.requires_grad:
@@ -448,9 +448,13 @@ def count_params(model) -> tuple[int, int]:
     return trainable, total
 
 
+def _is_4bit(p: torch.Tensor) -> bool:
+    return getattr(p, "quant_state", None) is not None or p.dtype == torch.uint8
+
+
 def holds_4bit(model) -> bool:
     """Whether any of the model's weights are stored in 4 bits (QLoRA, not dequantize_base)."""
-    return any(getattr(p, "quant_state", None) is not None for p in model.parameters())
+    return any(_is_4bit(p) for p in model.parameters())
 
 
 def trainable_state(model) -> dict[str, torch.Tensor]:

@@ -120,7 +120,8 @@ def main(args) -> int:
     if warmup < 0 or measured < 1:
         problems.append(f"--warmup {warmup} / --steps {measured}: need warm-up >= 0 and at least 1 measured step")
     alone_only = args.alone_only
-    if (args.alone or alone_only) and SAME_GLOBAL not in modes:
+    with_alone = args.alone or alone_only  # the alone runs
+    if with_alone and SAME_GLOBAL not in modes:
         flag = "--alone-only" if alone_only else "--alone"
         problems.append(f"{flag}: it compares same-global counts with one process at their share; add --mode same-global"
                         + ("" if alone_only else " (or both)"))
@@ -140,7 +141,7 @@ def main(args) -> int:
         if n == 1 or not alone_only:
             run = runs.setdefault(key, {"nproc": n, "dir": out / key, "plan": plan, "steps": 0})
             run["steps"] = max(run["steps"], steps)
-        if (args.alone or alone_only) and m == SAME_GLOBAL and n > 1:  # one process, the share of one of the n
+        if with_alone and m == SAME_GLOBAL and n > 1:  # one process, the share of one of the n
             share = dataclasses.replace(plan, world_size=1)
             runs[f"alone-n{n}"] = {"nproc": 1, "dir": out / f"alone-n{n}", "plan": share,
                                    "steps": windows[m][1] // share.global_batch}
@@ -479,19 +480,18 @@ def alone_split(row: dict, base: dict, k: float) -> str:
     beside = row["parts"]["compute_s"] - alone
     kept = f", and data parallelism kept {row['efficiency'] / row['ceiling']:.1%} of that" if row["efficiency"] else ""
     if lines:
-        advice = batch_advice(base, tokens_alone, row["alone_step_s"], row["ceiling"], n)
+        advice = batch_advice(base, *line(tokens_1, base["step_s"], tokens_alone, row["alone_step_s"]), row["ceiling"], n)
     return (f"one process alone at {row['per_process']} samples a step: compute {alone * 1e3:.4g} ms, step "
             f"{step_alone * 1e3:.4g} ms, so {row['ceiling']:.1%} is the most n = {n} can keep at this share{kept}; of "
             f"the lost compute {smaller / row['step_s']:.1%} is the smaller batch (one GPU alone loses it too) and "
             f"{beside / row['step_s']:.1%} running beside the other process(es)" + moved + advice)
 
 
-def batch_advice(base: dict, tokens_alone: float, step_alone: float, ceiling: float, n: int) -> str:
-    """Where a ceiling is under CEILING_ADVICE: a step as fixed time + time per computed token (the
-    line through n = 1's steps and the alone run's), and the global batch whose ceiling at n would
-    be CEILING_ADVICE. Empty where the line says nothing (no slope, or no fixed part)."""
+def batch_advice(base: dict, fixed: float, per_token: float, ceiling: float, n: int) -> str:
+    """Where a ceiling is under CEILING_ADVICE: a step as `fixed` time + `per_token` time a computed
+    token (the line through n = 1's steps and the alone run's), and the global batch whose ceiling at
+    n would be CEILING_ADVICE. Empty where the line says nothing (no slope, or no fixed part)."""
     tokens_1 = base["computed_per_process"]
-    fixed, per_token = line(tokens_1, base["step_s"], tokens_alone, step_alone)
     if not (fixed > 0 and per_token > 0 and ceiling < CEILING_ADVICE):
         return ""
     # ceiling = (fixed + per_token * T) / (n * (fixed + per_token * T / n)) >= e, T = n = 1's tokens a step
@@ -511,8 +511,8 @@ def ceiling_row(alone: dict, base: dict, n: int) -> dict:
     tokens_1, tokens_alone = base["computed_per_process"], alone["computed_per_process"]
     share = tokens_1 / n
     step, compute, moved = alone["step_s"], alone["compute_s"], ""
+    fixed, per_token = line(tokens_1, base["step_s"], tokens_alone, alone["step_s"]) if tokens_alone != tokens_1 else (0, 0)
     if abs(tokens_alone - share) >= PADDING_NOTE * share:
-        fixed, per_token = line(tokens_1, base["step_s"], tokens_alone, alone["step_s"])
         step = fixed + per_token * share
         compute += step - alone["step_s"]
         moved = (f"; it computed {tokens_alone:,.0f} tokens a step (padding included) against {share:,.0f}, 1/{n} of "
@@ -524,7 +524,7 @@ def ceiling_row(alone: dict, base: dict, n: int) -> dict:
            "alone_compute_s": compute, "alone_compute_measured_s": alone["compute_s"], "alone_step_s": step,
            "alone_step_measured_s": alone["step_s"], "alone_computed_per_process": tokens_alone,
            "ceiling": ceiling, "speedup_ceiling": n * ceiling}
-    advice = batch_advice(base, tokens_alone, alone["step_s"], ceiling, n) if tokens_alone != tokens_1 else ""
+    advice = batch_advice(base, fixed, per_token, ceiling, n)  # empty without a line (fixed = 0)
     row["note"] = (f"not run (--alone-only): one process alone at {alone['per_process']} samples a step took "
                    f"{alone['step_s'] * 1e3:.4g} ms{moved}; against {base['step_s'] * 1e3:.4g} ms at n = 1, n = {n} can keep at "
                    f"most {ceiling:.1%} at this global batch, a speedup of at most {n * ceiling:.2f}x, before data "
