@@ -7,20 +7,94 @@ interval covers time between the first and last of them. For each profiled step 
 ProfilerStep#N, as the GPU ran it) it reports the idle time inside the step and the gap before
 the step's first kernel since the previous step's last one: the host stall this project
 removes shows up as that gap (the device waiting for the host to queue the next step).
+
+`idle_by_launcher` names who ended each idle stretch: the host code that queued the work run
+right after it (through the kernel's correlation id to its launch call, then the innermost
+enclosing Python function from ddptune's sources, when the trace has stacks, else the outermost
+host op), with the idle summed per launcher and how late the launch came. `busy_by_launcher`
+sums the device's time the same way, and `syncs` lists the host's waits for the device
+(stream, event and device synchronizations) by who waited.
 """
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 from pathlib import Path
 
 DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
+HOST_CATEGORIES = {"cpu_op", "user_annotation", "python_function"}
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
 
 
 def busy_intervals(events: list[dict]) -> list[tuple[float, float, str]]:
     """Device activity as (start µs, end µs, name), sorted by start."""
     return sorted((e["ts"], e["ts"] + e.get("dur", 0), e.get("name", "")) for e in events
                   if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES)
+
+
+class Host:
+    """The host side of a trace: launch calls by correlation id, and host ops by thread."""
+
+    def __init__(self, events: list[dict]):
+        self.launches, self.threads, self.syncs = {}, {}, []
+        for e in events:
+            if e.get("ph") != "X":
+                continue
+            cat = e.get("cat")
+            if cat in ("cuda_runtime", "cuda_driver"):
+                if "correlation" in e.get("args", {}):
+                    self.launches[e["args"]["correlation"]] = e
+                if e.get("name") in SYNC_CALLS:
+                    self.syncs.append(e)
+            elif cat in HOST_CATEGORIES and not str(e.get("name", "")).startswith("ProfilerStep#"):
+                self.threads.setdefault(e.get("tid"), []).append(e)
+
+    def who(self, e: dict) -> str:
+        """Who made host call `e`: the innermost ddptune Python function around it, else the outermost op."""
+        around = [o for o in self.threads.get(e.get("tid"), []) if o["ts"] <= e["ts"] <= o["ts"] + o.get("dur", 0)]
+        ours = [o for o in around if o.get("cat") == "python_function" and "ddptune" in o.get("name", "")]
+        if ours:
+            return max(ours, key=lambda o: o["ts"])["name"][-80:]
+        return min(around, key=lambda o: o["ts"])["name"][:80] if around else "(no host op)"
+
+
+def by_launcher(gaps: list[tuple[float, float, dict | None]], host: Host) -> list[dict]:
+    """Idle stretches summed by who launched the work that ended them, largest first."""
+    rows: dict[str, dict] = {}
+    for start, end, after in gaps:
+        launch = host.launches.get((after or {}).get("args", {}).get("correlation"))
+        name = host.who(launch) if launch else "(launch not in the trace)"
+        row = rows.setdefault(name, {"launcher": name, "idle_ms": 0.0, "gaps": 0, "launched_late_ms": 0.0})
+        row["idle_ms"] += (end - start) / 1e3
+        row["gaps"] += 1
+        if launch:  # > 0: the host queued the work only after the device had run out of it
+            row["launched_late_ms"] += max(0.0, min(launch["ts"], end) - start) / 1e3
+    return sorted(rows.values(), key=lambda r: -r["idle_ms"])
+
+
+def busy_by_launcher(kernels: list[dict], host: Host) -> list[dict]:
+    """Device time summed by who launched it (a replayed CUDA graph counts as one launch), largest first."""
+    rows: dict[str, dict] = {}
+    for k in kernels:
+        launch = host.launches.get(k.get("args", {}).get("correlation"))
+        name = host.who(launch) if launch else "(launch not in the trace)"
+        if launch and launch.get("name") == "cudaGraphLaunch":
+            name = f"graph replayed by {name}"
+        row = rows.setdefault(name, {"launcher": name, "busy_ms": 0.0, "kernels": 0})
+        row["busy_ms"] += k.get("dur", 0) / 1e3
+        row["kernels"] += 1
+    return sorted(rows.values(), key=lambda r: -r["busy_ms"])
+
+
+def sync_sites(host: Host) -> list[dict]:
+    rows: dict[str, dict] = {}
+    for e in host.syncs:
+        name = host.who(e)
+        row = rows.setdefault(f"{e['name']} in {name}", {"sync": f"{e['name']} in {name}", "count": 0, "waited_ms": 0.0})
+        row["count"] += 1
+        row["waited_ms"] += e.get("dur", 0) / 1e3
+    return sorted(rows.values(), key=lambda r: -r["waited_ms"])
 
 
 def idle_gaps(intervals: list[tuple[float, float, str]], lo: float, hi: float) -> list[tuple[float, float, str, str]]:
@@ -48,11 +122,18 @@ def analyse(trace: dict) -> dict:
     lo, hi = intervals[0][0], max(end for _, end, _ in intervals)
     gaps = idle_gaps(intervals, lo, hi)
     idle = sum(b - a for a, b, _, _ in gaps)
+    kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES), key=lambda e: e["ts"])
+    starts = [e["ts"] for e in kernels]
+    # each idle stretch longer than 20 µs with the device event that ended it
+    ended = [(a, b, kernels[bisect.bisect_left(starts, b)] if bisect.bisect_left(starts, b) < len(kernels) else None)
+             for a, b, _, _ in gaps if b - a > 20]
+    host = Host(events)
     out = {"window_ms": (hi - lo) / 1e3, "busy_ms": (hi - lo - idle) / 1e3, "idle_fraction": idle / (hi - lo),
            "gaps_over_100us": sum(1 for a, b, _, _ in gaps if b - a > 100),
            "largest_gaps": [{"ms": (b - a) / 1e3, "after": x[:80], "before": y[:80]}
                             for a, b, x, y in sorted(gaps, key=lambda g: g[0] - g[1])[:8]],
-           "steps": []}
+           "idle_by_launcher": by_launcher(ended, host)[:12],
+           "busy_by_launcher": busy_by_launcher(kernels, host)[:12], "syncs": sync_sites(host)[:12], "steps": []}
     for k, (s0, s1, name) in enumerate(steps):
         inside = [i for i in intervals if s0 <= i[0] < s1]
         if not inside:

@@ -35,3 +35,29 @@ def test_gaps_inside_and_between_steps():
 
 def test_a_trace_without_device_activity_says_so():
     assert "error" in gpu_gaps.analyse({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "x", "ts": 0, "dur": 1}]})
+
+
+def test_idle_is_charged_to_the_host_code_that_ended_it():
+    """The kernel after a gap leads, through its correlation id, to its launch call and the ddptune
+    function around that call; the host's waits for the device are listed by who waited."""
+    def host(cat, name, ts, dur, tid=1, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
+    events = [
+        {**kernel(0, 100, "backward"), "args": {"correlation": 1}},
+        {**kernel(400, 100, "adamw"), "args": {"correlation": 2}},  # idle 100-400, launched at 350: 250 µs late
+        host("python_function", "src/ddptune/train.py(460): train_step", 0, 1000),
+        host("python_function", "torch/optim/adamw.py(10): step", 340, 20),
+        host("cpu_op", "aten::_fused_adamw_", 345, 10),
+        host("cuda_runtime", "cudaLaunchKernel", 5, 2, correlation=1),
+        host("cuda_runtime", "cudaLaunchKernel", 350, 2, correlation=2),
+        host("cuda_runtime", "cudaStreamSynchronize", 120, 200),
+    ]
+    out = gpu_gaps.analyse({"traceEvents": events})
+    [row] = out["idle_by_launcher"]
+    assert row["launcher"] == "src/ddptune/train.py(460): train_step"
+    assert row["idle_ms"] == pytest.approx(0.3) and row["gaps"] == 1 and row["launched_late_ms"] == pytest.approx(0.25)
+    assert out["busy_by_launcher"] == [{"launcher": "src/ddptune/train.py(460): train_step", "busy_ms": pytest.approx(0.2),
+                                        "kernels": 2}]
+    [sync] = out["syncs"]
+    assert sync == {"sync": "cudaStreamSynchronize in src/ddptune/train.py(460): train_step", "count": 1,
+                    "waited_ms": pytest.approx(0.2)}
