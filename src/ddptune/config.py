@@ -102,7 +102,9 @@ class TrainConfig:
     NF4-rounded weights (same losses; the adapter saved is a QLoRA one); the base takes 2 bytes a
     weight instead of about 0.5 (8B: 9.5 GiB more), so `ddptune plan` says whether it fits. Measured
     on an H200 (8B, 16 samples a step, one GPU): about 10% faster a step without train.cuda_graphs;
-    with them 15% slower, though the step's fixed part halves (37 -> 18 ms): BENCHMARKS.md."""
+    with them 15% slower (the compiled backward recomputes plain matmuls but keeps bitsandbytes' 4-bit
+    ones). Its step's fixed part is smaller: at 2 GPUs and the same global batch it kept 92.2% per GPU
+    against the 4-bit base's 87.9%, though its step stayed slower (0.207 against 0.188 s): BENCHMARKS.md."""
     strategy: Literal["ddp", "fsdp"] = "ddp"
     """ddp: every process holds the whole model, gradients are all-reduced. fsdp: PyTorch's FSDP2
     (fully_shard, through accelerate) shards weights, gradients and optimizer states over the
