@@ -13,12 +13,14 @@ right after it (through the kernel's correlation id to its launch call, then the
 enclosing Python function from ddptune's sources, when the trace has stacks, else the outermost
 host op), with the idle summed per launcher and how late the launch came. `busy_by_launcher`
 sums the device's time the same way, and `syncs` lists the host's waits for the device
-(stream, event and device synchronizations) by who waited.
+(stream, event and device synchronizations) by who waited. `beside_nccl` compares each kernel's
+duration alone and while a NCCL kernel (a gradient all-reduce) ran beside it.
 """
 from __future__ import annotations
 
 import argparse
 import bisect
+import itertools
 import json
 from pathlib import Path
 
@@ -87,6 +89,28 @@ def busy_by_launcher(kernels: list[dict], host: Host) -> list[dict]:
     return sorted(rows.values(), key=lambda r: -r["busy_ms"])
 
 
+def beside_collectives(kernels: list[dict]) -> dict:
+    """How much slower the other kernels ran while a NCCL kernel ran beside them: for each kernel name
+    seen both ways, the mean duration alone and beside one, and the extra time in all (µs → ms)."""
+    nccl = sorted((k["ts"], k["ts"] + k.get("dur", 0)) for k in kernels if "nccl" in k.get("name", "").lower())
+    if not nccl:
+        return {"nccl_ms": 0.0, "extra_ms": 0.0, "kernels": []}
+    starts = [a for a, _ in nccl]
+    reach = list(itertools.accumulate((b for _, b in nccl), max))  # the furthest end among the first i+1
+
+    def beside(k: dict) -> bool:  # does any NCCL kernel overlap this one?
+        i = bisect.bisect_left(starts, k["ts"] + k.get("dur", 0)) - 1  # the last that starts before k ends
+        return i >= 0 and reach[i] > k["ts"]
+    runs: dict[str, tuple[list[float], list[float]]] = {}
+    for k in kernels:
+        if "nccl" not in k.get("name", "").lower():
+            runs.setdefault(k.get("name", "")[:80], ([], []))[beside(k)].append(k.get("dur", 0))
+    rows = [{"kernel": name, "alone_us": sum(a) / len(a), "beside_us": sum(b) / len(b), "beside_count": len(b),
+             "extra_ms": (sum(b) / len(b) - sum(a) / len(a)) * len(b) / 1e3} for name, (a, b) in runs.items() if a and b]
+    rows.sort(key=lambda r: -r["extra_ms"])
+    return {"nccl_ms": sum(b - a for a, b in nccl) / 1e3, "extra_ms": sum(r["extra_ms"] for r in rows), "kernels": rows[:12]}
+
+
 def sync_sites(host: Host) -> list[dict]:
     rows: dict[str, dict] = {}
     for e in host.syncs:
@@ -133,7 +157,8 @@ def analyse(trace: dict) -> dict:
            "largest_gaps": [{"ms": (b - a) / 1e3, "after": x[:80], "before": y[:80]}
                             for a, b, x, y in sorted(gaps, key=lambda g: g[0] - g[1])[:8]],
            "idle_by_launcher": by_launcher(ended, host)[:12],
-           "busy_by_launcher": busy_by_launcher(kernels, host)[:12], "syncs": sync_sites(host)[:12], "steps": []}
+           "busy_by_launcher": busy_by_launcher(kernels, host)[:12],
+           "beside_nccl": beside_collectives([k for k in kernels if k.get("cat") == "kernel"]), "syncs": sync_sites(host)[:12], "steps": []}
     for k, (s0, s1, name) in enumerate(steps):
         inside = [i for i in intervals if s0 <= i[0] < s1]
         if not inside:

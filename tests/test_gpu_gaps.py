@@ -61,3 +61,18 @@ def test_idle_is_charged_to_the_host_code_that_ended_it():
     [sync] = out["syncs"]
     assert sync == {"sync": "cudaStreamSynchronize in src/ddptune/train.py(460): train_step", "count": 1,
                     "waited_ms": pytest.approx(0.2)}
+
+
+def test_kernels_beside_an_all_reduce_are_compared_with_themselves_alone():
+    events = [
+        kernel(0, 100, "gemm"), kernel(100, 100, "gemm"),  # alone: 100 µs
+        {**kernel(250, 500, "ncclDevKernel_AllReduce"), "args": {}},
+        kernel(300, 150, "gemm"), kernel(450, 250, "gemm"),  # beside it: 200 µs on average
+        kernel(800, 100, "gemm"),
+        kernel(900, 40, "only_alone"),
+    ]
+    out = gpu_gaps.analyse({"traceEvents": events})["beside_nccl"]
+    assert out["nccl_ms"] == pytest.approx(0.5)
+    [row] = out["kernels"]
+    assert row == {"kernel": "gemm", "alone_us": 100, "beside_us": 200, "beside_count": 2, "extra_ms": pytest.approx(0.2)}
+    assert out["extra_ms"] == pytest.approx(0.2)
