@@ -299,3 +299,21 @@ def test_fsdp_rows_say_their_communication_is_counted_in_compute():
     one = scale.account({**_row(1, 8, 1.0, 0.9, 0, 0, 0.1), "strategy": "fsdp"}, None, cuda=True)
     two = scale.account({**_row(2, 8, 1.2, 1.1, 0.01, 0.0, 0.1), "strategy": "fsdp"}, one, cuda=True)
     assert "counted in compute" in two["note"] and "counted in compute" not in (one["note"] or "")
+
+
+def test_one_bucket_exposes_the_whole_all_reduce_in_the_prediction():
+    """scale's cost model hides every bucket's all-reduce behind the backward but the last; with
+    train.ddp_bucket_mb as large as the gradients the last bucket is all of them."""
+    from ddptune import comm
+
+    grads = 25_000_000  # trainable parameters: 100 MB of fp32 gradients
+    summary = {"method": "lora", "gradient_checkpointing": False, "trainable_params": grads, "total_params": 10 * grads,
+               "strategy": "ddp"}
+    rows = [{"mode": "same-global", "nproc": n, "per_process": 8 // n, "step_s": 10.0 / n, "exposed_comm_s": 0.0,
+             "speedup": n} for n in (1, 2)]
+    bw = {"peak_busbw_GBps": 100.0}
+    exposed = lambda s: [m for m in scale.communication(rows, s, bw, "NVLink", "same-global")["measured"]  # noqa: E731
+                         if m["nproc"] == 2][0]["pred_exposed_s"]
+    assert exposed(summary) == pytest.approx(comm.ring_allreduce_s(comm.DDP_BUCKET_BYTES, 2, 100e9))
+    assert exposed(dict(summary, ddp_bucket_mb=None)) == exposed(summary)
+    assert exposed(dict(summary, ddp_bucket_mb=256)) == pytest.approx(comm.ring_allreduce_s(4 * grads, 2, 100e9))

@@ -86,10 +86,12 @@ ACCUMULATION = ["train.max_steps=4", "train.micro_batch_size=2", "train.lr=1e-2"
 @pytest.fixture(scope="module")
 def accumulation_runs(tmp_path_factory):
     """Padded and packed: one process accumulating 2 micro-batches, two processes with 1 each; and
-    the golden run (one process, the tiny config's own batch), in the same spawned processes."""
+    the golden run (one process, the tiny config's own batch), in the same spawned processes. The
+    packed 2-process run all-reduces in buckets of 512 bytes (each LoRA tensor is 1 KiB or more)."""
     root = tmp_path_factory.mktemp("accumulation")
     one = lambda p: [f"output_dir={root / f'one-{p}'}", "train.grad_accum=2", *ACCUMULATION, f"train.packing={p}"]  # noqa: E731
-    two = lambda p: [f"output_dir={root / f'two-{p}'}", "train.grad_accum=1", *ACCUMULATION, f"train.packing={p}"]  # noqa: E731
+    two = lambda p: [f"output_dir={root / f'two-{p}'}", "train.grad_accum=1", *ACCUMULATION, f"train.packing={p}",  # noqa: E731
+                     *(["train.ddp_bucket_mb=0.00048828125"] if p == "true" else [])]
     golden = multiproc.run(train_all, 1, [[f"output_dir={root / 'golden'}", "train.max_steps=4", "data.val=null"],
                                           one("false"), one("true")])[0][0]
     multiproc.run(train_all, 2, [two("false"), two("true")])
@@ -116,8 +118,12 @@ def test_two_processes_take_the_same_steps_as_one_with_accumulation(accumulation
     # validation loss: token-weighted sums reduced over processes, then divided
     val = lambda run: [r["val_loss"] for r in metrics(run) if "val_loss" in r]  # noqa: E731
     assert len(val(one)) == 2 and val(one) == pytest.approx(val(two), abs=1e-5)
-    fps = json.loads((two / "summary.json").read_text())["replica_fingerprints"]
+    summary = json.loads((two / "summary.json").read_text())
+    fps = summary["replica_fingerprints"]
     assert len(fps) == 2 and fps[0] == fps[1]
+    # torch's default buckets hold all of LoRA's gradients at once; train.ddp_bucket_mb below the
+    # smallest tensor gives each its own all-reduce, and the same losses
+    assert summary["grad_buckets"] == (len(wa) if packing else 1) and len(wa) > 1
     # padded shares hold equal sample counts (micro-batches line up); packed ones need not
     ranks = [json.loads(l) for l in (two / "ranks.jsonl").read_text().splitlines()]
     assert all(len(r["tokens"]) == 2 for r in ranks)

@@ -111,6 +111,15 @@ class TrainConfig:
     processes, one unit per decoder layer: each forward and backward all-gathers a layer's weights,
     and gradients are reduce-scattered. For a model whose training state does not fit one GPU;
     lora and full (not qlora). Same steps and losses as ddp; checkpoints are one file set per process."""
+    ddp_bucket_mb: Optional[float] = None
+    """ddp: the most MiB of gradients all-reduced together (torch's bucket_cap_mb). null: torch's
+    default, buckets of 25 MiB after a first of 1 MiB, each all-reduced as soon as its gradients are
+    ready, while the backward goes on. A size at least that of the trainable gradients (LoRA r=16 on
+    8B: 160 MiB in fp32) makes one all-reduce after the whole backward: the all-reduce is then exposed,
+    but none of NCCL's kernels run beside the backward's. On 2 H200s (8B QLoRA, 8 samples per GPU)
+    the all-reduce kernels started early, waited there for the other GPU, and the backward's kernels
+    beside them ran slower: at most 5 ms a step of 207 (BENCHMARKS.md). Its effect on the step time is
+    not measured yet. summary.json records the buckets of the last step (grad_buckets)."""
     micro_batch_size: int = 4
     """Samples per process per forward with padded batches. With packing it only counts samples:
     micro_batch_size x grad_accum samples per process per optimizer step."""
@@ -456,6 +465,11 @@ def check_values(cfg: Config) -> list[str]:
     if t.packing and cfg.model.attn_implementation not in PACKED_ATTENTION:
         problems.append(f"train.packing: needs model.attn_implementation in {list(PACKED_ATTENTION)} "
                         f"({cfg.model.attn_implementation} would attend across the whole packed row): use varlen, or set train.packing=false")
+    if t.ddp_bucket_mb is not None and not (math.isfinite(t.ddp_bucket_mb) and t.ddp_bucket_mb > 0):
+        problems.append("train.ddp_bucket_mb: must be a positive number of MiB, or null for torch's default")
+    if t.ddp_bucket_mb is not None and t.strategy == "fsdp":
+        problems.append("train.ddp_bucket_mb: only for train.strategy=ddp (FSDP reduce-scatters each layer's "
+                        "gradients on its own); set it to null")
     if t.dequantize_base and t.method != "qlora":
         problems.append(f"train.dequantize_base: only for train.method=qlora (a {t.method} base is not quantized); "
                         "set train.dequantize_base=false")

@@ -144,26 +144,28 @@ def _term_when_parent_dies() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def setup(precision: str = "auto", strategy: str = "ddp", log_with: str = "none", logging_dir=None) -> Accelerator:
+def setup(precision: str = "auto", strategy: str = "ddp", log_with: str = "none", logging_dir=None,
+          bucket_mb: float | None = None) -> Accelerator:
     """This process's Accelerator: the process group (NCCL on GPUs, gloo on CPU), its device, bf16
     autocast when `precision` resolves to bf16, and a quiet console on every process but rank 0.
     With strategy fsdp, `accelerator.prepare(model, optimizer)` shards them (`fsdp_plugin`).
     `log_with` (tensorboard, wandb, mlflow; none: no tracker): accelerate's tracker, which
-    `init_trackers` starts on the main process only, TensorBoard's in `logging_dir`.
+    `init_trackers` starts on the main process only, TensorBoard's in `logging_dir`. `bucket_mb`:
+    DDP's gradient bucket size in MiB (None: torch's default).
     What it writes into os.environ (a launcher's variables for a group of one, accelerate's
     ACCELERATE_USE_FSDP) and accelerate's process-wide state, if it made it, `teardown` undoes."""
     global _made_state
     before = dict(os.environ)
     _made_state = _made_state or not PartialState._shared_state
     try:
-        return _setup(precision, strategy, log_with, logging_dir)
+        return _setup(precision, strategy, log_with, logging_dir, bucket_mb)
     finally:  # also after a failure: teardown then restores what was written before it
         for name in before.keys() | os.environ.keys():
             if before.get(name) != os.environ.get(name):
                 _env_written[name] = (_env_written.get(name, (before.get(name),))[0], os.environ.get(name))
 
 
-def _setup(precision: str, strategy: str, log_with: str, logging_dir) -> Accelerator:
+def _setup(precision: str, strategy: str, log_with: str, logging_dir, bucket_mb: float | None) -> Accelerator:
     cuda = torch.cuda.is_available()
     if cuda:
         # cuDNN's attention spends ~25 ms of CPU per call building a plan for every new sequence
@@ -177,7 +179,8 @@ def _setup(precision: str, strategy: str, log_with: str, logging_dir) -> Acceler
     # (torch 2.13 renames the switch forward_sync_buffers, which accelerate does not pass yet.)
     warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
     # Gradients as views of the all-reduce buckets: no copy of every gradient into its bucket.
-    ddp = DistributedDataParallelKwargs(broadcast_buffers=False, gradient_as_bucket_view=True)
+    ddp = DistributedDataParallelKwargs(broadcast_buffers=False, gradient_as_bucket_view=True,
+                                        **({"bucket_cap_mb": bucket_mb} if bucket_mb else {}))
     plugin = fsdp_plugin(bf16) if strategy == "fsdp" else None
     if plugin is not None and not in_launched_process():
         # FSDP shards over a process group, also over a group of one: form it as a launcher would
@@ -421,13 +424,15 @@ class StepClock:
       wait      = synced - grads_ready   the gradient all-reduce, including waiting for slower processes
       optimizer = end - synced           clipping, the update, zeroing
       step      = end - previous end     (the first step, and the first after `pause()`: end - start)
-    `read()` is called a step later, when the events are long done.
+    `read()` is called a step later, when the events are long done. `buckets`: how many gradient
+    buckets DDP handed over in the step begun last.
     """
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.marks: dict = {}
         self.prev_end = None
+        self.buckets = 0
 
     def _now(self):
         if self.cuda:
@@ -438,6 +443,7 @@ class StepClock:
 
     def start(self) -> None:
         self.marks = {"start": self._now()}
+        self.buckets = 0
 
     def mark(self, name: str) -> None:
         self.marks[name] = self._now()
@@ -483,6 +489,7 @@ def time_gradient_sync(model, clock: StepClock) -> None:
 
     def hook(_state, bucket):
         clock.mark("grads_ready")
+        clock.buckets += 1
         if single:
             fut = torch.futures.Future()
             fut.set_result(bucket.buffer())

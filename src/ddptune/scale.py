@@ -248,7 +248,9 @@ def communication(rows: list[dict], summary: dict, bandwidth: dict, link_label: 
         param_bytes = summary["total_params"] * (2 if summary.get("mixed_precision") == "bf16" else 4)
         model = lambda c, nbytes, n, bps: comm.predict_fsdp(c, param_bytes, nbytes, n, bps)  # noqa: E731
     else:
-        model = lambda c, nbytes, n, bps: comm.predict(c, frac * c, nbytes, n, bps)  # noqa: E731
+        bucket = summary.get("ddp_bucket_mb")  # the last bucket's all-reduce is never hidden
+        last = int(bucket * comm.MiB) if bucket else comm.DDP_BUCKET_BYTES
+        model = lambda c, nbytes, n, bps: comm.predict(c, frac * c, nbytes, n, bps, last_bucket_bytes=last)  # noqa: E731
     busbw = (bandwidth.get("peak_busbw_GBps") or 0) * 1e9
     measured = []
     for r in rows:

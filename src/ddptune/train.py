@@ -140,7 +140,8 @@ def track(r: Run, row: dict) -> None:
 
 def setup(cfg: Config, resume: bool = False) -> Run:
     started = time.perf_counter()
-    accelerator = dist.setup(cfg.train.precision, cfg.train.strategy, log_with=cfg.train.log_with, logging_dir=cfg.output_dir)
+    accelerator = dist.setup(cfg.train.precision, cfg.train.strategy, log_with=cfg.train.log_with, logging_dir=cfg.output_dir,
+                             bucket_mb=cfg.train.ddp_bucket_mb)
     world = accelerator.num_processes
     if dist.validated_by_parent():  # `--nproc`: the parent validated before starting us
         plan = config_lib.batch_plan(cfg.train, world)
@@ -687,6 +688,8 @@ def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
         "peak_mem_gib": max(peaks) if None not in peaks else None, "peak_mem_gib_per_process": peaks,
         "train_rows": len(r.train_set), "steps_per_epoch": len(r.train_set) / r.plan.global_batch,
         "method": cfg.train.method, "strategy": cfg.train.strategy, "mixed_precision": acc.mixed_precision,
+        # DDP's gradient buckets in the last step (each one all-reduce); null: no DDP wrapper (one process, FSDP)
+        "ddp_bucket_mb": cfg.train.ddp_bucket_mb, "grad_buckets": r.clock.buckets if dist.ddp_wrapper(r.ddp_model) else None,
         "gradient_checkpointing": r.checkpointing, "compiled": r.compiled, "cuda_graphs": r.graphs,
         "base_4bit": model_lib.holds_4bit(r.model),
         "trainable_params": trainable, "total_params": total,
