@@ -32,6 +32,10 @@
 #                                            # default all), SmolLM2 shape, at 1 and 2 processes (all: about 240 s)
 #   bash benchmarks/scaling_x2.sh stalls     # why a full fine-tune's steps stall: the 1B full run at 1 GPU with
 #                                            # TORCH_LOGS=recompiles, its per-step times and the recompile log
+#   bash benchmarks/scaling_x2.sh buckets    # DDP's gradient buckets: the 8B job at a global batch of 16 (EXTRA, default
+#                                            # CUDA graphs and a dequantized base), `train` at 1 GPU, then at 2 GPUs with
+#                                            # train.ddp_bucket_mb at each value of BUCKETS (default "null 256": torch's
+#                                            # buckets, then one bucket after the backward); median step times; ~100 s a run
 #   bash benchmarks/scaling_x2.sh cache      # the compiler's cache to $OUT/inductor.tgz (kept only under the 16 MiB a
 #                                            # file may bring back). Compiling the layers takes 50-76 s of each run's first
 #                                            # step on a fresh machine; copied into .inductor/ and carried, the next call
@@ -170,10 +174,23 @@ stalls)
   cp /tmp/stalls/metrics.jsonl "$OUT/stalls_metrics.jsonl"
   python3 -c "import json,sys; [print(r['step'], round(r['step_time_s'], 3)) for r in map(json.loads, open(sys.argv[1])) if r.get('step_time_s', 0) > 0.5]" "$OUT/stalls_metrics.jsonl"
   ;;
+buckets)
+  for run in n1:null ${BUCKETS:-null 256}; do
+    n=2; mb=$run; [ "${run%%:*}" = n1 ] && { n=1; mb=null; }
+    name=n${n}_bucket$mb
+    python3 -m ddptune train configs/samsum_qlora_llama31_8b.yaml model.tokenizer=$TOK data.train=$DATA data.train_rows=0:700 \
+      data.val=null train.effective_batch_size=16 train.grad_accum=null train.max_steps=24 train.save_every=0 \
+      ${EXTRA:-train.cuda_graphs=true train.dequantize_base=true} train.ddp_bucket_mb=$mb output_dir=/tmp/buckets-$name \
+      --nproc $n 2>&1 | quiet | tail -1
+    cp /tmp/buckets-$name/metrics.jsonl "$OUT/buckets_$name.jsonl"
+    python3 -c "import json,sys,statistics as s; d=json.load(open(sys.argv[2])); t=[r['step_time_s'] for r in map(json.loads, open(sys.argv[1])) if 'step_time_s' in r][4:]; print(sys.argv[3], 'median step', round(s.median(t), 4), 's over', len(t), 'steps; buckets', d['grad_buckets'])" \
+      /tmp/buckets-$name/metrics.jsonl /tmp/buckets-$name/summary.json $name
+  done
+  ;;
 cache)
   tar czf "$OUT/inductor.tgz" -C "$TORCHINDUCTOR_CACHE_DIR" .
   size=$(stat -c %s "$OUT/inductor.tgz")
   if [ "$size" -gt 16000000 ]; then rm "$OUT/inductor.tgz"; echo "compiler cache: $size bytes, over what \$OUT brings back"; fi
   ;;
-*) echo "usage: $0 recipe|qlora-8b|smollm2|smollm2-shape|graphs-profile|full-1b|full-8b|full-8b-1gpu|threads|binding|graphs|stalls|cache" >&2; exit 2 ;;
+*) echo "usage: $0 recipe|qlora-8b|smollm2|smollm2-shape|graphs-profile|full-1b|full-8b|full-8b-1gpu|threads|binding|graphs|stalls|buckets|cache" >&2; exit 2 ;;
 esac

@@ -688,8 +688,9 @@ def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
         "peak_mem_gib": max(peaks) if None not in peaks else None, "peak_mem_gib_per_process": peaks,
         "train_rows": len(r.train_set), "steps_per_epoch": len(r.train_set) / r.plan.global_batch,
         "method": cfg.train.method, "strategy": cfg.train.strategy, "mixed_precision": acc.mixed_precision,
-        # DDP's gradient buckets in the last step (each one all-reduce); null: no DDP wrapper (one process, FSDP)
-        "ddp_bucket_mb": cfg.train.ddp_bucket_mb, "grad_buckets": r.clock.buckets if dist.ddp_wrapper(r.ddp_model) else None,
+        # the gradient all-reduces of the last step (DDP's buckets); null: none (one process, or FSDP)
+        "ddp_bucket_mb": cfg.train.ddp_bucket_mb,
+        "grad_buckets": r.clock.buckets if dist.ddp_wrapper(r.ddp_model) and acc.num_processes > 1 else None,
         "gradient_checkpointing": r.checkpointing, "compiled": r.compiled, "cuda_graphs": r.graphs,
         "base_4bit": model_lib.holds_4bit(r.model),
         "trainable_params": trainable, "total_params": total,
