@@ -39,7 +39,7 @@ class Host:
     """The host side of a trace: launch calls by correlation id, and host ops by thread."""
 
     def __init__(self, events: list[dict]):
-        self.launches, self.threads, self.syncs = {}, {}, []
+        self.launches, self.threads, self.syncs, self.names = {}, {}, [], {}
         for e in events:
             if e.get("ph") != "X":
                 continue
@@ -54,19 +54,25 @@ class Host:
 
     def who(self, e: dict) -> str:
         """Who made host call `e`: the innermost ddptune Python function around it, else the outermost op."""
-        around = [o for o in self.threads.get(e.get("tid"), []) if o["ts"] <= e["ts"] <= o["ts"] + o.get("dur", 0)]
-        ours = [o for o in around if o.get("cat") == "python_function" and "ddptune" in o.get("name", "")]
-        if ours:
-            return max(ours, key=lambda o: o["ts"])["name"][-80:]
-        return min(around, key=lambda o: o["ts"])["name"][:80] if around else "(no host op)"
+        key = (e.get("tid"), e["ts"])
+        if key not in self.names:  # a graph's kernels share one launch: find its caller once
+            around = [o for o in self.threads.get(e.get("tid"), []) if o["ts"] <= e["ts"] <= o["ts"] + o.get("dur", 0)]
+            ours = [o for o in around if o.get("cat") == "python_function" and "ddptune" in o.get("name", "")]
+            self.names[key] = (max(ours, key=lambda o: o["ts"])["name"][-80:] if ours else
+                               min(around, key=lambda o: o["ts"])["name"][:80] if around else "(no host op)")
+        return self.names[key]
+
+    def launcher(self, k: dict | None) -> tuple[dict | None, str]:
+        """Device event `k`'s launch call (None if the trace lacks it) and who made that call."""
+        launch = self.launches.get((k or {}).get("args", {}).get("correlation"))
+        return launch, self.who(launch) if launch else "(launch not in the trace)"
 
 
 def by_launcher(gaps: list[tuple[float, float, dict | None]], host: Host) -> list[dict]:
     """Idle stretches summed by who launched the work that ended them, largest first."""
     rows: dict[str, dict] = {}
     for start, end, after in gaps:
-        launch = host.launches.get((after or {}).get("args", {}).get("correlation"))
-        name = host.who(launch) if launch else "(launch not in the trace)"
+        launch, name = host.launcher(after)
         row = rows.setdefault(name, {"launcher": name, "idle_ms": 0.0, "gaps": 0, "launched_late_ms": 0.0})
         row["idle_ms"] += (end - start) / 1e3
         row["gaps"] += 1
@@ -79,8 +85,7 @@ def busy_by_launcher(kernels: list[dict], host: Host) -> list[dict]:
     """Device time summed by who launched it (a replayed CUDA graph counts as one launch), largest first."""
     rows: dict[str, dict] = {}
     for k in kernels:
-        launch = host.launches.get(k.get("args", {}).get("correlation"))
-        name = host.who(launch) if launch else "(launch not in the trace)"
+        launch, name = host.launcher(k)
         if launch and launch.get("name") == "cudaGraphLaunch":
             name = f"graph replayed by {name}"
         row = rows.setdefault(name, {"launcher": name, "busy_ms": 0.0, "kernels": 0})
@@ -148,9 +153,9 @@ def analyse(trace: dict) -> dict:
     idle = sum(b - a for a, b, _, _ in gaps)
     kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES), key=lambda e: e["ts"])
     starts = [e["ts"] for e in kernels]
-    # each idle stretch longer than 20 µs with the device event that ended it
-    ended = [(a, b, kernels[bisect.bisect_left(starts, b)] if bisect.bisect_left(starts, b) < len(kernels) else None)
-             for a, b, _, _ in gaps if b - a > 20]
+    # each idle stretch longer than 20 µs with the device event that ended it (None: the window's end)
+    ended = [(a, b, (kernels[i:i + 1] or [None])[0]) for a, b, _, _ in gaps if b - a > 20
+             for i in [bisect.bisect_left(starts, b)]]
     host = Host(events)
     out = {"window_ms": (hi - lo) / 1e3, "busy_ms": (hi - lo - idle) / 1e3, "idle_fraction": idle / (hi - lo),
            "gaps_over_100us": sum(1 for a, b, _, _ in gaps if b - a > 100),
