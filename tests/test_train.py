@@ -74,10 +74,11 @@ def test_cli_two_processes_end_to_end(tmp_path):
     assert not torch.allclose(tuned(ids).logits, before)
 
 
-def train_all(runs: list[list[str]]) -> list[dict]:
+def train_all(runs: list[list[str]], padded: set[int] = frozenset()) -> list[dict]:
     """One process's part of each `ddptune train configs/tiny.yaml OVERRIDES`, in turn (one set of
-    spawned processes serves several runs: each spawn costs seconds of imports)."""
-    return [train_tiny(overrides) for overrides in runs]
+    spawned processes serves several runs: each spawn costs seconds of imports); the runs whose
+    index is in `padded` pad their rows as train.cuda_graphs does (train_tiny_padded)."""
+    return [(train_tiny_padded if i in padded else train_tiny)(overrides) for i, overrides in enumerate(runs)]
 
 
 ACCUMULATION = ["train.max_steps=4", "train.micro_batch_size=2", "train.lr=1e-2", "lora.dropout=0.0", "train.val_every=2"]
@@ -258,10 +259,10 @@ def test_gradient_checkpointing_works_under_ddp(method, tmp_path):
     weights: the same losses and the same adapter as dequantizing in every pass."""
     args = [f"train.method={method}", "train.max_steps=3", "lora.dropout=0.1", "data.val=null"]
     on, off, kept = tmp_path / "on", tmp_path / "off", tmp_path / "kept"
-    (summary, _) = multiproc.run(train_tiny, 2, [f"output_dir={on}", "train.gradient_checkpointing=true", *args])
-    multiproc.run(train_tiny, 2, [f"output_dir={off}", "train.gradient_checkpointing=false", *args])
-    (dequantized, _) = multiproc.run(train_tiny, 2, [f"output_dir={kept}", "train.gradient_checkpointing=true",
-                                                     "train.dequantize_base=true", *args])
+    (summary, _, dequantized), _ = multiproc.run(train_all, 2, [
+        [f"output_dir={on}", "train.gradient_checkpointing=true", *args],
+        [f"output_dir={off}", "train.gradient_checkpointing=false", *args],
+        [f"output_dir={kept}", "train.gradient_checkpointing=true", "train.dequantize_base=true", *args]])
     assert summary["gradient_checkpointing"] is True and summary["method"] == method
     assert summary["base_4bit"] is True and dequantized["base_4bit"] is False
     assert len(set(summary["replica_fingerprints"])) == 1
@@ -276,9 +277,10 @@ def test_packing_gives_the_padded_losses_without_padding(tmp_path):
     pads them (pad samples outside the loss): the same losses on 2 processes, different work."""
     args = ["train.max_steps=4", "train.micro_batch_size=2", "train.grad_accum=2", "lora.dropout=0.0", "data.val=null"]
     padded, packed, fixed = tmp_path / "padded", tmp_path / "packed", tmp_path / "fixed"
-    multiproc.run(train_tiny, 2, [f"output_dir={padded}", "train.packing=false", *args])
-    multiproc.run(train_tiny, 2, [f"output_dir={packed}", "train.packing=true", *args])
-    multiproc.run(train_tiny_padded, 2, [f"output_dir={fixed}", "train.packing=true", "train.cuda_graph_lengths=2", *args])
+    multiproc.run(train_all, 2, [[f"output_dir={padded}", "train.packing=false", *args],
+                                 [f"output_dir={packed}", "train.packing=true", *args],
+                                 [f"output_dir={fixed}", "train.packing=true", "train.cuda_graph_lengths=2", *args]],
+                  {2})  # the third run pads its rows
     assert losses(packed) == pytest.approx(losses(padded), abs=1e-5)
     assert losses(fixed) == pytest.approx(losses(packed), abs=1e-5)
     a, b, c = ([r for r in metrics(d) if "loss" in r] for d in (padded, packed, fixed))
@@ -309,8 +311,8 @@ def test_compiled_layers_give_the_eager_losses_and_still_evaluate(tmp_path):
     args = ["train.max_steps=3", "train.packing=true", "eval.enabled=true", "eval.zero_shot=false",
             "eval.max_samples=4", "eval.max_new_tokens=8"]
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"
-    multiproc.run(train_tiny, 1, [f"output_dir={eager}", "train.compile=false", *args])
-    (summary,) = multiproc.run(train_tiny, 1, [f"output_dir={compiled}", "train.compile=true", *args])
+    ((_, summary),) = multiproc.run(train_all, 1, [[f"output_dir={eager}", "train.compile=false", *args],
+                                                   [f"output_dir={compiled}", "train.compile=true", *args]])
     assert summary["compiled"] is True
     assert losses(compiled) == pytest.approx(losses(eager), abs=1e-5)
     val = [[r["val_loss"] for r in metrics(d) if "val_loss" in r] for d in (eager, compiled)]
