@@ -118,7 +118,7 @@ class TrainConfig:
     8B: 160 MiB in fp32) makes one all-reduce after the whole backward: the all-reduce is then exposed,
     but none of NCCL's kernels run beside the backward's. On 2 H200s (8B QLoRA, 8 samples per GPU)
     the all-reduce kernels started early, waited there for the other GPU, and the backward's kernels
-    beside them ran slower: at most 5 ms a step of 207 (BENCHMARKS.md). Its effect on the step time is
+    beside them ran slower: up to 5.4 ms a step of 207 (BENCHMARKS.md). Its effect on the step time is
     not measured yet. summary.json records the buckets of the last step (grad_buckets)."""
     micro_batch_size: int = 4
     """Samples per process per forward with padded batches. With packing it only counts samples:
