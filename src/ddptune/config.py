@@ -118,8 +118,10 @@ class TrainConfig:
     8B: 160 MiB in fp32) makes one all-reduce after the whole backward: the all-reduce is then exposed,
     but none of NCCL's kernels run beside the backward's. On 2 H200s (8B QLoRA, 8 samples per GPU)
     the all-reduce kernels started early, waited there for the other GPU, and the backward's kernels
-    beside them ran slower: up to 5.4 ms a step of 207 (BENCHMARKS.md). Its effect on the step time is
-    not measured yet. summary.json records the buckets of the last step (grad_buckets)."""
+    beside them ran slower: up to 5.4 ms a step of 207. There, 256 (one bucket) made the step 1.5 %
+    faster (0.2036 s against 0.2067, same call) and same-global efficiency 95.0 % (BENCHMARKS.md). On
+    a slower link (PCIe) the exposed all-reduce costs more: measure with `ddptune scale` before keeping
+    it. summary.json records the buckets of the last step (grad_buckets)."""
     micro_batch_size: int = 4
     """Samples per process per forward with padded batches. With packing it only counts samples:
     micro_batch_size x grad_accum samples per process per optimizer step."""
@@ -169,7 +171,10 @@ class TrainConfig:
     step as the multiples of 256 tokens that leave the least padding over the run's rows. 1: every
     row padded to the run's longest (SAMSum: 27% of the computed tokens are padding). More: less
     padding (SAMSum: 7-8% at 4), for one more compile and recording, and their memory, each the
-    first time a row needs that length. Measured on a GPU only at 1 so far."""
+    first time a row needs that length. On an H200 (8B QLoRA, dequantized base, 16 samples a step) 4
+    made the step 19% faster (0.315 s against 0.388), but each length's first two steps took 1-2 s
+    (compile, then recording): ddptune scale's mean step counts those that come after its warm-up
+    steps, and its note then gives the efficiency by median steps (BENCHMARKS.md)."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """auto: bf16 compute on GPU, fp32 on CPU."""
     seed: int = 0
