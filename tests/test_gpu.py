@@ -150,18 +150,28 @@ def test_flash_varlen_computes_every_position_of_a_row_padded_for_graphs():
 
 @cuda
 @pytest.mark.parametrize("checkpointing, lengths", [(False, 1), (True, 1), (False, 3)])
-def test_cuda_graphs_train_to_the_losses_of_compiled_layers(tmp_path, checkpointing, lengths):
+def test_cuda_graphs_train_to_the_losses_of_compiled_layers(tmp_path, monkeypatch, checkpointing, lengths):
     """train.cuda_graphs changes how kernels are launched, not the math: same losses as compiled
     layers without graphs (bf16, so within rounding), and the gradients are not overwritten by replays;
     also with gradient checkpointing (moved inside the compiled layer), and with rows padded to
-    several lengths (a recording each)."""
+    several lengths (a recording each). Every length is compiled before the first step: none in the
+    middle of the run, and warming them up changes no loss."""
     from conftest import ROOT
+    import torch._dynamo.utils as dynamo_utils
     from ddptune import config, train
 
+    compiled_after_warming = []
+    warm = train.warm_graphs
+
+    def counted(*args):  # how many graphs dynamo has compiled once every length is warm
+        warm(*args)
+        compiled_after_warming.append(dynamo_utils.counters["stats"]["unique_graphs"])
+
+    monkeypatch.setattr(train, "warm_graphs", counted)
     runs = {}
     for graphs in (False, True):
         cfg = config.load(ROOT / "configs" / "tiny.yaml", [
-            f"output_dir={tmp_path / str(graphs)}", "train.max_steps=8", "data.val=null", "train.compile=true",
+            f"output_dir={tmp_path / str(graphs)}", "train.max_steps=8", "data.val=null", "eval.enabled=false", "train.compile=true",
             f"train.cuda_graphs={str(graphs).lower()}", "train.micro_batch_size=8",
             f"train.gradient_checkpointing={str(checkpointing).lower()}", f"train.cuda_graph_lengths={lengths}"])
         summary, _ = train.run(cfg)
@@ -169,3 +179,4 @@ def test_cuda_graphs_train_to_the_losses_of_compiled_layers(tmp_path, checkpoint
                         if '"loss"' in l]
     assert runs[True] == pytest.approx(runs[False], rel=2e-2)
     assert runs[True][-1] < runs[True][0]
+    assert compiled_after_warming == [dynamo_utils.counters["stats"]["unique_graphs"]]

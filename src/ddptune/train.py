@@ -270,15 +270,43 @@ def prepare_graphs(r: Run) -> None:
     """A few shapes for the whole run (each new length is a compile and a recording): the lengths
     that pad the packed rows every process will see least; and gradients allocated once, outside
     the graphs' memory, which every replay overwrites."""
-    rows = [tokens_of(group) for step in range(r.start, r.total_steps)
-            for rank in split_step(r, step).forwards for group in rank]  # the same on every process
+    groups = [group for step in range(r.start, r.total_steps)
+              for rank in split_step(r, step).forwards for group in rank]  # the same on every process
+    rows = [tokens_of(group) for group in groups]
     r.graph_lengths = data.pad_lengths(rows, r.cfg.train.cuda_graph_lengths, GRAPH_PAD)
     padded = sum(padded_length(r, n) for n in rows)
-    r.accelerator.print(f"ddptune: CUDA graphs: packed rows padded to {', '.join(map(str, r.graph_lengths))} tokens "
-                        f"({1 - sum(rows) / padded:.0%} of the computed tokens are padding)")
     for p in r.model.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
+    t0 = time.perf_counter()
+    warm_graphs(r, {padded_length(r, n): g for n, g in zip(rows, groups)})
+    r.load_s += time.perf_counter() - t0
+    r.accelerator.print(f"ddptune: CUDA graphs: packed rows padded to {', '.join(map(str, r.graph_lengths))} tokens "
+                        f"({1 - sum(rows) / padded:.0%} of the computed tokens are padding), compiled and recorded "
+                        f"in {time.perf_counter() - t0:.1f}s")
+
+
+def warm_graphs(r: Run, rows: dict[int, list[dict]]) -> None:
+    """Compile and record the layers' graphs at every padded length before the first step, each
+    with one packed row of the run (`rows`: padded length -> row), every process all of them. Else
+    each length compiles in the step where it first comes, seconds in the middle of the run, and a
+    step time measured over those steps (`ddptune scale`) counts them. Twice per length: a new
+    shape's first call runs as a warm-up, the second records. Nothing of it stays: no gradient is
+    all-reduced (no_sync), the gradients are zeroed after, and the random state is put back."""
+    acc = r.accelerator
+    r.ddp_model.train()  # a model from from_pretrained is in eval mode, and dynamo guards on it: compile what fit runs
+    devices = [acc.device] if acc.device.type == "cuda" else []  # (its index is None in a process of its own)
+    with torch.random.fork_rng(devices=devices), acc.no_sync(r.ddp_model):
+        for length, group in sorted(rows.items()):
+            for _ in range(2):
+                batch = to_device(collate(r.cfg, group, r.tokenizer.pad_token_id, length), acc.device)
+                torch.compiler.cudagraph_mark_step_begin()
+                with acc.autocast():
+                    loss = r.ddp_model(**batch, num_items=1)
+                acc.backward(loss * 0)
+    for p in r.model.parameters():
+        if p.grad is not None:
+            p.grad.zero_()
 
 
 def announce(r: Run) -> None:
