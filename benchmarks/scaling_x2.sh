@@ -36,6 +36,9 @@
 #                                            # CUDA graphs and a dequantized base), `train` at 1 GPU, then at 2 GPUs with
 #                                            # train.ddp_bucket_mb at each value of BUCKETS (default "null 256": torch's
 #                                            # buckets, then one bucket after the backward); median step times; ~100 s a run
+#   bash benchmarks/scaling_x2.sh graph-warmup  # (one GPU is enough) the CUDA-graph tests of tests/test_gpu.py, then the 8B job
+#                                            # at 16 samples with 4 graph lengths at 1 GPU: every step over 3x the median
+#                                            # after the first (none expected once each length is recorded before step 1)
 #   bash benchmarks/scaling_x2.sh cache      # the compiler's cache to $OUT/inductor.tgz (kept only under the 16 MiB a
 #                                            # file may bring back). Compiling the layers takes 50-76 s of each run's first
 #                                            # step on a fresh machine; copied into .inductor/ and carried, the next call
@@ -187,10 +190,19 @@ buckets)
       /tmp/buckets-$name/metrics.jsonl /tmp/buckets-$name/summary.json $name
   done
   ;;
+graph-warmup)
+  CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k graphs 2>&1 | tail -15
+  CUDA_VISIBLE_DEVICES=0 python3 -m ddptune train configs/samsum_qlora_llama31_8b.yaml model.tokenizer=$TOK data.train=$DATA \
+    data.train_rows=0:700 data.val=null train.effective_batch_size=16 train.grad_accum=null train.max_steps=24 \
+    train.save_every=0 train.cuda_graphs=true train.dequantize_base=true train.cuda_graph_lengths=4 \
+    output_dir=/tmp/graph-warmup --nproc 1 2>&1 | quiet | grep -E '^ddptune: (CUDA graphs|done)'
+  cp /tmp/graph-warmup/metrics.jsonl "$OUT/graph_warmup_n1.jsonl"
+  python3 -c "import json,sys,statistics as s; t=[r['step_time_s'] for r in map(json.loads, open(sys.argv[1])) if 'step_time_s' in r]; m=s.median(t); print('median', round(m, 4), 's; steps over 3x it after the first:', [(i + 1, round(x, 2)) for i, x in enumerate(t) if i and x > 3 * m])" /tmp/graph-warmup/metrics.jsonl
+  ;;
 cache)
   tar czf "$OUT/inductor.tgz" -C "$TORCHINDUCTOR_CACHE_DIR" .
   size=$(stat -c %s "$OUT/inductor.tgz")
   if [ "$size" -gt 16000000 ]; then rm "$OUT/inductor.tgz"; echo "compiler cache: $size bytes, over what \$OUT brings back"; fi
   ;;
-*) echo "usage: $0 recipe|qlora-8b|smollm2|smollm2-shape|graphs-profile|full-1b|full-8b|full-8b-1gpu|threads|binding|graphs|stalls|buckets|cache" >&2; exit 2 ;;
+*) echo "usage: $0 recipe|qlora-8b|smollm2|smollm2-shape|graphs-profile|full-1b|full-8b|full-8b-1gpu|threads|binding|graphs|stalls|buckets|graph-warmup|cache" >&2; exit 2 ;;
 esac
