@@ -170,11 +170,11 @@ class TrainConfig:
     """With train.cuda_graphs: how many lengths packed rows are padded to, chosen before the first
     step as the multiples of 256 tokens that leave the least padding over the run's rows. 1: every
     row padded to the run's longest (SAMSum: 27% of the computed tokens are padding). More: less
-    padding (SAMSum: 7-8% at 4), for one more compile and recording, and their memory, each the
-    first time a row needs that length. On an H200 (8B QLoRA, dequantized base, 16 samples a step) 4
-    made the step 19% faster (0.315 s against 0.388), but each length's first two steps took 1-2 s
-    (compile, then recording): ddptune scale's mean step counts those that come after its warm-up
-    steps, and its note then gives the efficiency by median steps (BENCHMARKS.md)."""
+    padding (SAMSum: 7-8% at 4), for one more compile and recording each, and their memory. Every
+    length is compiled and recorded before the first step (counted in the load time: 60 s for 4
+    lengths of the 8B job on an H200), so no step in the run pays for it. On an H200 (8B QLoRA,
+    dequantized base, 16 samples a step) 4 made the step 19-21% faster (0.307-0.315 s against 0.388)
+    and no step after the first took over 3x the median (BENCHMARKS.md)."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """auto: bf16 compute on GPU, fp32 on CPU."""
     seed: int = 0
