@@ -38,7 +38,7 @@
 #                                            # buckets, then one bucket after the backward); median step times; ~100 s a run
 #   bash benchmarks/scaling_x2.sh graph-warmup  # (one GPU is enough) the CUDA-graph tests of tests/test_gpu.py, then the 8B job
 #                                            # at 16 samples with 4 graph lengths at 1 GPU: every step over 3x the median
-#                                            # after the first (none expected once each length is recorded before step 1)
+#                                            # after the first (none on 2026-11-30: each length is recorded before step 1)
 #   bash benchmarks/scaling_x2.sh cache      # the compiler's cache to $OUT/inductor.tgz (kept only under the 16 MiB a
 #                                            # file may bring back). Compiling the layers takes 50-76 s of each run's first
 #                                            # step on a fresh machine; copied into .inductor/ and carried, the next call
