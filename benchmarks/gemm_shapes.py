@@ -42,10 +42,8 @@ def layer_shapes(preset: dict) -> list[tuple[int, int]]:
 
 def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     """Least-squares line through (tokens, ms): (fixed ms, µs per token)."""
-    xs, ys = zip(*points)
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x in xs)
-    return my - slope * mx, slope * 1000
+    slope, intercept = statistics.linear_regression(*zip(*points))
+    return intercept, slope * 1000
 
 
 def time_layer(shapes, m: int, device: torch.device, repeats: int) -> float:
