@@ -39,6 +39,8 @@
 #   bash benchmarks/scaling_x2.sh graph-warmup  # (one GPU is enough) the CUDA-graph tests of tests/test_gpu.py, then the 8B job
 #                                            # at 16 samples with 4 graph lengths at 1 GPU: every step over 3x the median
 #                                            # after the first (none on 2026-11-30: each length is recorded before step 1)
+#   bash benchmarks/scaling_x2.sh gemm       # (one GPU is enough; seconds of GPU time) benchmarks/gemm_shapes.py: the 8B base's GEMMs at the
+#                                            # token counts of the 2026-11-30 runs, and the fixed part of the line through them
 #   bash benchmarks/scaling_x2.sh cache      # the compiler's cache to $OUT/inductor.tgz (kept only under the 16 MiB a
 #                                            # file may bring back). Compiling the layers takes 50-76 s of each run's first
 #                                            # step on a fresh machine; copied into .inductor/ and carried, the next call
@@ -199,10 +201,13 @@ graph-warmup)
   cp /tmp/graph-warmup/metrics.jsonl "$OUT/graph_warmup_n1.jsonl"
   python3 -c "import json,sys,statistics as s; t=[r['step_time_s'] for r in map(json.loads, open(sys.argv[1])) if 'step_time_s' in r]; m=s.median(t); print('median', round(m, 4), 's; steps over 3x it after the first:', [(i + 1, round(x, 2)) for i, x in enumerate(t) if i and x > 3 * m])" /tmp/graph-warmup/metrics.jsonl
   ;;
+gemm)
+  CUDA_VISIBLE_DEVICES=0 python3 benchmarks/gemm_shapes.py --json "$OUT/gemm_shapes_llama31_8b.json"
+  ;;
 cache)
   tar czf "$OUT/inductor.tgz" -C "$TORCHINDUCTOR_CACHE_DIR" .
   size=$(stat -c %s "$OUT/inductor.tgz")
   if [ "$size" -gt 16000000 ]; then rm "$OUT/inductor.tgz"; echo "compiler cache: $size bytes, over what \$OUT brings back"; fi
   ;;
-*) echo "usage: $0 recipe|qlora-8b|smollm2|smollm2-shape|graphs-profile|full-1b|full-8b|full-8b-1gpu|threads|binding|graphs|stalls|buckets|graph-warmup|cache" >&2; exit 2 ;;
+*) echo "usage: $0 recipe|qlora-8b|smollm2|smollm2-shape|graphs-profile|full-1b|full-8b|full-8b-1gpu|threads|binding|graphs|stalls|buckets|graph-warmup|gemm|cache" >&2; exit 2 ;;
 esac
