@@ -280,10 +280,11 @@ def prepare_graphs(r: Run) -> None:
             p.grad = torch.zeros_like(p)
     t0 = time.perf_counter()
     warm_graphs(r, {padded_length(r, n): g for n, g in zip(rows, groups)})
-    r.load_s += time.perf_counter() - t0
+    warm_s = time.perf_counter() - t0
+    r.load_s += warm_s
     r.accelerator.print(f"ddptune: CUDA graphs: packed rows padded to {', '.join(map(str, r.graph_lengths))} tokens "
                         f"({1 - sum(rows) / padded:.0%} of the computed tokens are padding), compiled and recorded "
-                        f"in {time.perf_counter() - t0:.1f}s")
+                        f"in {warm_s:.1f}s")
 
 
 def warm_graphs(r: Run, rows: dict[int, list[dict]]) -> None:
