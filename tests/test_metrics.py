@@ -36,6 +36,24 @@ def test_time_split_adds_up_to_the_step():
     assert s["imbalance_s"] == pytest.approx(0.05) and s["exposed_comm_s"] == pytest.approx(0.015)
     assert s["step_s"] == pytest.approx(s["compute_s"] + s["imbalance_s"] + s["exposed_comm_s"] + s["rest_s"])
     assert s["rest_s"] == pytest.approx(0.025)
+    assert s["imbalance_costed_s"] is None  # no shares in these lines
+
+
+def test_the_imbalance_the_shares_predict_counts_padding_as_work():
+    """Equal costs and equal computed tokens predict no imbalance; a process whose rows were padded
+    to a longer length computes more, though its samples cost the same; without `computed` (older
+    ranks.jsonl files) the costs alone decide."""
+    even = {"cost": [10.0, 10.0], "tokens": [100, 100], "computed": [128, 128]}
+    padded = {"cost": [10.0, 10.0], "tokens": [100, 100], "computed": [128, 192]}
+    uneven = {"cost": [9.0, 11.0], "tokens": [90, 110]}
+    assert metrics.predicted_excess(even) == 0
+    assert metrics.predicted_excess(padded) == pytest.approx(192 / 160 - 1)
+    assert metrics.predicted_excess(uneven) == pytest.approx(11 / 10 - 1)
+    assert metrics.predicted_excess({"tokens": [1, 2]}) is None
+    times = {"compute_s": [0.50, 0.52], "wait_s": [0.02, 0.0], "step_s": [0.53, 0.53]}
+    s = metrics.split([{**even, **times}, {**padded, **times}])
+    assert s["imbalance_s"] == pytest.approx(0.01)
+    assert s["imbalance_costed_s"] == pytest.approx((0 + 0.51 * 0.2) / 2)
 
 
 def test_metrics_file_drops_steps_that_a_resume_redoes(tmp_path):

@@ -45,6 +45,12 @@ def test_scale_both_modes_on_the_same_samples(tmp_path):
     tokens = lambda run, a, b: sum([x["tokens"] for x in metrics(out / run) if "tokens" in x][a:b])  # noqa: E731
     assert tokens("n1", 2, 8) == tokens("same-per-device-n2", 1, 4)
     assert tokens("n1", 1, 4) == tokens("same-global-n2", 1, 4) == tokens("alone-n2", 2, 8)
+    # each process's computed tokens are in ranks.jsonl (for the imbalance its share predicts); together
+    # they are the step's
+    ranks = [json.loads(line) for line in (out / "same-per-device-n2" / "ranks.jsonl").read_text().splitlines()]
+    steps = [x for x in metrics(out / "same-per-device-n2") if "padded_tokens" in x]
+    assert [sum(r["computed"]) for r in ranks] == [x["padded_tokens"] for x in steps]
+    assert all(r["imbalance_costed_s"] is not None for r in result["rows"] if r["nproc"] > 1)
     # --alone: the same-global count's compute beside one process's alone at its share, and the ceiling
     two = rows["same-global", 2]
     assert two["alone_compute_s"] > 0 and two["ceiling"] == pytest.approx(0.5 * rows["same-global", 1]["step_s"] / two["alone_step_s"])
@@ -147,6 +153,19 @@ def test_every_lost_percent_is_accounted_and_noise_is_named():
     stolen = scale.account({**_row(2, 8, 1.1, 0.95, 0.04, 0.01, 0.1), "host_cpu_steal": 0.05}, one, cuda=True)
     assert "n = 2: the hypervisor took 5% of this host's CPU time during the run (steal)" in stolen["note"]
     assert "hypervisor" not in (two["note"] or "")
+
+
+def test_an_imbalance_that_even_shares_do_not_explain_is_named_as_the_gpus_spread():
+    """The 8B job at 16 samples per GPU on 2 H200s (2026-11-30): shares within 0.02 % of each other,
+    yet 1.3 ms a step between the slower GPU and the mean: the GPUs' own spread."""
+    one = scale.account(_row(1, 16, 0.2653, 0.2643, 0, 0, 0.001, se=0.0002), None, cuda=True)
+    spread = scale.account({**_row(2, 16, 0.2682, 0.2652, 0.00133, 0.00068, 0.001, se=0.0002),
+                            "imbalance_costed_s": 0.00005}, one, cuda=True)
+    assert "imbalance 1.3 ms a step, of which unequal shares 0.05 ms" in spread["note"]
+    assert "own spread" in spread["note"]
+    shares = scale.account({**_row(2, 16, 0.2682, 0.2652, 0.00133, 0.00068, 0.001, se=0.0002),
+                            "imbalance_costed_s": 0.001}, one, cuda=True)
+    assert "own spread" not in (shares["note"] or "")
 
 
 def test_bad_nproc_is_one_line_error(tmp_path):

@@ -119,7 +119,8 @@ class TrainConfig:
     but none of NCCL's kernels run beside the backward's. On 2 H200s (8B QLoRA, 8 samples per GPU)
     the all-reduce kernels started early, waited there for the other GPU, and the backward's kernels
     beside them ran slower: up to 5.4 ms a step of 207. There, 256 (one bucket) made the step 1.5 %
-    faster (0.2036 s against 0.2067, same call) and same-global efficiency 95.0 % (BENCHMARKS.md). On
+    faster (0.2036 s against 0.2067, same call) and same-global efficiency 95.0 %; at 16 samples per
+    GPU (same-per-device, CUDA graphs, 4 lengths) it kept 98.7-98.9 % against 97.9 % (BENCHMARKS.md). On
     a slower link (PCIe) the exposed all-reduce costs more: measure with `ddptune scale` before keeping
     it. summary.json records the buckets of the last step (grad_buckets)."""
     micro_batch_size: int = 4

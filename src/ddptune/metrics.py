@@ -118,7 +118,7 @@ def rank_rows(first_step: int, per_rank: list[list[dict]], shares: list[dict]) -
     """ranks.jsonl: for each step, every process's times and share side by side (lists in rank order)."""
     rows = []
     for k, share in enumerate(shares):
-        row = {"step": first_step + k + 1, "tokens": share["tokens"], "cost": share["cost"]}
+        row = {"step": first_step + k + 1, **{key: share[key] for key in ("tokens", "cost", "computed") if key in share}}
         for key in ("compute_s", "wait_s", "optimizer_s", "step_s"):
             row[key] = [times[k][key] for times in per_rank]
         rows.append(row)
@@ -128,8 +128,12 @@ def rank_rows(first_step: int, per_rank: list[list[dict]], shares: list[dict]) -
 def split(rows: list[dict]) -> dict:
     """Where a step's time goes, averaged over `rows` (ranks.jsonl lines), with standard errors:
     step = mean compute + imbalance (slowest - mean compute) + exposed communication (the slowest
-    process's wait: it waits for nobody) + rest (optimizer, data, gaps between steps)."""
-    parts = {k: [] for k in ("step_s", "compute_s", "slowest_compute_s", "imbalance_s", "exposed_comm_s", "rest_s")}
+    process's wait: it waits for nobody) + rest (optimizer, data, gaps between steps).
+    imbalance_costed_s: the imbalance the processes' shares predict (`predicted_excess`), as
+    seconds of the mean compute; what the measured imbalance has beyond it is the GPUs' own
+    spread from step to step on work of equal cost."""
+    parts = {k: [] for k in ("step_s", "compute_s", "slowest_compute_s", "imbalance_s", "imbalance_costed_s",
+                             "exposed_comm_s", "rest_s")}
     for r in rows:
         slowest = max(range(len(r["compute_s"])), key=lambda i: r["compute_s"][i])
         step = r["step_s"][0]
@@ -138,6 +142,9 @@ def split(rows: list[dict]) -> dict:
         parts["compute_s"].append(mean)
         parts["slowest_compute_s"].append(r["compute_s"][slowest])
         parts["imbalance_s"].append(r["compute_s"][slowest] - mean)
+        excess = predicted_excess(r)
+        if excess is not None:
+            parts["imbalance_costed_s"].append(mean * excess)
         parts["exposed_comm_s"].append(r["wait_s"][slowest])
         parts["rest_s"].append(step - r["compute_s"][slowest] - r["wait_s"][slowest])
     out = {"steps": len(rows)}
@@ -145,6 +152,18 @@ def split(rows: list[dict]) -> dict:
         out[k] = statistics.fmean(v) if v else None
         out[k + "_se"] = statistics.stdev(v) / math.sqrt(len(v)) if len(v) > 1 else None
     return out
+
+
+def predicted_excess(rank_row: dict) -> float | None:
+    """How much more work the busiest process had than the mean in one ranks.jsonl line, from its
+    shares: each process's model FLOPs (cost, real tokens) scaled by the tokens it computed over
+    its real ones (padding does the work of real tokens, near enough). None for lines without costs."""
+    cost, tokens, computed = (rank_row.get(k) for k in ("cost", "tokens", "computed"))
+    if not cost:
+        return None
+    work = [c * (p / t if t else 1.0) for c, t, p in zip(cost, tokens, computed)] if computed and tokens else cost
+    mean = statistics.fmean(work)
+    return max(work) / mean - 1 if mean > 0 else None
 
 
 def summarize_steps(history: list[dict], warmup: int, world: int) -> dict:

@@ -17,6 +17,8 @@ Where the time goes: each process times its own compute (forwards and backwards 
 gradient bucket is ready) and its wait for the gradient all-reduce (`dist.StepClock`). Per step:
     step = mean compute + imbalance (slowest - mean compute)
          + exposed communication (the slowest process's wait: it waits for nobody) + rest.
+Where the shares' work (metrics.predicted_excess) explains less than half the imbalance, the note
+says the rest is the GPUs' own spread: equal work, and still one GPU slower each step.
 And the efficiency lost at n, against the ideal time k·t1 (k = per-process samples at n / at 1),
 part by part: 1 - efficiency = Σ (part_n - k·part_1) / t_n over compute, imbalance, comm and rest.
 A part smaller than twice its standard error over the window is reported as noise, never as a
@@ -376,7 +378,8 @@ def timing(times: list[float], tokens: int, samples: int, nproc: int, ranks: lis
     return {"samples_measured": samples, "step_s": seconds / len(times), "median_step_s": statistics.median(times),
             **stalls(times), "tokens_per_s": tokens / seconds, "tokens_per_s_per_gpu": tokens / seconds / nproc,
             "samples_per_s": samples / seconds,
-            **{f"{k}{se}": split[k + se] for k in PART_KEYS for se in ("", "_se")}}
+            **{f"{k}{se}": split[k + se] for k in PART_KEYS for se in ("", "_se")},
+            "imbalance_costed_s": split["imbalance_costed_s"]}
 
 
 def median_efficiency(row: dict, base: dict) -> float:
@@ -419,6 +422,12 @@ def account(row: dict, base: dict | None, cuda: bool) -> dict:
         if se[key] and row[key] < 2 * se[key]:
             notes.append(f"{key.removesuffix('_s').replace('_', ' ')} within noise (±{2 * se[key] * 1e3:.2g} ms)")
             row[key + "_noise_s"], row[key] = 2 * se[key], None
+    costed = row.get("imbalance_costed_s")
+    if n > 1 and row["imbalance_s"] is not None and costed is not None and row["imbalance_s"] > 2 * costed:
+        # the shares were even: the slowest process is slower by chance, a different one from step to step
+        notes.append(f"imbalance {row['imbalance_s'] * 1e3:.2g} ms a step, of which unequal shares {costed * 1e3:.2g} ms: "
+                     "the rest is each GPU's own spread from step to step on work of equal cost (every step waits "
+                     "for the slower)")
     if not cuda and n > 1 and row["speedup"] > n * 1.05:
         notes.append(f"speedup {row['speedup']:.2f} above {n}: the processes fought over the CPU cores; not published")
         row["speedup"] = row["efficiency"] = None

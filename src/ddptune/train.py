@@ -88,7 +88,7 @@ class Share:
     forwards: list[list[list[dict]]]  # each process's examples, grouped per forward pass
     targets: int             # summary tokens of the whole global batch: every loss divides by it
     tokens: list[int]        # real tokens of each process
-    computed: int            # tokens computed by all processes (real tokens plus padding)
+    computed: list[int]      # tokens each process computes (real tokens plus padding)
     cost: list[float]        # model FLOPs of each process
 
 
@@ -519,9 +519,9 @@ def read_step(r: Run, p: dict, peak: float | None) -> tuple[dict, tuple[dict, di
     mean_cost = sum(share.cost) / world
     row = metrics.step_row(
         p["step"] + 1, loss, p["lr"], grad_norm, r.plan.global_batch, sum(share.tokens),
-        share.targets, share.computed, max(len(f) for f in share.forwards), sum(share.cost), times,
+        share.targets, sum(share.computed), max(len(f) for f in share.forwards), sum(share.cost), times,
         max(share.cost) / mean_cost if mean_cost else 1.0, world, peak, metrics.peak_memory_gib(r.accelerator.device))
-    return row, (times, {"tokens": share.tokens, "cost": share.cost})
+    return row, (times, {"tokens": share.tokens, "cost": share.cost, "computed": share.computed})
 
 
 def split_step(r: Run, step: int) -> Share:
@@ -534,12 +534,13 @@ def split_step(r: Run, step: int) -> Share:
     forwards = [layout(r.cfg, [r.train_set[i] for i in rank]) for rank in ranks]
     if dist.sharded(r.loss_model):
         forwards = lockstep(forwards)
-    longest = lambda group: max(len(e["input_ids"]) for e in group)  # noqa: E731
     tokens = [sum(len(r.train_set[i]["input_ids"]) for i in rank) for rank in ranks]
     if r.graph_lengths:  # every packed row padded to a length the graphs are recorded at
-        computed = sum(padded_length(r, tokens_of(g)) for rank in forwards for g in rank)
+        computed = [sum(padded_length(r, tokens_of(g)) for g in rank) for rank in forwards]
+    elif r.cfg.train.packing:
+        computed = tokens
     else:
-        computed = sum(tokens) if r.cfg.train.packing else sum(len(g) * longest(g) for rank in forwards for g in rank)
+        computed = [sum(len(g) * max(len(e["input_ids"]) for e in g) for g in rank) for rank in forwards]
     return Share(forwards, sum(r.targets[i] for i in idx), tokens, computed, [sum(r.costs[i] for i in rank) for rank in ranks])
 
 
