@@ -118,7 +118,7 @@ def rank_rows(first_step: int, per_rank: list[list[dict]], shares: list[dict]) -
     """ranks.jsonl: for each step, every process's times and share side by side (lists in rank order)."""
     rows = []
     for k, share in enumerate(shares):
-        row = {"step": first_step + k + 1, **{key: share[key] for key in ("tokens", "cost", "computed") if key in share}}
+        row = {"step": first_step + k + 1, **share}  # tokens, cost and computed tokens per process
         for key in ("compute_s", "wait_s", "optimizer_s", "step_s"):
             row[key] = [times[k][key] for times in per_rank]
         rows.append(row)
