@@ -128,14 +128,37 @@ def test_packing_keeps_samples_apart():
     assert fixed["input_ids"].shape == (1, 16) and fixed["max_length_q"] == 32
     assert fixed["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7]]
     assert fixed["cu_seq_lens_q"].tolist() == [0, 5, 8] + [16] * 61
-    assert fixed["target_index"].tolist() == [2, 3, 5, 6] and fixed["targets"].tolist() == [7, 8, 7, 8]
+    # and the targets to a multiple of TARGET_PAD (position 0, left out of the loss): the output
+    # head's matrix products come in few shapes
+    pads = data.TARGET_PAD - 4
+    assert fixed["target_index"].tolist() == [2, 3, 5, 6] + [0] * pads
+    assert fixed["targets"].tolist() == [7, 8, 7, 8] + [data.IGNORE] * pads
+    assert data.padded_targets(forwards[0]) == data.TARGET_PAD
     # a pad longer than the longest sample is cut into pad samples of at most that length: the flash
     # kernel leaves every position of a sample past max_length_q unwritten (NaN gradients on H200)
     long = data.collate_packed(forwards[0], pad_to=30, max_length=5)
     cu = long["cu_seq_lens_q"].tolist()
     assert cu[:8] == [0, 5, 8, 13, 18, 23, 28, 30] and set(cu[8:]) == {30} and len(cu) == 64
     assert max(b - a for a, b in zip(cu, cu[1:])) <= long["max_length_q"] == 5
-    assert long["targets"].tolist() == [7, 8, 7, 8]
+    assert long["targets"].tolist()[:5] == [7, 8, 7, 8, data.IGNORE]
+
+
+def test_padded_target_counts_are_what_the_rows_give():
+    """The graph warm-up runs the output head at data.padded_targets of every row of the run: each
+    row's collated targets must be exactly that many, multiples of TARGET_PAD."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(50):
+        ex = []
+        for _ in range(rng.randint(1, 6)):
+            n = rng.randint(2, 200)
+            prompt = rng.randint(1, n - 1)
+            ex.append({"input_ids": [1] * n, "labels": [data.IGNORE] * prompt + [5] * (n - prompt)})
+        batch = data.collate_packed(ex, pad_to=256, max_length=200)
+        assert len(batch["targets"]) == len(batch["target_index"]) == data.padded_targets(ex)
+        assert data.padded_targets(ex) % data.TARGET_PAD == 0
+        assert (batch["targets"] != data.IGNORE).sum() == data.target_tokens(ex)
 
 
 def test_pad_lengths_leave_the_least_padding():

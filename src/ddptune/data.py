@@ -21,6 +21,7 @@ import torch
 from ddptune.config import DataConfig, parse_rows
 
 IGNORE = -100
+TARGET_PAD = 64  # for CUDA graphs: the loss's target rows come in multiples of this (collate_packed's pad_to)
 PLAIN_TEMPLATE = "{instruction}\n\n### Dialogue:\n{dialogue}\n\n### Summary:\n"
 _MARK = "\x00DIALOGUE\x00"
 
@@ -263,6 +264,22 @@ def targets_of(labels: list[list[int]] | torch.Tensor) -> tuple[torch.Tensor, to
     return index, following.index_select(0, index)
 
 
+def pad_targets(index: torch.Tensor, targets: torch.Tensor, unit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, targets) padded to a multiple of `unit` entries with position 0 and IGNORE, which
+    the loss leaves out. The output head runs at the target positions only, so its matrix products
+    have as many rows as there are targets, a new count each step. On an H200 (8B, CUDA graphs) the
+    head's backward product spent 4.2-4.6 ms of the host before its launch in every step, the GPU
+    idle meanwhile, with another cuBLAS kernel each step (BENCHMARKS.md). In multiples the counts
+    repeat, and `padded_targets` lets the graph warm-up meet each of them before the first step."""
+    extra = -len(index) % unit
+    return torch.cat([index, index.new_zeros(extra)]), torch.cat([targets, targets.new_full((extra,), IGNORE)])
+
+
+def padded_targets(examples: list[dict]) -> int:
+    """How many target rows `collate_packed(examples, pad_to=...)` gives the loss."""
+    return -(-target_tokens(examples) // TARGET_PAD) * TARGET_PAD
+
+
 def collate(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad a micro-batch: input_ids, attention_mask, and the loss targets with their positions."""
     width = max(len(e["input_ids"]) for e in examples)
@@ -306,7 +323,8 @@ def collate_packed(examples: list[dict], pad_to: int = 0, max_length: int = 0) -
     64 entries (empty samples), and `max_length` (the data's) is given as the longest sample. No pad
     sample is longer than that: the flash kernel computes nothing past `max_length_q` in a sample and
     leaves those positions' outputs unwritten (whatever the memory held, NaN included, which then
-    reaches the weight gradients as 0 * NaN although the loss never looks at them)."""
+    reaches the weight gradients as 0 * NaN although the loss never looks at them). The targets
+    are padded too, to a multiple of TARGET_PAD (`pad_targets`)."""
     lengths = [len(e["input_ids"]) for e in examples]
     longest = max_length or max(lengths)
     pad = -sum(lengths) % pad_to if pad_to else 0
@@ -320,6 +338,8 @@ def collate_packed(examples: list[dict], pad_to: int = 0, max_length: int = 0) -
     if pad_to:
         cu = torch.cat([cu, cu[-1:].expand(-len(cu) % 64)])
     index, targets = targets_of(labels)
+    if pad_to:
+        index, targets = pad_targets(index, targets, TARGET_PAD)
     return {
         "input_ids": torch.tensor([ids]),
         "position_ids": torch.cat([torch.arange(n) for n in bounds[1:]]).unsqueeze(0),

@@ -431,8 +431,12 @@ class CausalLMLoss(torch.nn.Module):
             attention_mask = torch.empty(1, 1, 0, 0, device=input_ids.device)
         hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               use_cache=False, **packed).last_hidden_state
-        logits = self.head(hidden.reshape(-1, hidden.size(-1)).index_select(0, target_index))
-        return torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum") / num_items
+        return self.head_loss(hidden.reshape(-1, hidden.size(-1)).index_select(0, target_index), targets) / num_items
+
+    def head_loss(self, hidden, targets):
+        """Summed cross-entropy of the output head at `hidden` (targets x hidden size) against `targets`
+        (-100, cross_entropy's ignore_index: left out)."""
+        return torch.nn.functional.cross_entropy(self.head(hidden).float(), targets, reduction="sum")
 
 
 def count_params(model) -> tuple[int, int]:

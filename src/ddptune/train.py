@@ -279,7 +279,7 @@ def prepare_graphs(r: Run) -> None:
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
     t0 = time.perf_counter()
-    warm_graphs(r, {padded_length(r, n): g for n, g in zip(rows, groups)})
+    warm_graphs(r, {padded_length(r, n): g for n, g in zip(rows, groups)}, sorted({data.padded_targets(g) for g in groups}))
     warm_s = time.perf_counter() - t0
     r.load_s += warm_s
     r.accelerator.print(f"ddptune: CUDA graphs: packed rows padded to {', '.join(map(str, r.graph_lengths))} tokens "
@@ -287,13 +287,15 @@ def prepare_graphs(r: Run) -> None:
                         f"in {warm_s:.1f}s")
 
 
-def warm_graphs(r: Run, rows: dict[int, list[dict]]) -> None:
+def warm_graphs(r: Run, rows: dict[int, list[dict]], head_rows: list[int]) -> None:
     """Compile and record the layers' graphs at every padded length before the first step, each
     with one packed row of the run (`rows`: padded length -> row), every process all of them. Else
     each length compiles in the step where it first comes, seconds in the middle of the run, and a
     step time measured over those steps (`ddptune scale`) counts them. Twice per length: a new
-    shape's first call runs as a warm-up, the second records. Nothing of it stays: no gradient is
-    all-reduced (no_sync), the gradients are zeroed after, and the random state is put back."""
+    shape's first call runs as a warm-up, the second records. Then the output head (not in a graph)
+    forward and backward at each padded target count of the run (`head_rows`, data.pad_targets).
+    Nothing of it stays: no gradient is all-reduced (no_sync), the gradients are zeroed after, and
+    the random state is put back."""
     acc = r.accelerator
     r.ddp_model.train()  # a model from from_pretrained is in eval mode, and dynamo guards on it: compile what fit runs
     devices = [acc.device] if acc.device.type == "cuda" else []  # (its index is None in a process of its own)
@@ -305,6 +307,12 @@ def warm_graphs(r: Run, rows: dict[int, list[dict]]) -> None:
                 with acc.autocast():
                     loss = r.ddp_model(**batch, num_items=1)
                 acc.backward(loss * 0)
+        head = r.loss_model.head.weight
+        for n in head_rows:  # the gradient of the head's input only: the same matrix products as a step's
+            hidden = torch.zeros(n, head.shape[1], device=head.device, dtype=head.dtype, requires_grad=True)
+            with acc.autocast():
+                loss = r.loss_model.head_loss(hidden, torch.zeros(n, dtype=torch.long, device=head.device))
+            torch.autograd.grad(loss, hidden)
     for p in r.model.parameters():
         if p.grad is not None:
             p.grad.zero_()
