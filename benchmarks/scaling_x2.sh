@@ -41,6 +41,10 @@
 #                                            # after the first (none on 2026-11-30: each length is recorded before step 1)
 #   bash benchmarks/scaling_x2.sh gemm       # (one GPU is enough; seconds of GPU time) benchmarks/gemm_shapes.py: the 8B base's GEMMs at the
 #                                            # token counts of the 2026-11-30 runs, and the fixed part of the line through them
+#   bash benchmarks/scaling_x2.sh head-shapes  # (one GPU is enough; about 90 s a run) the 8B job at 8 samples a step, CUDA graphs,
+#                                            # 1 GPU, alternating the code in $BEFORE (a copy of an older src/, e.g. main's before the
+#                                            # targets were padded) and this one, twice: median step, and the GPU's idle inside the
+#                                            # profiled steps (benchmarks/gpu_gaps.py), with who launched late
 #   bash benchmarks/scaling_x2.sh cache      # the compiler's cache to $OUT/inductor.tgz (kept only under the 16 MiB a
 #                                            # file may bring back). Compiling the layers takes 50-76 s of each run's first
 #                                            # step on a fresh machine; copied into .inductor/ and carried, the next call
@@ -201,6 +205,20 @@ graph-warmup)
   cp /tmp/graph-warmup/metrics.jsonl "$OUT/graph_warmup_n1.jsonl"
   python3 -c "import json,sys,statistics as s; t=[r['step_time_s'] for r in map(json.loads, open(sys.argv[1])) if 'step_time_s' in r]; m=s.median(t); print('median', round(m, 4), 's; steps over 3x it after the first:', [(i + 1, round(x, 2)) for i, x in enumerate(t) if i and x > 3 * m])" /tmp/graph-warmup/metrics.jsonl
   ;;
+head-shapes)
+  [ -d "${BEFORE:-}" ] || { echo "head-shapes: set BEFORE to a folder holding the older src/ to compare with"; exit 2; }
+  for v in before after before after; do
+    src=$PWD/src; [ $v = before ] && src=$BEFORE
+    d=$(mktemp -u -d /tmp/head-$v-XXXX)
+    PYTHONPATH=/tmp/site:$src CUDA_VISIBLE_DEVICES=0 python3 -m ddptune train configs/samsum_qlora_llama31_8b.yaml \
+      model.tokenizer=$TOK data.train=$DATA data.train_rows=0:700 data.val=null train.effective_batch_size=8 \
+      train.grad_accum=null train.max_steps=30 train.save_every=0 train.cuda_graphs=true train.dequantize_base=true \
+      train.profile_steps=4 output_dir=$d --nproc 1 2>&1 | quiet | grep -E '^ddptune: (CUDA graphs|done)' | cut -c1-200
+    python3 benchmarks/gpu_gaps.py $d/trace.json --json $d/gaps.json > /dev/null
+    python3 -c "import json,sys,statistics as s; t=[r['step_time_s'] for r in map(json.loads, open(sys.argv[1])) if 'step_time_s' in r]; g=json.load(open(sys.argv[2])); print(sys.argv[3], 'median of steps 8-30', round(s.median(t[7:]) * 1000, 1), 'ms; idle inside profiled steps', [round(x['idle_inside_ms'], 1) for x in g['steps']], 'ms; late launches', [(x['launcher'][-40:], round(x['idle_ms'], 1)) for x in g['idle_by_launcher'][:3]])" \
+      $d/metrics.jsonl $d/gaps.json $v | tee -a "$OUT/head_shapes.txt"
+  done
+  ;;
 gemm)
   CUDA_VISIBLE_DEVICES=0 python3 benchmarks/gemm_shapes.py --json "$OUT/gemm_shapes_llama31_8b.json"
   ;;
@@ -209,5 +227,5 @@ cache)
   size=$(stat -c %s "$OUT/inductor.tgz")
   if [ "$size" -gt 16000000 ]; then rm "$OUT/inductor.tgz"; echo "compiler cache: $size bytes, over what \$OUT brings back"; fi
   ;;
-*) echo "usage: $0 recipe|qlora-8b|smollm2|smollm2-shape|graphs-profile|full-1b|full-8b|full-8b-1gpu|threads|binding|graphs|stalls|buckets|graph-warmup|gemm|cache" >&2; exit 2 ;;
+*) echo "usage: $0 recipe|qlora-8b|smollm2|smollm2-shape|graphs-profile|full-1b|full-8b|full-8b-1gpu|threads|binding|graphs|stalls|buckets|graph-warmup|head-shapes|gemm|cache" >&2; exit 2 ;;
 esac
