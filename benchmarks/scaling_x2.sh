@@ -44,7 +44,8 @@
 #   bash benchmarks/scaling_x2.sh head-shapes  # (one GPU is enough; about 90 s a run) the 8B job at 8 samples a step, CUDA graphs,
 #                                            # 1 GPU, alternating the code in $BEFORE (a copy of an older src/, e.g. main's before the
 #                                            # targets were padded) and this one, twice: median step, and the GPU's idle inside the
-#                                            # profiled steps (benchmarks/gpu_gaps.py), with who launched late
+#                                            # profiled steps (benchmarks/gpu_gaps.py), with who launched late. HEAD_JOB=smollm2: the
+#                                            # SmolLM2-shape job of smollm2-shape at 8 samples instead (about 40 s a run)
 #   bash benchmarks/scaling_x2.sh cache      # the compiler's cache to $OUT/inductor.tgz (kept only under the 16 MiB a
 #                                            # file may bring back). Compiling the layers takes 50-76 s of each run's first
 #                                            # step on a fresh machine; copied into .inductor/ and carried, the next call
@@ -210,9 +211,11 @@ head-shapes)
   for v in before after before after; do
     src=$PWD/src; [ $v = before ] && src=$BEFORE
     d=$(mktemp -u -d /tmp/head-$v-XXXX)
-    PYTHONPATH=/tmp/site:$src CUDA_VISIBLE_DEVICES=0 python3 -m ddptune train configs/samsum_qlora_llama31_8b.yaml \
-      model.tokenizer=$TOK data.train=$DATA data.train_rows=0:700 data.val=null train.effective_batch_size=8 \
-      train.grad_accum=null train.max_steps=30 train.save_every=0 train.cuda_graphs=true train.dequantize_base=true \
+    job=(configs/samsum_qlora_llama31_8b.yaml model.tokenizer=$TOK data.train=$DATA data.train_rows=0:700 data.val=null
+         train.dequantize_base=true)
+    [ "${HEAD_JOB:-8b}" = smollm2 ] && job=("${smol_shape[@]}")
+    PYTHONPATH=/tmp/site:$src CUDA_VISIBLE_DEVICES=0 python3 -m ddptune train "${job[@]}" train.effective_batch_size=8 \
+      train.grad_accum=null train.max_steps=30 train.save_every=0 train.cuda_graphs=true \
       train.profile_steps=4 output_dir=$d --nproc 1 2>&1 | quiet | grep -E '^ddptune: (CUDA graphs|done)' | cut -c1-200
     python3 benchmarks/gpu_gaps.py $d/trace.json --json $d/gaps.json > /dev/null
     python3 -c "import json,sys,statistics as s; t=[r['step_time_s'] for r in map(json.loads, open(sys.argv[1])) if 'step_time_s' in r]; g=json.load(open(sys.argv[2])); print(sys.argv[3], 'median of steps 8-30', round(s.median(t[7:]) * 1000, 1), 'ms; idle inside profiled steps', [round(x['idle_inside_ms'], 1) for x in g['steps']], 'ms; late launches', [(x['launcher'][-40:], round(x['idle_ms'], 1)) for x in g['idle_by_launcher'][:3]])" \
