@@ -45,7 +45,9 @@
 #                                            # 1 GPU, alternating the code in $BEFORE (a copy of an older src/, e.g. main's before the
 #                                            # targets were padded) and this one, twice: median step, and the GPU's idle inside the
 #                                            # profiled steps (benchmarks/gpu_gaps.py), with who launched late. HEAD_JOB=smollm2: the
-#                                            # SmolLM2-shape job of smollm2-shape at 8 samples instead (about 40 s a run)
+#                                            # SmolLM2-shape job of smollm2-shape at 8 samples instead (about 40 s a run). A run named
+#                                            # *-eager sets CUDA_MODULE_LOADING=EAGER: every kernel loaded at start, none on first use
+#                                            # (HEAD_RUNS, default "before after before after before-eager")
 #   bash benchmarks/scaling_x2.sh cache      # the compiler's cache to $OUT/inductor.tgz (kept only under the 16 MiB a
 #                                            # file may bring back). Compiling the layers takes 50-76 s of each run's first
 #                                            # step on a fresh machine; copied into .inductor/ and carried, the next call
@@ -208,13 +210,14 @@ graph-warmup)
   ;;
 head-shapes)
   [ -d "${BEFORE:-}" ] || { echo "head-shapes: set BEFORE to a folder holding the older src/ to compare with"; exit 2; }
-  for v in before after before after; do
-    src=$PWD/src; [ $v = before ] && src=$BEFORE
+  for v in ${HEAD_RUNS:-before after before after before-eager}; do
+    src=$PWD/src; [ "${v%-eager}" = before ] && src=$BEFORE
+    loading=LAZY; [ "${v%-eager}" != "$v" ] && loading=EAGER
     d=$(mktemp -u -d /tmp/head-$v-XXXX)
     job=(configs/samsum_qlora_llama31_8b.yaml model.tokenizer=$TOK data.train=$DATA data.train_rows=0:700 data.val=null
          train.dequantize_base=true)
     [ "${HEAD_JOB:-8b}" = smollm2 ] && job=("${smol_shape[@]}")
-    PYTHONPATH=/tmp/site:$src CUDA_VISIBLE_DEVICES=0 python3 -m ddptune train "${job[@]}" train.effective_batch_size=8 \
+    CUDA_MODULE_LOADING=$loading PYTHONPATH=/tmp/site:$src CUDA_VISIBLE_DEVICES=0 python3 -m ddptune train "${job[@]}" train.effective_batch_size=8 \
       train.grad_accum=null train.max_steps=30 train.save_every=0 train.cuda_graphs=true \
       train.profile_steps=4 output_dir=$d --nproc 1 2>&1 | quiet | grep -E '^ddptune: (CUDA graphs|done)' | cut -c1-200
     python3 benchmarks/gpu_gaps.py $d/trace.json --json $d/gaps.json > /dev/null
