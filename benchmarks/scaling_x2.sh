@@ -47,7 +47,8 @@
 #                                            # profiled steps (benchmarks/gpu_gaps.py), with who launched late. HEAD_JOB=smollm2: the
 #                                            # SmolLM2-shape job of smollm2-shape at 8 samples instead (about 40 s a run). A run named
 #                                            # *-eager sets CUDA_MODULE_LOADING=EAGER: every kernel loaded at start, none on first use
-#                                            # (HEAD_RUNS, default "before after before after before-eager")
+#                                            # (HEAD_RUNS, default "before after before after before-eager"; HEAD_GPU picks
+#                                            # the GPU, default 0, so two lists can run side by side on a 2-GPU machine)
 #   bash benchmarks/scaling_x2.sh cache      # the compiler's cache to $OUT/inductor.tgz (kept only under the 16 MiB a
 #                                            # file may bring back). Compiling the layers takes 50-76 s of each run's first
 #                                            # step on a fresh machine; copied into .inductor/ and carried, the next call
@@ -217,7 +218,7 @@ head-shapes)
     job=(configs/samsum_qlora_llama31_8b.yaml model.tokenizer=$TOK data.train=$DATA data.train_rows=0:700 data.val=null
          train.dequantize_base=true)
     [ "${HEAD_JOB:-8b}" = smollm2 ] && job=("${smol_shape[@]}")
-    CUDA_MODULE_LOADING=$loading PYTHONPATH=/tmp/site:$src CUDA_VISIBLE_DEVICES=0 python3 -m ddptune train "${job[@]}" train.effective_batch_size=8 \
+    CUDA_MODULE_LOADING=$loading PYTHONPATH=/tmp/site:$src CUDA_VISIBLE_DEVICES=${HEAD_GPU:-0} python3 -m ddptune train "${job[@]}" train.effective_batch_size=8 \
       train.grad_accum=null train.max_steps=30 train.save_every=0 train.cuda_graphs=true \
       train.profile_steps=4 output_dir=$d --nproc 1 2>&1 | quiet | grep -E '^ddptune: (CUDA graphs|done)' | cut -c1-200
     python3 benchmarks/gpu_gaps.py $d/trace.json --json $d/gaps.json > /dev/null
