@@ -48,7 +48,8 @@
 #                                            # SmolLM2-shape job of smollm2-shape at 8 samples instead (about 40 s a run). A run named
 #                                            # *-eager sets CUDA_MODULE_LOADING=EAGER: every kernel loaded at start, none on first use
 #                                            # (HEAD_RUNS, default "before after before after before-eager"; HEAD_GPU picks
-#                                            # the GPU, default 0, so two lists can run side by side on a 2-GPU machine)
+#                                            # the GPU, default 0, so two lists can run side by side on a 2-GPU machine;
+#                                            # HEAD_GRAPHS=false profiles the shipped default, compiled layers without graphs)
 #   bash benchmarks/scaling_x2.sh cache      # the compiler's cache to $OUT/inductor.tgz (kept only under the 16 MiB a
 #                                            # file may bring back). Compiling the layers takes 50-76 s of each run's first
 #                                            # step on a fresh machine; copied into .inductor/ and carried, the next call
@@ -219,7 +220,7 @@ head-shapes)
          train.dequantize_base=true)
     [ "${HEAD_JOB:-8b}" = smollm2 ] && job=("${smol_shape[@]}")
     CUDA_MODULE_LOADING=$loading PYTHONPATH=/tmp/site:$src CUDA_VISIBLE_DEVICES=${HEAD_GPU:-0} python3 -m ddptune train "${job[@]}" train.effective_batch_size=8 \
-      train.grad_accum=null train.max_steps=30 train.save_every=0 train.cuda_graphs=true \
+      train.grad_accum=null train.max_steps=30 train.save_every=0 train.cuda_graphs=${HEAD_GRAPHS:-true} \
       train.profile_steps=4 output_dir=$d --nproc 1 2>&1 | quiet | grep -E '^ddptune: (CUDA graphs|done)' | cut -c1-200
     python3 benchmarks/gpu_gaps.py $d/trace.json --json $d/gaps.json > /dev/null
     python3 -c "import json,sys,statistics as s; t=[r['step_time_s'] for r in map(json.loads, open(sys.argv[1])) if 'step_time_s' in r]; g=json.load(open(sys.argv[2])); print(sys.argv[3], 'median of steps 8-30', round(s.median(t[7:]) * 1000, 1), 'ms; idle inside profiled steps', [round(x['idle_inside_ms'], 1) for x in g['steps']], 'ms; late launches', [(x['launcher'][-40:], round(x['idle_ms'], 1)) for x in g['idle_by_launcher'][:3]])" \
