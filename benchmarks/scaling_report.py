@@ -28,7 +28,7 @@ KEEP = ("nproc", "per_process", "batch", "steps", "samples_measured", "step_s", 
         "lost_imbalance", "lost_comm", "lost_rest", "balance", "peak_mem_gib", "final_loss", "val_loss", "note",
         "rouge1", "rouge2", "rougeL", "rougeLsum", "stall_steps", "stall_s", "efficiency_median", "padding",
         "computed_per_process", "alone_compute_s", "alone_compute_measured_s", "alone_step_s",
-        "alone_computed_per_process", "lost_smaller_batch", "ceiling")
+        "alone_computed_per_process", "lost_smaller_batch", "ceiling", "slowest_steps", "compute_offset_s")
 
 
 def with_median_efficiency(rows: list[dict]) -> list[dict]:
@@ -76,8 +76,9 @@ def rows_from_ranks(files: list[str], mode: str, per_process_at_1: int, steps: i
 
 def account_again(rows: list[dict], runs: Path, mode: str, window: list[int]) -> list[dict]:
     """`ddptune scale`'s accounting of `rows` (one mode's, n = 1 first) redone, with each run's computed
-    tokens per process read from its metrics.jsonl under `runs`."""
-    from ddptune import scale
+    tokens per process read from its metrics.jsonl under `runs`, and which process was the slowest
+    in each step from its ranks.jsonl."""
+    from ddptune import metrics, scale
 
     def computed(name: str, batch: int, nproc: int) -> float:
         return scale.computed_per_process(scale.window_lines(runs / name, "metrics.jsonl", batch, window), nproc)
@@ -87,7 +88,10 @@ def account_again(rows: list[dict], runs: Path, mode: str, window: list[int]) ->
         n = r["nproc"]
         r = {k: v for k, v in r.items() if k not in ("note", "lost_smaller_batch", "ceiling")}
         r.update(r["parts"], **{k + "_se": v for k, v in r["parts_se"].items()})  # before noise blanked any
-        r["computed_per_process"] = computed("n1" if n == 1 else f"{mode}-n{n}", r["global_batch"], n)
+        name = "n1" if n == 1 else f"{mode}-n{n}"
+        r["computed_per_process"] = computed(name, r["global_batch"], n)
+        split = metrics.split(scale.window_lines(runs / name, "ranks.jsonl", r["global_batch"], window))
+        r["slowest_steps"], r["compute_offset_s"] = split["slowest_steps"], split["compute_offset_s"]
         if "alone_compute_s" in r:  # as measured (scale moves it to the count's tokens)
             r["alone_compute_s"] = r.pop("alone_compute_measured_s", r["alone_compute_s"])
             r["alone_computed_per_process"] = computed(f"alone-n{n}", r["per_process"], 1)

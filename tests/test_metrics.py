@@ -56,6 +56,20 @@ def test_the_imbalance_the_shares_predict_counts_padding_as_work():
     assert s["imbalance_costed_s"] == pytest.approx((0 + 0.51 * 0.2) / 2)
 
 
+def test_split_tells_one_slower_gpu_from_a_different_one_each_step():
+    """The eleventh session's machine: on the same padded work GPU 1 was slower in most steps.
+    split counts the steps each process was the slowest in and its mean offset from the step's mean."""
+    steady = [{"compute_s": [0.230, 0.233 + 0.001 * (k % 3)], "wait_s": [0.003, 0.0], "step_s": [0.24, 0.24]}
+              for k in range(12)]
+    s = metrics.split(steady)
+    assert s["slowest_steps"] == [0, 12]
+    assert s["compute_offset_s"] == pytest.approx([-0.0020, 0.0020], abs=1e-6)
+    alternating = [{"compute_s": [0.230, 0.232][::1 if k % 2 else -1], "wait_s": [0.0, 0.0], "step_s": [0.24, 0.24]}
+                   for k in range(12)]
+    assert metrics.split(alternating)["slowest_steps"] == [6, 6]
+    assert metrics.split(alternating)["compute_offset_s"] == pytest.approx([0.0, 0.0], abs=1e-9)
+
+
 def test_metrics_file_drops_steps_that_a_resume_redoes(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 6)))

@@ -51,6 +51,10 @@ def test_scale_both_modes_on_the_same_samples(tmp_path):
     steps = [x for x in metrics(out / "same-per-device-n2") if "padded_tokens" in x]
     assert [sum(r["computed"]) for r in ranks] == [x["padded_tokens"] for x in steps]
     assert all(r["imbalance_costed_s"] is not None for r in result["rows"] if r["nproc"] > 1)
+    # which process was the slowest, step by step: every measured step counted once, offsets around the mean
+    for r in (r for r in result["rows"] if r["nproc"] > 1):
+        assert sum(r["slowest_steps"]) == r["steps"] and len(r["slowest_steps"]) == 2
+        assert sum(r["compute_offset_s"]) == pytest.approx(0, abs=1e-9)
     # --alone: the same-global count's compute beside one process's alone at its share, and the ceiling
     two = rows["same-global", 2]
     assert two["alone_compute_s"] > 0 and two["ceiling"] == pytest.approx(0.5 * rows["same-global", 1]["step_s"] / two["alone_step_s"])
@@ -160,12 +164,27 @@ def test_an_imbalance_that_even_shares_do_not_explain_is_named_as_the_gpus_sprea
     yet 1.3 ms a step between the slower GPU and the mean: the GPUs' own spread."""
     one = scale.account(_row(1, 16, 0.2653, 0.2643, 0, 0, 0.001, se=0.0002), None, cuda=True)
     spread = scale.account({**_row(2, 16, 0.2682, 0.2652, 0.00133, 0.00068, 0.001, se=0.0002),
-                            "imbalance_costed_s": 0.00005}, one, cuda=True)
+                            "imbalance_costed_s": 0.00005, "slowest_steps": [17, 23], "compute_offset_s": [-0.0001, 0.0001]},
+                           one, cuda=True)
     assert "imbalance 1.3 ms a step, of which unequal shares 0.05 ms" in spread["note"]
     assert "own spread" in spread["note"]
+    # a row without the count (a run before it was recorded) says where the rest comes from, not which GPU
+    older = scale.account({**_row(2, 16, 0.2682, 0.2652, 0.00133, 0.00068, 0.001, se=0.0002),
+                           "imbalance_costed_s": 0.00005}, one, cuda=True)
+    assert "the rest comes from the GPUs on work of equal cost (every step waits for the slowest)" in older["note"]
+    assert "own spread" not in older["note"] and "was the slowest in" not in older["note"]
     shares = scale.account({**_row(2, 16, 0.2682, 0.2652, 0.00133, 0.00068, 0.001, se=0.0002),
                             "imbalance_costed_s": 0.001}, one, cuda=True)
     assert "own spread" not in (shares["note"] or "")
+    # the eleventh session's machine: GPU 1 the slower in 35 of 39 steps of equal work (2.7 ms: 1.4 behind the mean)
+    one_gpu = scale.account({**_row(2, 16, 0.2697, 0.2666, 0.00142, 0.00068, 0.001, se=0.0002), "imbalance_costed_s": 0.00035,
+                             "slowest_steps": [4, 35], "compute_offset_s": [-0.00137, 0.00137]}, one, cuda=True)
+    assert ("process 1 was the slowest in 35 of 39 steps, 1.4 ms a step behind the mean: its GPU is slower than the "
+            "others on the same work") in one_gpu["note"]
+    assert "own spread" not in one_gpu["note"]
+    either = scale.account({**_row(2, 16, 0.2697, 0.2666, 0.00142, 0.00068, 0.001, se=0.0002), "imbalance_costed_s": 0.00035,
+                            "slowest_steps": [21, 18], "compute_offset_s": [0.0001, -0.0001]}, one, cuda=True)
+    assert "a different GPU was the slowest from step to step (each GPU's own spread)" in either["note"]
 
 
 def test_bad_nproc_is_one_line_error(tmp_path):

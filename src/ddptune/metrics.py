@@ -130,12 +130,19 @@ def split(rows: list[dict]) -> dict:
     step = mean compute + imbalance (slowest - mean compute) + exposed communication (the slowest
     process's wait: it waits for nobody) + rest (optimizer, data, gaps between steps).
     imbalance_costed_s: the imbalance the processes' shares predict (`predicted_excess`), as
-    seconds of the mean compute; what the measured imbalance has beyond it is the GPUs' own
-    spread from step to step on work of equal cost."""
+    seconds of the mean compute; what the measured imbalance has beyond it comes from the GPUs on
+    work of equal cost. Which: slowest_steps counts, for each process, the steps it was the slowest
+    in, and compute_offset_s is its mean compute minus the step's mean. The same process slowest
+    step after step is one GPU slower than the others; a different one each time, their spread."""
     parts = {k: [] for k in ("step_s", "compute_s", "slowest_compute_s", "imbalance_s", "imbalance_costed_s",
                              "exposed_comm_s", "rest_s")}
+    world = len(rows[0]["compute_s"]) if rows else 0
+    slowest_steps, offsets = [0] * world, [[] for _ in range(world)]
     for r in rows:
         slowest = max(range(len(r["compute_s"])), key=lambda i: r["compute_s"][i])
+        slowest_steps[slowest] += 1
+        for i, t in enumerate(r["compute_s"]):
+            offsets[i].append(t - statistics.fmean(r["compute_s"]))
         step = r["step_s"][0]
         mean = statistics.fmean(r["compute_s"])
         parts["step_s"].append(step)
@@ -147,7 +154,8 @@ def split(rows: list[dict]) -> dict:
             parts["imbalance_costed_s"].append(mean * excess)
         parts["exposed_comm_s"].append(r["wait_s"][slowest])
         parts["rest_s"].append(step - r["compute_s"][slowest] - r["wait_s"][slowest])
-    out = {"steps": len(rows)}
+    out = {"steps": len(rows), "slowest_steps": slowest_steps,
+           "compute_offset_s": [statistics.fmean(v) if v else None for v in offsets]}
     for k, v in parts.items():
         out[k] = statistics.fmean(v) if v else None
         out[k + "_se"] = statistics.stdev(v) / math.sqrt(len(v)) if len(v) > 1 else None

@@ -18,7 +18,8 @@ gradient bucket is ready) and its wait for the gradient all-reduce (`dist.StepCl
     step = mean compute + imbalance (slowest - mean compute)
          + exposed communication (the slowest process's wait: it waits for nobody) + rest.
 Where the shares' work (metrics.predicted_excess) explains less than half the imbalance, the note
-says the rest is the GPUs' own spread: equal work, and still one GPU slower each step.
+says the rest comes from the GPUs: equal work, and still one GPU slower each step. It names the
+process when the same one was the slowest in most steps (that GPU is slower), else the GPUs' spread.
 And the efficiency lost at n, against the ideal time k·t1 (k = per-process samples at n / at 1),
 part by part: 1 - efficiency = Σ (part_n - k·part_1) / t_n over compute, imbalance, comm and rest.
 A part smaller than twice its standard error over the window is reported as noise, never as a
@@ -75,6 +76,7 @@ MODES = {SAME_PER_DEVICE: [SAME_PER_DEVICE], SAME_GLOBAL: [SAME_GLOBAL], "both":
 WARMUP, MEASURED = 3, 30  # default steps of the largest batch before and inside the measured window
 WHAT_IF_N = (2, 4, 8)
 PART_KEYS = ("compute_s", "imbalance_s", "exposed_comm_s", "rest_s")
+ONE_SLOW_GPU = 0.75  # the share of the steps in which one process must be the slowest for `scale` to name its GPU
 STALL_FACTOR = 3  # a step this many times the run's median is a stall, named in the row's note
 STEAL_NOTE = 0.01  # a share of the host's CPU time stolen by the hypervisor worth naming beside a row
 PADDING_NOTE = 0.02  # a difference in padding share from n = 1 worth naming (it moves compute per real token)
@@ -379,7 +381,24 @@ def timing(times: list[float], tokens: int, samples: int, nproc: int, ranks: lis
             **stalls(times), "tokens_per_s": tokens / seconds, "tokens_per_s_per_gpu": tokens / seconds / nproc,
             "samples_per_s": samples / seconds,
             **{f"{k}{se}": split[k + se] for k in PART_KEYS for se in ("", "_se")},
-            "imbalance_costed_s": split["imbalance_costed_s"]}
+            "imbalance_costed_s": split["imbalance_costed_s"], "slowest_steps": split["slowest_steps"],
+            "compute_offset_s": split["compute_offset_s"]}
+
+
+def which_gpu(row: dict) -> str | None:
+    """Whether one process was the slowest step after step (its GPU slower than the others on the
+    same work: clocks, power or cooling) or a different one each time (the GPUs' own spread); None
+    for rows without the count (older runs) or with fewer than 8 steps."""
+    counts, offsets = row.get("slowest_steps"), row.get("compute_offset_s")
+    steps = sum(counts or [])
+    if steps < 8:
+        return None
+    k = max(range(len(counts)), key=counts.__getitem__)
+    if counts[k] >= ONE_SLOW_GPU * steps:
+        return (f"process {k} was the slowest in {counts[k]} of {steps} steps, {offsets[k] * 1e3:.2g} ms a step behind "
+                "the mean: its GPU is slower than the others on the same work (clocks, power or cooling: "
+                "`nvidia-smi -q -d PERFORMANCE` names what holds a GPU back)")
+    return "a different GPU was the slowest from step to step (each GPU's own spread)"
 
 
 def median_efficiency(row: dict, base: dict) -> float:
@@ -424,10 +443,11 @@ def account(row: dict, base: dict | None, cuda: bool) -> dict:
             row[key + "_noise_s"], row[key] = 2 * se[key], None
     costed = row.get("imbalance_costed_s")
     if n > 1 and row["imbalance_s"] is not None and costed is not None and row["imbalance_s"] > 2 * costed:
-        # the shares were even: the slowest process is slower by chance, a different one from step to step
+        # the shares were even: the GPUs themselves made the difference
+        which = which_gpu(row)
         notes.append(f"imbalance {row['imbalance_s'] * 1e3:.2g} ms a step, of which unequal shares {costed * 1e3:.2g} ms: "
-                     "the rest is each GPU's own spread from step to step on work of equal cost (every step waits "
-                     "for the slower)")
+                     "the rest comes from the GPUs on work of equal cost (every step waits for the slowest)"
+                     + (f": {which}" if which else ""))
     if not cuda and n > 1 and row["speedup"] > n * 1.05:
         notes.append(f"speedup {row['speedup']:.2f} above {n}: the processes fought over the CPU cores; not published")
         row["speedup"] = row["efficiency"] = None
