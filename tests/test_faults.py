@@ -39,6 +39,18 @@ def train_until_a_process_hangs(overrides: list[str], metrics_path: str) -> str:
     return "finished"
 
 
+@pytest.mark.parametrize("text", [
+    "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Timed out waiting 9000ms for recv operation to complete",
+    "Application timeout caused pair closure",  # gloo, in the all-gather of a checkpoint's RNG states (CI, 2026-11-30)
+    "[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection closed by peer [127.0.0.1]:5050",
+    "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE) ran for 600000 milliseconds"])
+def test_a_peer_that_hung_or_died_is_told_from_other_errors(text):
+    """The ways a collective fails when a peer hangs or dies, whichever collective meets it first:
+    each becomes dist.Stalled (one clear line, the newest checkpoint). Other errors stay as they are."""
+    assert dist.collective_failed(RuntimeError(text))
+    assert not dist.collective_failed(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+
+
 def test_a_hung_process_ends_the_run_with_a_clear_error(tmp_path):
     out = tmp_path / "run"
     overrides = [f"output_dir={out}", "train.max_steps=100000", "train.timeout_minutes=0.15", "data.val=null",

@@ -330,6 +330,7 @@ def collective_failed(e: BaseException) -> bool:
         return True
     text = str(e)
     return any(s in text for s in ("Timed out waiting", "Connection closed by peer", "Connection reset by peer",
+                                   "Application timeout caused pair closure",  # gloo, a peer silent past the timeout
                                    "NCCL communicator was aborted", "Watchdog caught collective operation timeout"))
 
 
