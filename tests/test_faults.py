@@ -73,7 +73,9 @@ def test_a_hung_process_ends_the_run_with_a_clear_error(tmp_path):
     assert value != "finished"
     message = value.split(" ", 1)[1]
     assert "\n" not in message and message.startswith("step "), message
-    assert "Timed out waiting 9000ms" in message and "train.timeout_minutes=0.15" in message, message
+    # gloo's words depend on which collective meets the frozen peer first (a step's, or a checkpoint's gather)
+    assert any(w in message for w in ("Timed out waiting 9000ms", "Application timeout caused pair closure")), message
+    assert "another process hung (it waited more than train.timeout_minutes=0.15)" in message, message
     assert "newest checkpoint: " + str(out / "checkpoints" / "step-") in message and "--resume" in message
 
 
