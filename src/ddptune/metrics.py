@@ -140,11 +140,11 @@ def split(rows: list[dict]) -> dict:
     slowest_steps, offsets = [0] * world, [[] for _ in range(world)]
     for r in rows:
         slowest = max(range(len(r["compute_s"])), key=lambda i: r["compute_s"][i])
-        slowest_steps[slowest] += 1
-        for i, t in enumerate(r["compute_s"]):
-            offsets[i].append(t - statistics.fmean(r["compute_s"]))
         step = r["step_s"][0]
         mean = statistics.fmean(r["compute_s"])
+        slowest_steps[slowest] += 1
+        for i, t in enumerate(r["compute_s"]):
+            offsets[i].append(t - mean)
         parts["step_s"].append(step)
         parts["compute_s"].append(mean)
         parts["slowest_compute_s"].append(r["compute_s"][slowest])
