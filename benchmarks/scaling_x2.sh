@@ -50,6 +50,9 @@
 #                                            # (HEAD_RUNS, default "before after before after before-eager"; HEAD_GPU picks
 #                                            # the GPU, default 0, so two lists can run side by side on a 2-GPU machine;
 #                                            # HEAD_GRAPHS=false profiles the shipped default, compiled layers without graphs)
+#   bash benchmarks/scaling_x2.sh step-graph # benchmarks/step_graph_probe.py: the SmolLM2 shape's whole LoRA step (forward,
+#                                            # backward with DDP's all-reduce, clip, AdamW) captured as one CUDA graph, against
+#                                            # the same step launched eagerly, at 1 and 2 GPUs (global batch 16): ms a step
 #   bash benchmarks/scaling_x2.sh cache      # the compiler's cache to $OUT/inductor.tgz (kept only under the 16 MiB a
 #                                            # file may bring back). Compiling the layers takes 50-76 s of each run's first
 #                                            # step on a fresh machine; copied into .inductor/ and carried, the next call
@@ -230,10 +233,17 @@ head-shapes)
 gemm)
   CUDA_VISIBLE_DEVICES=0 python3 benchmarks/gemm_shapes.py --json "$OUT/gemm_shapes_llama31_8b.json"
   ;;
+step-graph)
+  # the SmolLM2 shape's whole step as one CUDA graph against eager launches, at 1 and 2 GPUs, global batch 16
+  for n in ${STEP_GRAPH_COUNTS:-1 2}; do
+    torchrun --standalone --nproc_per_node "$n" benchmarks/step_graph_probe.py --preset smollm2-135m --tokenizer $TOK \
+      --data $DATA --samples 16 --steps 30 --json "$OUT/step_graph_smollm2_n$n.json" 2>&1 | grep -v -E '^(W|I)[0-9]{4}' | tail -3
+  done
+  ;;
 cache)
   tar czf "$OUT/inductor.tgz" -C "$TORCHINDUCTOR_CACHE_DIR" .
   size=$(stat -c %s "$OUT/inductor.tgz")
   if [ "$size" -gt 16000000 ]; then rm "$OUT/inductor.tgz"; echo "compiler cache: $size bytes, over what \$OUT brings back"; fi
   ;;
-*) echo "usage: $0 recipe|qlora-8b|smollm2|smollm2-shape|graphs-profile|full-1b|full-8b|full-8b-1gpu|threads|binding|graphs|stalls|buckets|graph-warmup|head-shapes|gemm|cache" >&2; exit 2 ;;
+*) echo "usage: $0 recipe|qlora-8b|smollm2|smollm2-shape|graphs-profile|full-1b|full-8b|full-8b-1gpu|threads|binding|graphs|stalls|buckets|graph-warmup|head-shapes|gemm|step-graph|cache" >&2; exit 2 ;;
 esac
