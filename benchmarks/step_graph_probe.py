@@ -15,8 +15,9 @@ into one row each, padded to a multiple of 256 tokens; LoRA dropout is off so th
 replayed steps compute the same thing.
 
 From one state (after the warm-up), it runs --steps eager steps, puts the state back, captures
-the step and replays it --steps times. It prints and writes the median and mean milliseconds a step
-of each, and both runs' losses, which must agree. On CPU (gloo) only the eager steps run.
+the step and replays it --steps times. It prints and writes the milliseconds a step of each
+(steps back to back, as training runs them), and both runs' losses, which must agree. On
+CPU (gloo) only the eager steps run.
 """
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -114,18 +114,17 @@ def probe(args, rank: int, world: int, device: torch.device) -> dict:
         opt.step()
         return loss.detach()
 
-    def timed(run_one, n: int) -> tuple[list[float], list[float]]:
-        losses, times = [], []
-        for _ in range(n):
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            loss = run_one()
-            if cuda:
-                torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) * 1000)
-            losses.append(loss.item())
-        return losses, times
+    def timed(run_one, n: int) -> tuple[list[float], float]:
+        """n steps back to back, as training runs them (the host queues a step while the device runs
+        the one before): their losses, and milliseconds a step from the first launch to the last
+        step's end."""
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        losses = [run_one().clone() for _ in range(n)]  # a replay overwrites its output: keep a copy
+        if cuda:
+            torch.cuda.synchronize()
+        return torch.stack(losses).tolist(), (time.perf_counter() - t0) * 1000 / n
 
     def eager_one():
         opt.zero_grad(set_to_none=True)
@@ -141,7 +140,7 @@ def probe(args, rank: int, world: int, device: torch.device) -> dict:
     result = {"preset": args.preset, "processes": world, "samples_per_step": args.samples,
               "tokens_per_process": batch["input_ids"].numel(), "compiled": bool(args.compile and cuda),
               "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-              "eager_ms": summary(eager_ms), "losses": {"eager": eager_losses}}
+              "eager_ms_per_step": eager_ms, "losses": {"eager": eager_losses}}
     if cuda:
         restore(saved)
         graph = torch.cuda.CUDAGraph()
@@ -150,7 +149,7 @@ def probe(args, rank: int, world: int, device: torch.device) -> dict:
             static_loss = step()
         restore(saved)
         graph_losses, graph_ms = timed(lambda: (graph.replay(), static_loss)[1], args.steps)
-        result.update(graph_ms=summary(graph_ms), losses={"eager": eager_losses, "graph": graph_losses},
+        result.update(graph_ms_per_step=graph_ms, losses={"eager": eager_losses, "graph": graph_losses},
                       largest_loss_difference=max(abs(a - b) for a, b in zip(eager_losses, graph_losses)))
     return result
 
@@ -171,10 +170,6 @@ def restore(saved) -> None:
 def on(stream):
     """Work queued on `stream` (CUDA), or as it is (CPU)."""
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-def summary(ms: list[float]) -> dict:
-    return {"median": statistics.median(ms), "mean": statistics.fmean(ms)}
 
 
 if __name__ == "__main__":
