@@ -34,7 +34,7 @@ import torch.distributed as torch_dist
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from ddptune import data, model as model_lib  # noqa: E402
+from ddptune import data, model as model_lib, train  # noqa: E402
 from ddptune.config import DataConfig, LoraConfig, ModelConfig  # noqa: E402
 
 WARMUP = 11  # eager DDP steps before a capture (PyTorch's notes on whole-network capture with DDP)
@@ -48,7 +48,7 @@ def batch_of(args, rank: int, world: int, device: torch.device) -> tuple[dict, i
     share = len(rows) // world
     mine = rows[rank * share:(rank + 1) * share]
     batch = data.collate_packed(mine, pad_to=256, max_length=args.max_length)
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}, data.target_tokens(rows[:share * world])
+    return train.to_device(batch, device), data.target_tokens(rows[:share * world])
 
 
 def build(args, device: torch.device):
@@ -142,12 +142,11 @@ def probe(args, rank: int, world: int, device: torch.device) -> dict:
               "device": torch.cuda.get_device_name(device) if cuda else "cpu",
               "eager_ms_per_step": eager_ms, "losses": {"eager": eager_losses}}
     if cuda:
-        restore(saved)
         graph = torch.cuda.CUDAGraph()
         opt.zero_grad(set_to_none=True)
         with torch.cuda.graph(graph, stream=side):  # the stream DDP was built and warmed up on
             static_loss = step()
-        restore(saved)
+        restore(saved)  # a capture records the step without running it: the replays start from the eager run's state
         graph_losses, graph_ms = timed(lambda: (graph.replay(), static_loss)[1], args.steps)
         result.update(graph_ms_per_step=graph_ms, losses={"eager": eager_losses, "graph": graph_losses},
                       largest_loss_difference=max(abs(a - b) for a, b in zip(eager_losses, graph_losses)))
