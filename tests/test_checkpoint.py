@@ -144,3 +144,36 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_whole(tmp_path):
     checkpoint.prune(folder, keep=1)
     assert not list(folder.glob(".step-*.tmp-*")) and checkpoint.list_checkpoints(folder) == complete[-1:]
     assert not list(folder.glob(".step-*.old"))
+
+
+def test_learning_rates_kept_on_the_gpu_resume_in_either_kind_of_optimizer(tmp_path):
+    """train.cuda_graph_scope=step keeps the learning rate as a tensor that its schedule fills in
+    place (the recorded update reads it there). A checkpoint stores it as a number: a run with a
+    tensor rate resumes one written with a number and the reverse, the tensor stays the object the
+    optimizer had (a recording still points at it), and both go on as the unbroken run does."""
+    import transformers
+
+    def run_parts(tensor_lr: bool):
+        w = torch.nn.Parameter(torch.ones(3))
+        opt = torch.optim.AdamW([w], lr=torch.tensor(1e-3) if tensor_lr else 1e-3)
+        return w, opt, transformers.get_scheduler("linear", opt, num_warmup_steps=2, num_training_steps=10)
+
+    def step(w, opt, sched):
+        w.grad = torch.arange(3.0)
+        opt.step()
+        sched.step()
+
+    for saved_with_tensor in (True, False):
+        w, opt, sched = run_parts(saved_with_tensor)
+        for _ in range(3):
+            step(w, opt, sched)
+        path = checkpoint.save(tmp_path / str(saved_with_tensor), 3, {"w": w.detach()}, opt, sched, [checkpoint.rng_state()], {})
+        step(w, opt, sched)  # the unbroken run's step 4
+        for tensor_lr in (True, False):
+            w2, opt2, sched2 = run_parts(tensor_lr)
+            lr_object = opt2.param_groups[0]["lr"]
+            checkpoint.load(path, torch.nn.ParameterDict({"w": w2}), opt2, sched2, 0)
+            assert (opt2.param_groups[0]["lr"] is lr_object) == tensor_lr
+            assert float(opt2.param_groups[0]["lr"]) == pytest.approx(8.75e-4)
+            step(w2, opt2, sched2)
+            assert torch.allclose(w2, w) and float(opt2.param_groups[0]["lr"]) == pytest.approx(float(opt.param_groups[0]["lr"]))

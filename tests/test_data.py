@@ -159,6 +159,10 @@ def test_padded_target_counts_are_what_the_rows_give():
         assert len(batch["targets"]) == len(batch["target_index"]) == data.padded_targets(ex)
         assert data.padded_targets(ex) % data.TARGET_PAD == 0
         assert (batch["targets"] != data.IGNORE).sum() == data.target_tokens(ex)
+        # what a whole step is recorded for, without collating: the shapes collate_packed gives
+        for pad_to, longest in ((256, 200), (sum(len(e["input_ids"]) for e in ex), 200), (300, 7)):
+            b = data.collate_packed(ex, pad_to=pad_to, max_length=longest)
+            assert data.packed_shape(ex, pad_to, longest) == (b["input_ids"].shape[1], len(b["cu_seq_lens_q"]), len(b["targets"]))
 
 
 def test_pad_lengths_leave_the_least_padding():

@@ -180,3 +180,37 @@ def test_cuda_graphs_train_to_the_losses_of_compiled_layers(tmp_path, monkeypatc
     assert runs[True] == pytest.approx(runs[False], rel=2e-2)
     assert runs[True][-1] < runs[True][0]
     assert compiled_after_warming == [dynamo_utils.counters["stats"]["unique_graphs"]]
+
+
+@cuda
+@pytest.mark.parametrize("lengths", [1, 3])
+def test_whole_step_graphs_train_to_the_losses_of_compiled_layers(tmp_path, lengths):
+    """train.cuda_graph_scope=step records the forwards, backwards, clipping and the fused AdamW
+    update and replays them: the same losses, gradient norms and learning rates as the compiled
+    layers launched one by one (bf16, so within rounding), at one length or several (a recording
+    per step shape). A run resumed from its checkpoint at step 4 (the optimizer's state and its
+    learning rate back into the recorded update) goes on with the unbroken run's losses."""
+    from conftest import ROOT
+    from ddptune import config, train
+
+    def run(name, scope, *more):
+        cfg = config.load(ROOT / "configs" / "tiny.yaml", [
+            f"output_dir={tmp_path / name}", "train.max_steps=8", "data.val=null", "eval.enabled=false", "train.compile=true",
+            "train.micro_batch_size=8", "train.save_every=4", f"train.cuda_graph_lengths={lengths}",
+            *([] if scope is None else ["train.cuda_graphs=true", f"train.cuda_graph_scope={scope}"]), *more])
+        summary, _ = train.run(cfg, resume="resume" in name)
+        rows = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
+        return summary, rows
+
+    _, eager = run("eager", None)
+    summary, step = run("step", "step")
+    assert summary["cuda_graphs"] and summary["compiled"]
+    for key, rel in (("loss", 2e-2), ("grad_norm", 5e-2), ("lr", 1e-6)):
+        assert [r[key] for r in step] == pytest.approx([r[key] for r in eager], rel=rel), key
+    assert step[-1]["loss"] < step[0]["loss"]
+    import shutil
+
+    shutil.copytree(tmp_path / "step" / "checkpoints" / "step-000004", tmp_path / "step-resume" / "checkpoints" / "step-000004")
+    _, resumed = run("step-resume", "step")
+    assert [r["step"] for r in resumed] == [5, 6, 7, 8]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in step[4:]], rel=2e-2)

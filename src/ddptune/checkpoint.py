@@ -48,6 +48,25 @@ def split_tensors(obj, prefix: str, tensors: dict):
     raise TypeError(f"cannot store {type(obj).__name__} at {prefix} in a checkpoint")
 
 
+def numbers(obj):
+    """`obj` with one-element tensors as plain numbers: the learning rates of a capturable optimizer
+    and its schedule (train.cuda_graph_scope=step keeps them on the GPU) are stored as the numbers
+    they are, so that a run with either kind of optimizer resumes them."""
+    if torch.is_tensor(obj) and obj.numel() == 1:
+        return obj.item()
+    if isinstance(obj, dict):
+        return {k: numbers(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(numbers(v) for v in obj)
+    return obj
+
+
+def optimizer_state(optimizer) -> dict:
+    """The optimizer's state dict with its hyperparameters (learning rates) as numbers."""
+    state = optimizer.state_dict()
+    return dict(state, param_groups=numbers(state["param_groups"]))
+
+
 def join_tensors(skeleton, tensors: dict):
     """The inverse of split_tensors."""
     if isinstance(skeleton, dict):
@@ -167,9 +186,9 @@ def save(folder: Path, step: int, weights: dict | None, optimizer, scheduler, rn
     if weights is not None:
         _write_tensors(tmp / "weights.safetensors", {k: v.detach().cpu().contiguous() for k, v in weights.items()})
         tensors: dict = {}
-        _write_json(tmp / "optimizer.json", split_tensors(optimizer.state_dict(), "optimizer", tensors))
+        _write_json(tmp / "optimizer.json", split_tensors(optimizer_state(optimizer), "optimizer", tensors))
         _write_tensors(tmp / "optimizer.safetensors", tensors)
-    _write_json(tmp / "scheduler.json", split_tensors(scheduler.state_dict(), "scheduler", {}))
+    _write_json(tmp / "scheduler.json", split_tensors(numbers(scheduler.state_dict()), "scheduler", {}))
     tensors = {}
     _write_json(tmp / "rng.json", split_tensors([_numpy_state_as_json(s) for s in rng_states], "rng", tensors))
     _write_tensors(tmp / "rng.safetensors", tensors)
@@ -183,7 +202,7 @@ def save_shard(tmp: Path, index: int, weights: dict, optimizer) -> None:
     _write_tensors(tmp / shard_name("weights", index, "safetensors"),
                    {k: local(v).detach().cpu().contiguous() for k, v in weights.items()})
     tensors: dict = {}
-    _write_json(tmp / shard_name("optimizer", index, "json"), split_tensors(optimizer.state_dict(), "optimizer", tensors))
+    _write_json(tmp / shard_name("optimizer", index, "json"), split_tensors(optimizer_state(optimizer), "optimizer", tensors))
     _write_tensors(tmp / shard_name("optimizer", index, "safetensors"), tensors)
 
 
@@ -228,7 +247,13 @@ def load(path: Path, model, optimizer, scheduler, process_index: int) -> dict:
     by_index = [p for group in optimizer.param_groups for p in group["params"]]
     for i, values in optimizer_state["state"].items():  # sharded parameters' states are sharded likewise
         optimizer_state["state"][i] = {k: _like(v, by_index[i]) if torch.is_tensor(v) else v for k, v in values.items()}
+    own = [(group["lr"], group.get("capturable")) for group in optimizer.param_groups]
     optimizer.load_state_dict(optimizer_state)
+    for group, (lr, capturable) in zip(optimizer.param_groups, own):  # this run's kind of optimizer, the saved rates
+        if capturable is not None:
+            group["capturable"] = capturable
+        if torch.is_tensor(lr):
+            group["lr"] = lr.fill_(float(group["lr"]))
     scheduler.load_state_dict(scheduler_state)
     # At another process count (same global batch) a process takes some writer's RNG: dropout masks
     # then differ from the unbroken run's, which the shares' new split already implies.

@@ -169,6 +169,17 @@ class TrainConfig:
     GPU memory. The output head's summary positions are padded too, to a multiple of 64: each new row
     count there cost the GPU 3.5-5.7 ms of idle while the host prepared it (8B on an H200), and with
     it same-global efficiency at 2 GPUs went from 93.3 % to 95.0 % (same machine). DDP only."""
+    cuda_graph_scope: Literal["layers", "step"] = "layers"
+    """With train.cuda_graphs, what one graph holds. layers: each decoder layer's forward and its
+    backward (torch.compile's reduce-overhead mode); the host still launches the layers, the output
+    head, DDP's all-reduce and the optimizer one by one. step: the whole optimizer step, two graphs
+    replayed per step: the forwards and backwards with DDP's all-reduce in them, then clipping, the
+    loss's sum over processes, the update (a fused, capturable AdamW whose learning rate lives on the
+    GPU) and zeroing. Every shape of the run's steps (each packed row's padded length and target
+    count) is recorded before the first step. For models whose step is the host launching thousands
+    of small kernels: a SmolLM2-135M LoRA step of 16 samples took 21 ms as one graph against 117 ms
+    compiled and launched (H200, benchmarks/step_graph_probe.py). Needs train.optimizer=adamw; the
+    all-reduce's wait is inside the graph, so each step's time counts it as compute."""
     cuda_graph_lengths: int = 1
     """With train.cuda_graphs: how many lengths packed rows are padded to, chosen before the first
     step as the multiples of 256 tokens that leave the least padding over the run's rows. 1: every
@@ -478,6 +489,9 @@ def check_values(cfg: Config) -> list[str]:
     if t.ddp_bucket_mb is not None and t.strategy == "fsdp":
         problems.append("train.ddp_bucket_mb: only for train.strategy=ddp (FSDP reduce-scatters each layer's "
                         "gradients on its own); set it to null")
+    if t.cuda_graph_scope == "step" and (not t.cuda_graphs or t.optimizer != "adamw"):
+        problems.append("train.cuda_graph_scope: step needs train.cuda_graphs=true and train.optimizer=adamw (the update "
+                        "is recorded too, and only torch's fused AdamW can be), or set train.cuda_graph_scope=layers")
     if t.dequantize_base and t.method != "qlora":
         problems.append(f"train.dequantize_base: only for train.method=qlora (a {t.method} base is not quantized); "
                         "set train.dequantize_base=false")

@@ -348,6 +348,15 @@ def collate_packed(examples: list[dict], pad_to: int = 0, max_length: int = 0) -
     }
 
 
+def packed_shape(examples: list[dict], pad_to: int, max_length: int) -> tuple[int, int, int]:
+    """The shapes `collate_packed(examples, pad_to, max_length)` gives, without building it: the row's
+    tokens, its boundary entries and its target rows (what a recorded CUDA graph is recorded for)."""
+    tokens = sum(len(e["input_ids"]) for e in examples)
+    pad = -tokens % pad_to
+    bounds = 1 + len(examples) + -(-pad // max_length)
+    return tokens + pad, bounds + -bounds % 64, padded_targets(examples)
+
+
 def pad_lengths(rows: list[int], k: int, unit: int) -> list[int]:
     """At most `k` lengths, multiples of `unit`, such that every row length in `rows` fits one of them
     and padding each row to the shortest that fits leaves the least padding in all (ascending). The

@@ -480,7 +480,8 @@ def time_gradient_sync(model, clock: StepClock) -> None:
     """Mark `grads_ready` each time DDP hands a gradient bucket to the all-reduce (the last bucket
     is ready when this process's backward has computed everything), then all-reduce it as DDP
     does by default (sum / world size). With one process there is nothing to reduce: the bucket
-    is returned as it is. A no-op for a model that DDP does not wrap."""
+    is returned as it is. A no-op for a model that DDP does not wrap. While a CUDA graph records the
+    step (train.cuda_graph_scope=step) there is no mark: the graph's replay is timed as a whole."""
     ddp = ddp_wrapper(model)
     if ddp is None:
         return
@@ -489,7 +490,8 @@ def time_gradient_sync(model, clock: StepClock) -> None:
     single = torch.distributed.get_world_size() == 1
 
     def hook(_state, bucket):
-        clock.mark("grads_ready")
+        if not (clock.cuda and torch.cuda.is_current_stream_capturing()):  # a timing event cannot be recorded
+            clock.mark("grads_ready")
         clock.buckets += 1
         if single:
             fut = torch.futures.Future()

@@ -328,14 +328,15 @@ def dequantize_base(model, precision: str, device: torch.device):
         transformers.logging.set_verbosity(level)
 
 
-def compile_layers(model, cuda_graphs: bool = False) -> None:
+def compile_layers(model, cuda_graphs: bool = False, static: bool = False) -> None:
     """torch.compile every decoder layer (regional compilation: the layers share one compiled
     graph, so compile time is that of one layer). With `cuda_graphs`, each layer's forward and
     backward are recorded once per input shape and replayed (mode reduce-overhead). Graphs are
     compiled for static shapes, one compile per padded length: in torch 2.11 replaying graphs
-    compiled for dynamic shapes crashed the process (SIGSEGV in the backward, seen on H200)."""
+    compiled for dynamic shapes crashed the process (SIGSEGV in the backward, seen on H200).
+    `static` alone: static shapes without graphs of their own (a whole step recorded around them)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if cuda_graphs:  # a few padded lengths, times the first layer (whose input needs no gradient)
+    if cuda_graphs or static:  # a few padded lengths, times the first layer (whose input needs no gradient)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     for layer in base.get_decoder().layers:
         if cuda_graphs and getattr(layer, "gradient_checkpointing", False):
@@ -345,7 +346,7 @@ def compile_layers(model, cuda_graphs: bool = False) -> None:
             # inputs are kept), and each recording holds one whole forward or backward.
             layer.gradient_checkpointing = False
             layer.forward = _checkpointed(layer.forward)
-        layer.compile(dynamic=not cuda_graphs, mode="reduce-overhead" if cuda_graphs else None)
+        layer.compile(dynamic=not (cuda_graphs or static), mode="reduce-overhead" if cuda_graphs else None)
 
 
 def _checkpointed(forward):

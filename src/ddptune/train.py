@@ -20,7 +20,7 @@ import json
 import math
 import signal
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import transformers
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import AutocastKwargs, set_seed
 from tqdm.auto import tqdm
 
 from ddptune import checkpoint, checks, config as config_lib, data, dist, evaluate, metrics, model as model_lib, plan as plan_lib
@@ -80,6 +80,7 @@ class Run:
     started: float = 0.0  # perf_counter when setup began: the run's wall time counts from here
     eval_s: float = 0.0   # validation and generation (zero-shot, final), the run's "eval" time
     graph_lengths: list[int] = field(default_factory=list)  # with graphs: the lengths packed rows are padded to
+    step_graphs: Any = None  # with train.cuda_graph_scope=step: the recorded steps (StepGraphs)
 
 
 @dataclass
@@ -171,13 +172,15 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     t1 = time.perf_counter()
     model, checkpointing, compiled = build_model(cfg, accelerator, plan)
     accelerator.print(f"ddptune: model loaded in {time.perf_counter() - t1:.1f}s")
-    optimizer, scheduler = build_optimizer(cfg, model, total_steps)
+    optimizer, scheduler = build_optimizer(cfg, model, total_steps, capturable=whole_step(cfg, accelerator))
     flops = metrics.FlopModel.of(model, cfg.train.method)
     loss_model = model_lib.CausalLMLoss(model)
     # The scheduler stays outside accelerator.prepare: accelerate's wrapper would step it once per
     # process for every optimizer step (it assumes each process's dataloader moved on); this loop
-    # counts optimizer steps itself.
-    ddp_model, optimizer = accelerator.prepare(loss_model, optimizer)
+    # counts optimizer steps itself. A step recorded whole needs DDP built on the stream that records.
+    side = torch.cuda.Stream(accelerator.device) if whole_step(cfg, accelerator) else None
+    with on_stream(side):
+        ddp_model, optimizer = accelerator.prepare(loss_model, optimizer)
     clock = dist.StepClock(accelerator.device)
     dist.time_gradient_sync(ddp_model, clock)
     graphs = compiled and cfg.train.cuda_graphs and accelerator.device.type == "cuda"
@@ -189,9 +192,29 @@ def setup(cfg: Config, resume: bool = False) -> Run:
             scheduler, clock, flops, costs, targets, start, total_steps, checkpointing, compiled, graphs,
             time.perf_counter() - t0, started)
     if graphs:
-        prepare_graphs(r)
+        prepare_graphs(r, side)
     announce(r)
     return r
+
+
+def whole_step(cfg: Config, accelerator: Accelerator) -> bool:
+    """Whether each optimizer step is replayed as recorded CUDA graphs (train.cuda_graph_scope=step)."""
+    t = cfg.train
+    return (t.cuda_graphs and t.cuda_graph_scope == "step" and t.compile is not False
+            and accelerator.device.type == "cuda")
+
+
+@contextmanager
+def on_stream(stream):
+    """Work issued inside runs on `stream`, after what the current stream has queued, and the current
+    stream waits for it afterwards. None: nothing changes."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        yield
+    torch.cuda.current_stream(stream.device).wait_stream(stream)
 
 
 def resume_from(out: Path, model, optimizer, scheduler, accelerator: Accelerator, global_batch: int) -> int:
@@ -248,15 +271,20 @@ def build_model(cfg: Config, accelerator: Accelerator, plan: BatchPlan):
     model = model_lib.add_adapters(base, t.method, cfg.lora, checkpointing)
     compiled = t.compile is True or (t.compile == "auto" and accelerator.device.type == "cuda")
     if compiled:
-        model_lib.compile_layers(model, t.cuda_graphs and accelerator.device.type == "cuda")
+        step = whole_step(cfg, accelerator)  # static shapes, recorded by the step's graphs rather than their own
+        model_lib.compile_layers(model, t.cuda_graphs and accelerator.device.type == "cuda" and not step, static=step)
     return model, checkpointing, compiled
 
 
-def build_optimizer(cfg: Config, model, total_steps: int):
+def build_optimizer(cfg: Config, model, total_steps: int, capturable: bool = False):
+    """AdamW (torch's fused one on a GPU) or bitsandbytes' 8-bit AdamW, and the learning-rate schedule.
+    `capturable`: the update can be recorded in a CUDA graph; its learning rate is then a tensor on
+    the GPU, which the schedule fills in place each step."""
     t = cfg.train
     params = [p for p in model.parameters() if p.requires_grad]
     if t.optimizer == "adamw":
-        opt = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, fused=params[0].is_cuda)
+        lr = torch.tensor(t.lr, device=params[0].device) if capturable else t.lr
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=t.weight_decay, fused=params[0].is_cuda, capturable=capturable)
     else:  # bitsandbytes' 8-bit states (note: they synchronize the GPU after every parameter)
         import bitsandbytes as bnb
 
@@ -266,12 +294,13 @@ def build_optimizer(cfg: Config, model, total_steps: int):
     return opt, sched
 
 
-def prepare_graphs(r: Run) -> None:
+def prepare_graphs(r: Run, side=None) -> None:
     """A few shapes for the whole run (each new length is a compile and a recording): the lengths
     that pad the packed rows every process will see least; and gradients allocated once, outside
-    the graphs' memory, which every replay overwrites."""
-    groups = [group for step in range(r.start, r.total_steps)
-              for rank in split_step(r, step).forwards for group in rank]  # the same on every process
+    the graphs' memory, which every replay overwrites. With train.cuda_graph_scope=step, every
+    step's shape this process will meet is then recorded (on `side`, the stream DDP was built on)."""
+    forwards = [split_step(r, step).forwards for step in range(r.start, r.total_steps)]  # the same on every process
+    groups = [group for step in forwards for rank in step for group in rank]
     rows = [tokens_of(group) for group in groups]
     r.graph_lengths = data.pad_lengths(rows, r.cfg.train.cuda_graph_lengths, GRAPH_PAD)
     padded = sum(padded_length(r, n) for n in rows)
@@ -279,12 +308,18 @@ def prepare_graphs(r: Run) -> None:
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
     t0 = time.perf_counter()
-    warm_graphs(r, {padded_length(r, n): g for n, g in zip(rows, groups)}, sorted({data.padded_targets(g) for g in groups}))
+    with on_stream(side):
+        warm_graphs(r, {padded_length(r, n): g for n, g in zip(rows, groups)}, sorted({data.padded_targets(g) for g in groups}))
+        if side is not None:
+            mine = {}  # shape of this process's step -> its rows in one step of that shape
+            for step in forwards:
+                mine.setdefault(step_shape(r, step[r.accelerator.process_index]), step[r.accelerator.process_index])
+            r.step_graphs = StepGraphs(r, mine, side)
     warm_s = time.perf_counter() - t0
     r.load_s += warm_s
+    recorded = f"{len(r.step_graphs.graphs)} step shapes recorded whole" if r.step_graphs else "compiled and recorded"
     r.accelerator.print(f"ddptune: CUDA graphs: packed rows padded to {', '.join(map(str, r.graph_lengths))} tokens "
-                        f"({1 - sum(rows) / padded:.0%} of the computed tokens are padding), compiled and recorded "
-                        f"in {warm_s:.1f}s")
+                        f"({1 - sum(rows) / padded:.0%} of the computed tokens are padding), {recorded} in {warm_s:.1f}s")
 
 
 def warm_graphs(r: Run, rows: dict[int, list[dict]], head_rows: list[int]) -> None:
@@ -316,6 +351,129 @@ def warm_graphs(r: Run, rows: dict[int, list[dict]], head_rows: list[int]) -> No
     for p in r.model.parameters():
         if p.grad is not None:
             p.grad.zero_()
+
+
+DDP_WARMUP = 11  # eager DDP steps before a capture (PyTorch's notes on DDP under whole-network capture)
+
+
+def step_shape(r: Run, forwards: list[list[dict]]) -> tuple:
+    """What a recorded step is recorded for: each packed row's (tokens, boundary entries, target rows)."""
+    return tuple(data.packed_shape(g, padded_length(r, tokens_of(g)), r.cfg.data.max_length) for g in forwards)
+
+
+class StepGraphs:
+    """train.cuda_graph_scope=step: this process's optimizer steps as two recorded CUDA graphs each.
+
+    For every step shape (`step_shape`) one graph holds the forwards and backwards, DDP's all-reduce
+    in the last; one graph for all shapes clips, sums the loss over the processes, updates and
+    zeroes the gradients. Their inputs live at fixed addresses (`inputs`, `num_items`); a step copies
+    its rows there and replays both. The recordings share one memory pool (they never run at once;
+    what outlives a replay, the gradients, optimizer states and `figures`, is allocated outside it).
+
+    Recorded before the first step, in this order (PyTorch's notes on whole-network capture): every
+    layer compiled at every length (warm_graphs), then DDP_WARMUP forwards and backwards through DDP
+    whose all-reduces sum zeros, then the optimizer's state created by an update that moves nothing.
+    Processes record different shapes at their own pace: a recording runs nothing, collectives included.
+    """
+
+    def __init__(self, r: Run, rows: dict[tuple, list[list[dict]]], stream):
+        acc, device = r.accelerator, r.accelerator.device
+        self.stream, self.pool = stream, torch.cuda.graph_pool_handle()
+        self.num_items = torch.ones((), device=device)   # summary tokens of the global batch
+        self.loss_sum = torch.zeros((), device=device)   # this process's loss, out of the backward graph
+        self.figures = torch.zeros(2, device=device)     # the step's summed loss and gradient norm
+        self.optimizer = getattr(r.optimizer, "optimizer", r.optimizer)  # torch's, not accelerate's wrapper
+        self.params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        self.inputs: dict[tuple, list[dict]] = {}
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.buckets: dict[tuple, int] = {}
+        self.warm_ddp(r, next(iter(rows.values()))[0])
+        self.start_optimizer(device)
+        for shape, forwards in rows.items():
+            self.record_backward(r, shape, forwards)
+        self.update = self.record(lambda: self.clip_and_update(r))
+
+    def record(self, work) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                work()
+        except RuntimeError as e:
+            raise ConfigError([f"train.cuda_graph_scope: recording the step failed ({dist.first_line(e)}): "
+                               "set train.cuda_graph_scope=layers"]) from e
+        return graph
+
+    def warm_ddp(self, r: Run, group: list[dict]) -> None:
+        """DDP_WARMUP forwards and backwards of one row through DDP, every process as many: the
+        all-reduces sum zeros (DDP settles its buckets), the gradients are zeroed after."""
+        acc = r.accelerator
+        batch = to_device(collate(r.cfg, group, r.tokenizer.pad_token_id, padded_length(r, tokens_of(group))), acc.device)
+        for _ in range(DDP_WARMUP):
+            with acc.autocast():
+                loss = r.ddp_model(**batch, num_items=1)
+            acc.backward(loss * 0)
+        torch._foreach_zero_([p.grad for p in self.params])
+
+    def start_optimizer(self, device: torch.device) -> None:
+        """The fused AdamW creates its state in its first update: one at learning rate 0 with zero
+        gradients (it moves no weight), then its step counts back to 0. A resumed run has its state.
+        Its learning rate becomes a tensor on the GPU (a resumed one may have come back as a number)."""
+        for group in self.optimizer.param_groups:
+            if not (torch.is_tensor(group["lr"]) and group["lr"].device == device):
+                group["lr"] = torch.tensor(float(group["lr"]), device=device)
+        if self.optimizer.state:
+            return
+        lrs = [group["lr"].clone() for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"].zero_()
+        self.optimizer.step()
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"].copy_(lr)
+        for state in self.optimizer.state.values():
+            state["step"].zero_()
+
+    def record_backward(self, r: Run, shape: tuple, forwards: list[list[dict]]) -> None:
+        acc, world = r.accelerator, r.accelerator.num_processes
+        inputs = [to_device(collate(r.cfg, g, r.tokenizer.pad_token_id, padded_length(r, tokens_of(g))), acc.device)
+                  for g in forwards]
+        def autocast():  # without its cache, which would outlive the recording
+            return acc.autocast(autocast_handler=AutocastKwargs(cache_enabled=False))
+        r.clock.buckets = 0
+
+        def work():
+            self.loss_sum.zero_()
+            for k, batch in enumerate(inputs):
+                with (nullcontext() if k == len(inputs) - 1 else acc.no_sync(r.ddp_model)), autocast():
+                    loss = r.ddp_model(**batch, num_items=self.num_items)
+                acc.backward(loss * world)  # DDP averages over processes: make it a sum (train_step)
+                self.loss_sum.add_(loss.detach())
+
+        self.graphs[shape] = self.record(work)
+        self.inputs[shape], self.buckets[shape] = inputs, r.clock.buckets
+
+    def clip_and_update(self, r: Run) -> None:
+        norm = torch.nn.utils.clip_grad_norm_(self.params, r.cfg.train.max_grad_norm or float("inf"), foreach=True)
+        loss = self.loss_sum.clone()
+        if r.accelerator.num_processes > 1:
+            torch.distributed.all_reduce(loss)
+        self.figures.copy_(torch.stack([loss.float(), norm.float()]))
+        self.optimizer.step()
+        torch._foreach_zero_([p.grad for p in self.params])
+
+    def replay(self, r: Run, share: Share, forwards: list[list[dict]]) -> torch.Tensor:
+        """Run one optimizer step on these rows: copy them to the inputs of their shape and replay."""
+        shape = step_shape(r, forwards)
+        for inputs, group in zip(self.inputs[shape], forwards):
+            batch = collate(r.cfg, group, r.tokenizer.pad_token_id, padded_length(r, tokens_of(group)))
+            for name, t in batch.items():
+                if torch.is_tensor(t):
+                    inputs[name].copy_(t.pin_memory(), non_blocking=True)
+        self.num_items.fill_(share.targets)
+        self.graphs[shape].replay()
+        r.clock.mark("synced")
+        self.update.replay()
+        r.clock.buckets = self.buckets[shape]
+        return self.figures
 
 
 def announce(r: Run) -> None:
@@ -375,6 +533,9 @@ def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
         book.close()
         gc.unfreeze()
         gc.enable()
+        if r.step_graphs:  # their memory pool goes back for evaluation
+            r.step_graphs = None
+            torch.cuda.empty_cache()
     return book.history, book.times
 
 
@@ -475,6 +636,11 @@ def train_step(r: Run, step: int) -> dict:
     share = split_step(r, step)
     forwards = share.forwards[acc.process_index]
     r.clock.start()
+    lr = current_lr(r)
+    if r.step_graphs:  # the same step, recorded whole
+        figures = to_host(r.step_graphs.replay(r, share, forwards))
+        r.scheduler.step()
+        return {"step": step, "share": share, "lr": lr, "figures": figures, "marks": r.clock.finish()}
     loss_sum = torch.zeros((), device=acc.device)
     # DDP all-reduces in the last backward only. FSDP reduce-scatters in every one: skipping it would
     # keep whole unsharded fp32 gradients on each GPU until the last forward (twice the memory plan counts).
@@ -496,7 +662,6 @@ def train_step(r: Run, step: int) -> dict:
     r.clock.mark("synced")
     grad_norm = acc.clip_grad_norm_(r.optimizer.param_groups[0]["params"], r.cfg.train.max_grad_norm or float("inf"))
     grad_norm = dist.full_tensor(grad_norm)  # sharded gradients give a DTensor norm: the whole one
-    lr = r.scheduler.get_last_lr()[0]
     r.optimizer.step()
     r.scheduler.step()
     # DDP's gradients are views of its all-reduce buckets (and graphs' must stay put): zero them in place
@@ -504,6 +669,16 @@ def train_step(r: Run, step: int) -> dict:
     figures = to_host(torch.stack([acc.reduce(loss_sum, "sum").float(), grad_norm.detach().float()]))
     marks = r.clock.finish()  # after the copy: once the step's end has passed, `figures` holds its loss and norm
     return {"step": step, "share": share, "lr": lr, "figures": figures, "marks": marks}
+
+
+def current_lr(r: Run) -> float:
+    """The learning rate of the step about to run, on the host. A capturable optimizer keeps it on
+    the GPU, where reading it would wait for the device: it is the schedule's factor times the base."""
+    lr = r.scheduler.get_last_lr()[0]
+    if not torch.is_tensor(lr):
+        return lr
+    base = r.scheduler.base_lrs[0]
+    return (r.cfg.train.lr if torch.is_tensor(base) else base) * r.scheduler.lr_lambdas[0](r.scheduler.last_epoch)
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
