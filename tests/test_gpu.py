@@ -183,13 +183,14 @@ def test_cuda_graphs_train_to_the_losses_of_compiled_layers(tmp_path, monkeypatc
 
 
 @cuda
-@pytest.mark.parametrize("lengths", [1, 3])
-def test_whole_step_graphs_train_to_the_losses_of_compiled_layers(tmp_path, lengths):
+@pytest.mark.parametrize("lengths, checkpointing", [(1, False), (3, False), (1, True)])
+def test_whole_step_graphs_train_to_the_losses_of_compiled_layers(tmp_path, lengths, checkpointing):
     """train.cuda_graph_scope=step records the forwards, backwards, clipping and the fused AdamW
     update and replays them: the same losses, gradient norms and learning rates as the compiled
     layers launched one by one (bf16, so within rounding), at one length or several (a recording
     per step shape). A run resumed from its checkpoint at step 4 (the optimizer's state and its
-    learning rate back into the recorded update) goes on with the unbroken run's losses."""
+    learning rate back into the recorded update) goes on with the unbroken run's losses. With
+    gradient checkpointing too (inside each compiled layer, as with layer graphs)."""
     from conftest import ROOT
     from ddptune import config, train
 
@@ -197,6 +198,7 @@ def test_whole_step_graphs_train_to_the_losses_of_compiled_layers(tmp_path, leng
         cfg = config.load(ROOT / "configs" / "tiny.yaml", [
             f"output_dir={tmp_path / name}", "train.max_steps=8", "data.val=null", "eval.enabled=false", "train.compile=true",
             "train.micro_batch_size=8", "train.save_every=4", f"train.cuda_graph_lengths={lengths}",
+            f"train.gradient_checkpointing={str(checkpointing).lower()}",
             *([] if scope is None else ["train.cuda_graphs=true", f"train.cuda_graph_scope={scope}"]), *more])
         summary, _ = train.run(cfg, resume="resume" in name)
         rows = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]

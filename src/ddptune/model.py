@@ -339,7 +339,7 @@ def compile_layers(model, cuda_graphs: bool = False, static: bool = False) -> No
     if cuda_graphs or static:  # a few padded lengths, times the first layer (whose input needs no gradient)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     for layer in base.get_decoder().layers:
-        if cuda_graphs and getattr(layer, "gradient_checkpointing", False):
+        if (cuda_graphs or static) and getattr(layer, "gradient_checkpointing", False):
             # Some transformers versions (5.17) checkpoint around the compiled call, so the backward
             # would replay the forward's graph in the middle of the backward's. Checkpoint inside the
             # compiled layer instead: its backward graph recomputes the layer (still only the layer's
