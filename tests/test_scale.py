@@ -239,7 +239,13 @@ def test_a_host_bound_step_is_named_when_less_work_per_process_does_not_shrink_c
     assert "(try train.cuda_graphs=true)" in host["note"]
     still = scale.account({**_row(2, 8, 0.075, 0.057, 0.005, 0.002, 0.011), "cuda_graphs": True},
                           scale.account(_row(1, 16, 0.051, 0.043, 0, 0, 0.008), None, cuda=True), cuda=True)
-    assert "compute per process grew 33% with 50% fewer" in still["note"] and "(even with CUDA graphs)" in still["note"]
+    assert "compute per process grew 33% with 50% fewer" in still["note"]
+    assert "(try train.cuda_graph_scope=step: the whole step as recorded CUDA graphs)" in still["note"]
+    # with the whole step recorded, its all-reduce is inside the graph: counted in compute, and said so
+    whole = scale.account({**_row(2, 8, 0.075, 0.057, 0.005, 0.002, 0.011), "cuda_graphs": True, "cuda_graph_scope": "step"},
+                          scale.account(_row(1, 16, 0.051, 0.043, 0, 0, 0.008), None, cuda=True), cuda=True)
+    assert "(even with the whole step recorded)" in whole["note"]
+    assert "all-reduce and the wait for the other processes run inside the recorded step" in whole["note"]
     one = scale.account(_row(1, 16, 0.342, 0.339, 0, 0, 0.003), None, cuda=True)
     gpu = scale.account({**_row(2, 8, 0.192, 0.190, 0.0005, 0.0001, 0.002), "cuda_graphs": True}, one, cuda=True)
     assert "bound by the host" not in (gpu["note"] or "")

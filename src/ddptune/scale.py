@@ -362,6 +362,7 @@ def measure(run: dict, window: tuple[int, int]) -> dict:
             **timing([r["step_time_s"] for r in steps], sum(r["tokens"] for r in steps), window[1] - window[0],
                      plan.world_size, ranks),
             "strategy": summary.get("strategy", "ddp"), "cuda_graphs": summary.get("cuda_graphs", False),
+            "cuda_graph_scope": summary.get("cuda_graph_scope"),
             "balance": statistics.fmean(r["balance"] for r in steps),
             # of the tokens the GPUs computed: padded batches, or rows padded for CUDA graphs
             "padding": 1 - sum(r["tokens"] for r in steps) / sum(r["padded_tokens"] for r in steps),
@@ -462,7 +463,9 @@ def account(row: dict, base: dict | None, cuda: bool) -> dict:
         notes.append(f"compute per process {'fell' if change < 0 else 'grew'} {abs(change):.0%} with {1 - k:.0%} fewer "
                      "samples per process" + (" (one process alone too)" if alone is not None else "")
                      + ": the step is bound by the host launching kernels, not by the GPU"
-                     + (" (even with CUDA graphs)" if row.get("cuda_graphs") else " (try train.cuda_graphs=true)"))
+                     + (" (even with the whole step recorded)" if row.get("cuda_graph_scope") == "step"
+                        else " (try train.cuda_graph_scope=step: the whole step as recorded CUDA graphs)" if row.get("cuda_graphs")
+                        else " (try train.cuda_graphs=true)"))
     padding, padding_1 = row.get("padding", 0.0), base.get("padding", 0.0)
     if n > 1 and abs(padding - padding_1) >= PADDING_NOTE:
         # the GPUs compute padding too: a count whose rows pad less does less work per real token
@@ -471,6 +474,9 @@ def account(row: dict, base: dict | None, cuda: bool) -> dict:
     if n > 1 and row.get("strategy") == "fsdp":
         # FSDP's all-gathers and reduce-scatters run inside forward and backward: no mark separates them
         notes.append("fsdp: its communication runs inside forward and backward and is counted in compute")
+    if n > 1 and row.get("cuda_graph_scope") == "step":  # no timing event can be recorded inside a graph
+        notes.append("cuda_graph_scope=step: the gradient all-reduce and the wait for the other processes run "
+                     "inside the recorded step and are counted in compute")
     for r, who in ((base, "n = 1"), (row, f"n = {n}")) if n > 1 else ((row, "n = 1"),):
         if r.get("stall_steps"):
             notes.append(f"{who}: {r['stall_steps']} step(s) over {STALL_FACTOR:g}x the median, {r['stall_s']:.1f} s in all")

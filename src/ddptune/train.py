@@ -905,6 +905,7 @@ def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
         "ddp_bucket_mb": cfg.train.ddp_bucket_mb,
         "grad_buckets": r.clock.buckets if dist.ddp_wrapper(r.ddp_model) and acc.num_processes > 1 else None,
         "gradient_checkpointing": r.checkpointing, "compiled": r.compiled, "cuda_graphs": r.graphs,
+        "cuda_graph_scope": cfg.train.cuda_graph_scope if r.graphs else None,
         "base_4bit": model_lib.holds_4bit(r.model),
         "trainable_params": trainable, "total_params": total,
         "output": str(final), "replica_fingerprints": fingerprints,
