@@ -177,8 +177,9 @@ class TrainConfig:
     loss's sum over processes, the update (a fused, capturable AdamW whose learning rate lives on the
     GPU) and zeroing. Every shape of the run's steps (each packed row's padded length and target
     count) is recorded before the first step. For models whose step is the host launching thousands
-    of small kernels: a SmolLM2-135M LoRA step of 16 samples took 21 ms as one graph against 117 ms
-    compiled and launched (H200, benchmarks/step_graph_probe.py). Needs train.optimizer=adamw; the
+    of small kernels: on H200s a SmolLM2-135M-shape LoRA step of 16 samples took 27 ms against 38 ms
+    with layer graphs, and 2 GPUs ran it 1.375x as fast as one against 1.126x; the 8B QLoRA job's
+    steps were within 0.5 % of layer graphs (BENCHMARKS.md). Needs train.optimizer=adamw; the
     all-reduce's wait is inside the graph, so each step's time counts it as compute."""
     cuda_graph_lengths: int = 1
     """With train.cuda_graphs: how many lengths packed rows are padded to, chosen before the first
