@@ -15,7 +15,8 @@
 #   bash benchmarks/scaling_x2.sh smollm2-shape  # the same SmolLM2 job with random weights (no GGUF to carry, no ROUGE):
 #                                            # scale at 1 and 2 GPUs, then `train` at 1 GPU for the step time and losses,
 #                                            # each with and without train.cuda_graphs (GRAPHS="true false"), about 300 s each;
-#                                            # SMOL_TRAIN=0 leaves out the `train` runs
+#                                            # SMOL_TRAIN=0 leaves out the `train` runs; EXTRA=train.cuda_graph_scope=step
+#                                            # records each whole step instead of each layer
 #   bash benchmarks/scaling_x2.sh graphs-profile  # where the SmolLM2-shape step with CUDA graphs goes at 1 and 2 processes
 #                                            # (the 2-GPU step is slower than the 1-GPU one): a profile of 4 steps each, and
 #                                            # benchmarks/gpu_gaps.py on rank 0's trace; about 150 s
@@ -115,9 +116,10 @@ smollm2)
   ;;
 smollm2-shape)
   for g in ${GRAPHS:-true false}; do
+    dir=$(mktemp -u -d /tmp/scale-smol-graphs$g-XXXX)  # `scale` overwrites no earlier run's folder: a fresh one each time
     python3 -m ddptune scale "${smol_shape[@]}" train.cuda_graphs=$g --nproc 1,2 --mode same-global --steps 30 --warmup 4 \
-      $SCALE_ARGS --out /tmp/scale-smol-graphs$g 2>&1 | quiet | grep -E '^\| same|^ddptune: CUDA' | cut -c1-900
-    keep_runs /tmp/scale-smol-graphs$g "$OUT/scale_smollm2_shape_graphs$g"
+      $SCALE_ARGS --out "$dir" 2>&1 | quiet | grep -E '^\| same|^ddptune: CUDA' | cut -c1-900
+    keep_runs "$dir" "$OUT/scale_smollm2_shape_graphs$g"
     [ "${SMOL_TRAIN:-1}" = 1 ] || continue
     python3 -m ddptune train "${smol_shape[@]}" train.cuda_graphs=$g train.max_steps=34 train.save_every=0 --nproc 1 \
       output_dir=/tmp/train-smol-graphs$g 2>&1 | quiet | tail -2
