@@ -310,10 +310,10 @@ def prepare_graphs(r: Run, side=None) -> None:
     t0 = time.perf_counter()
     with on_stream(side):
         warm_graphs(r, {padded_length(r, n): g for n, g in zip(rows, groups)}, sorted({data.padded_targets(g) for g in groups}))
-        if side is not None:
-            mine = {}  # shape of this process's step -> its rows in one step of that shape
-            for step in forwards:
-                mine.setdefault(step_shape(r, step[r.accelerator.process_index]), step[r.accelerator.process_index])
+        mine = {}  # shape of this process's step -> its rows in one step of that shape
+        for step in forwards if side is not None else []:
+            mine.setdefault(step_shape(r, step[r.accelerator.process_index]), step[r.accelerator.process_index])
+        if mine:  # (none when a resumed run has no step left)
             r.step_graphs = StepGraphs(r, mine, side)
     warm_s = time.perf_counter() - t0
     r.load_s += warm_s
@@ -407,7 +407,7 @@ class StepGraphs:
         """DDP_WARMUP forwards and backwards of one row through DDP, every process as many: the
         all-reduces sum zeros (DDP settles its buckets), the gradients are zeroed after."""
         acc = r.accelerator
-        batch = to_device(collate(r.cfg, group, r.tokenizer.pad_token_id, padded_length(r, tokens_of(group))), acc.device)
+        batch = to_device(forward_batch(r, group), acc.device)
         for _ in range(DDP_WARMUP):
             with acc.autocast():
                 loss = r.ddp_model(**batch, num_items=1)
@@ -434,10 +434,11 @@ class StepGraphs:
 
     def record_backward(self, r: Run, shape: tuple, forwards: list[list[dict]]) -> None:
         acc, world = r.accelerator, r.accelerator.num_processes
-        inputs = [to_device(collate(r.cfg, g, r.tokenizer.pad_token_id, padded_length(r, tokens_of(g))), acc.device)
-                  for g in forwards]
+        inputs = [to_device(forward_batch(r, group), acc.device) for group in forwards]
+
         def autocast():  # without its cache, which would outlive the recording
             return acc.autocast(autocast_handler=AutocastKwargs(cache_enabled=False))
+
         r.clock.buckets = 0
 
         def work():
@@ -464,8 +465,7 @@ class StepGraphs:
         """Run one optimizer step on these rows: copy them to the inputs of their shape and replay."""
         shape = step_shape(r, forwards)
         for inputs, group in zip(self.inputs[shape], forwards):
-            batch = collate(r.cfg, group, r.tokenizer.pad_token_id, padded_length(r, tokens_of(group)))
-            for name, t in batch.items():
+            for name, t in forward_batch(r, group).items():
                 if torch.is_tensor(t):
                     inputs[name].copy_(t.pin_memory(), non_blocking=True)
         self.num_items.fill_(share.targets)
@@ -648,7 +648,7 @@ def train_step(r: Run, step: int) -> dict:
     for k, group in enumerate(forwards):
         # an empty group (sharded runs only, see lockstep): a forward in step with the others that counts nothing
         rows = group or forwards[0][:1]
-        batch = to_device(collate(r.cfg, rows, r.tokenizer.pad_token_id, padded_length(r, tokens_of(rows))), acc.device)
+        batch = to_device(forward_batch(r, rows), acc.device)
         if r.graphs:  # a new forward: the previous replay's outputs are no longer needed
             torch.compiler.cudagraph_mark_step_begin()
         sync = sharded or k == len(forwards) - 1
@@ -764,6 +764,11 @@ def tokens_of(group: list[dict]) -> int:
 def padded_length(r: Run, tokens: int) -> int:
     """With graphs: the shortest of the run's recorded lengths that holds a row of `tokens`; else 0."""
     return min((n for n in r.graph_lengths if n >= tokens), default=0)
+
+
+def forward_batch(r: Run, group: list[dict]) -> dict:
+    """One forward's examples collated on the host (with graphs, packed to a recorded length)."""
+    return collate(r.cfg, group, r.tokenizer.pad_token_id, padded_length(r, tokens_of(group)))
 
 
 def collate(cfg: Config, group: list[dict], pad_id: int, pad_to: int = 0) -> dict:
