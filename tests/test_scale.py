@@ -225,6 +225,8 @@ def test_a_count_that_pads_less_says_so():
     one = scale.account({**_row(1, 16, 0.341, 0.338, 0, 0, 0.003), "padding": 0.27}, None, cuda=True)
     two = scale.account({**_row(2, 16, 0.309, 0.305, 0.001, 0.0001, 0.003), "padding": 0.18}, one, cuda=True)
     assert two["efficiency"] > 1 and "padding 18% of the computed tokens against 27% at n = 1" in two["note"]
+    # counted in computed tokens: (1 - 0.27) / (1 - 0.18) of it, under 100 %
+    assert two["efficiency_computed"] == pytest.approx(two["efficiency"] * 0.73 / 0.82) and two["efficiency_computed"] < 1
     assert "each GPU computes -11% tokens per real token" in two["note"]
     same = scale.account({**_row(2, 16, 0.35, 0.34, 0.001, 0.0001, 0.003), "padding": 0.26}, one, cuda=True)
     assert "padding" not in (same["note"] or "")

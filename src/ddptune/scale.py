@@ -11,7 +11,9 @@ Same work at every count: the data is one stream of samples (`data.step_samples`
 a 2x larger batch covers exactly two steps of the smaller one. Every run trains over the same
 sample window, [start, end) of the stream, with `--warmup` steps of the largest batch before it;
 figures are means over the window's steps. Speedup = samples/s at n over samples/s at 1;
-efficiency = speedup / n.
+efficiency = speedup / n. Where rows are padded (CUDA graphs, padded micro-batches), the efficiency
+per computed token counts the tokens the GPUs computed instead: a count whose rows pad less can
+pass 100 % by samples with no GPU working any faster.
 
 Where the time goes: each process times its own compute (forwards and backwards until its last
 gradient bucket is ready) and its wait for the gradient all-reduce (`dist.StepClock`). Per step:
@@ -86,6 +88,7 @@ COLUMNS = [  # (row key, header): scaling.csv uses the keys, scaling.md the head
     ("step_s", "step (s)"), ("compute_s", "compute (s)"), ("imbalance_s", "imbalance (s)"),
     ("exposed_comm_s", "exposed comm (s)"), ("rest_s", "rest (s)"), ("tokens_per_s_per_gpu", "tokens/s/GPU"),
     ("samples_per_s", "samples/s"), ("speedup", "speedup"), ("efficiency", "efficiency"),
+    ("efficiency_computed", "efficiency per computed token"),
     ("lost_compute", "lost: compute"), ("lost_imbalance", "lost: imbalance"), ("lost_comm", "lost: comm"),
     ("lost_rest", "lost: rest"), ("alone_compute_s", "compute alone (s)"), ("lost_smaller_batch", "lost: smaller batch"),
     ("ceiling", "ceiling"), ("balance", "predicted max/mean share"), ("padding", "padding"),
@@ -467,6 +470,10 @@ def account(row: dict, base: dict | None, cuda: bool) -> dict:
                         else " (try train.cuda_graph_scope=step: the whole step as recorded CUDA graphs)" if row.get("cuda_graphs")
                         else " (try train.cuda_graphs=true)"))
     padding, padding_1 = row.get("padding", 0.0), base.get("padding", 0.0)
+    if n > 1 and row["efficiency"] is not None and (padding or padding_1):
+        # the same efficiency counted in the tokens the GPUs computed, padding included: a count whose
+        # rows pad less gets over 100 % by samples without any GPU working faster
+        row["efficiency_computed"] = row["efficiency"] * (1 - padding_1) / (1 - padding)
     if n > 1 and abs(padding - padding_1) >= PADDING_NOTE:
         # the GPUs compute padding too: a count whose rows pad less does less work per real token
         notes.append(f"padding {padding:.0%} of the computed tokens against {padding_1:.0%} at n = 1: "
