@@ -217,7 +217,12 @@ def test_killing_the_launcher_or_a_worker_ends_the_whole_job(tmp_path):
     os.kill(_workers(proc)[-1].pid, signal.SIGKILL)
     _, err = proc.communicate(timeout=90)
     assert proc.returncode != 0 and "Traceback" not in err, err[-3000:]
-    assert any(l.startswith("ddptune: rank 0: step") and "or died; newest checkpoint: " in l for l in err.splitlines()), err[-3000:]
+    # rank 0 names the failed collective, or the launcher the killed worker (rank 0's line was missing
+    # once in eight runs, when torchrun stopped it before its collective failed; the launcher names the
+    # worker that failed first, which is rank 0 when both failed within the same second)
+    said = [l for l in err.splitlines() if l.startswith("ddptune: rank 0: step") and "or died; newest checkpoint: " in l
+            or l.startswith("ddptune: rank 1 was killed by SIGKILL and the job stopped")]
+    assert said, err[-3000:]
     assert (out / "checkpoints").is_dir() and any(p.name.startswith("step-") for p in (out / "checkpoints").iterdir())
     # (resuming after a killed worker: test_launch restarts one from its checkpoint to the unbroken adapter)
 

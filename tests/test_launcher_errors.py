@@ -53,6 +53,12 @@ def test_ddptunes_launcher_prints_once_each_line_rank_0_did_not(tmp_path, monkey
     assert launcher.untold({0: failure(0, None, -15), 1: failure(1, bad)}) == [bad]  # rank 0 stopped before it spoke
     assert launcher.untold({2: failure(2, bad), 3: failure(3, bad)}) == [bad]  # node 1
     assert launcher.untold({0: failure(0, bad), 1: failure(1, None, -15)}) == []
+    # a worker killed by a signal says nothing itself: the launcher names it (the first to fail only:
+    # torchrun's own SIGTERMs to the others follow from it)
+    assert launcher.killed(1, failure(1, None, -9)) == [
+        "ddptune: rank 1 was killed by SIGKILL and the job stopped (the kernel's out-of-memory killer sends SIGKILL: "
+        "see dmesg); continue from the newest checkpoint with --resume"]
+    assert launcher.killed(0, failure(0, bad)) == [] and launcher.killed(0, failure(0, None, 130)) == []
 
 
 def _commands_with_stderr(commands: list[tuple[list[str], int]]) -> list[tuple[int, str]]:
