@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 KEEP = ("nproc", "per_process", "batch", "steps", "samples_measured", "step_s", "median_step_s", "tokens_per_s_per_gpu", "samples_per_s",
-        "speedup", "efficiency", "compute_s", "imbalance_s", "imbalance_costed_s", "exposed_comm_s", "rest_s", "lost_compute",
+        "speedup", "efficiency", "efficiency_computed", "compute_s", "imbalance_s", "imbalance_costed_s", "exposed_comm_s", "rest_s", "lost_compute",
         "lost_imbalance", "lost_comm", "lost_rest", "balance", "peak_mem_gib", "final_loss", "val_loss", "note",
         "rouge1", "rouge2", "rougeL", "rougeLsum", "stall_steps", "stall_s", "efficiency_median", "padding",
         "computed_per_process", "alone_compute_s", "alone_compute_measured_s", "alone_step_s",
