@@ -173,7 +173,8 @@ def test_cuda_graphs_train_to_the_losses_of_compiled_layers(tmp_path, monkeypatc
         cfg = config.load(ROOT / "configs" / "tiny.yaml", [
             f"output_dir={tmp_path / str(graphs)}", "train.max_steps=8", "data.val=null", "eval.enabled=false", "train.compile=true",
             f"train.cuda_graphs={str(graphs).lower()}", "train.micro_batch_size=8",
-            f"train.gradient_checkpointing={str(checkpointing).lower()}", f"train.tokens_per_forward={row}", f"train.cuda_graph_lengths={lengths}"])
+            f"train.gradient_checkpointing={str(checkpointing).lower()}", f"train.tokens_per_forward={row}",
+            f"train.method={method}", *(["train.lr=1e-4"] if method == "full" else []), f"train.cuda_graph_lengths={lengths}"])
         summary, _ = train.run(cfg)
         runs[graphs] = [json.loads(l)["loss"] for l in (tmp_path / str(graphs) / "metrics.jsonl").read_text().splitlines()
                         if '"loss"' in l]
@@ -183,15 +184,17 @@ def test_cuda_graphs_train_to_the_losses_of_compiled_layers(tmp_path, monkeypatc
 
 
 @cuda
-@pytest.mark.parametrize("lengths, checkpointing, row", [(1, False, 8192), (3, False, 8192), (1, True, 768)])
-def test_whole_step_graphs_train_to_the_losses_of_compiled_layers(tmp_path, lengths, checkpointing, row):
+@pytest.mark.parametrize("lengths, checkpointing, row, method", [
+    (1, False, 8192, "lora"), (3, False, 8192, "lora"), (1, True, 768, "lora"), (1, False, 8192, "qlora"), (1, False, 8192, "full")])
+def test_whole_step_graphs_train_to_the_losses_of_compiled_layers(tmp_path, lengths, checkpointing, row, method):
     """train.cuda_graph_scope=step records the forwards, backwards, clipping and the fused AdamW
     update and replays them: the same losses, gradient norms and learning rates as the compiled
     layers launched one by one (bf16, so within rounding), at one length or several (a recording
     per step shape). A run resumed from its checkpoint at step 4 (the optimizer's state and its
     learning rate back into the recorded update) goes on with the unbroken run's losses. With
     gradient checkpointing too (inside each compiled layer, as with layer graphs), and several packed
-    rows a step (forwards without the all-reduce before the last, all in one recording)."""
+    rows a step (forwards without the all-reduce before the last, all in one recording), with a 4-bit
+    base (bitsandbytes' kernels inside the recording), and full fine-tuning (every weight updated)."""
     from conftest import ROOT
     from ddptune import config, train
 
@@ -200,6 +203,7 @@ def test_whole_step_graphs_train_to_the_losses_of_compiled_layers(tmp_path, leng
             f"output_dir={tmp_path / name}", "train.max_steps=8", "data.val=null", "eval.enabled=false", "train.compile=true",
             "train.micro_batch_size=8", "train.save_every=4", f"train.cuda_graph_lengths={lengths}",
             f"train.gradient_checkpointing={str(checkpointing).lower()}", f"train.tokens_per_forward={row}",
+            f"train.method={method}", *(["train.lr=1e-4"] if method == "full" else []),
             *([] if scope is None else ["train.cuda_graphs=true", f"train.cuda_graph_scope={scope}"]), *more])
         summary, _ = train.run(cfg, resume="resume" in name)
         rows = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
