@@ -4,7 +4,8 @@ user why in one line; torchrun would add 30-40 lines of its own (ChildFailedErro
 around it. This exits with the first failed worker's exit code instead (2: bad input, 130/143:
 stopped by SIGINT/SIGTERM after a checkpoint, 1: anything else), prints a worker's one line that
 rank 0 has not printed (a process's own bad input, or every line on a node without rank 0), names
-a worker that a signal killed, and keeps the elastic agent's warnings out of the console. `dist.torchrun` starts it for `--nproc N`.
+a worker that a signal killed, and keeps the elastic agent's warnings out of the console.
+`dist.torchrun` starts it for `--nproc N`.
 """
 from __future__ import annotations
 
