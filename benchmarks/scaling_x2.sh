@@ -54,6 +54,9 @@
 #   bash benchmarks/scaling_x2.sh step-graph # benchmarks/step_graph_probe.py: the SmolLM2 shape's whole LoRA step (forward,
 #                                            # backward with DDP's all-reduce, clip, AdamW) captured as one CUDA graph, against
 #                                            # the same step launched eagerly, at 1 and 2 GPUs (global batch 16): ms a step
+#   bash benchmarks/scaling_x2.sh step-profile  # the whole step as graphs (train.cuda_graph_scope=step), profiled at 1 process
+#                                            # (global batch 16) and 2 (8 each): benchmarks/kernel_split.py names the GPU work
+#                                            # that does not halve with the share (PROF_JOBS, default "smol 8b")
 #   bash benchmarks/scaling_x2.sh cache      # the compiler's cache to $OUT/inductor.tgz (kept only under the 16 MiB a
 #                                            # file may bring back). Compiling the layers takes 50-76 s of each run's first
 #                                            # step on a fresh machine; copied into .inductor/ and carried, the next call
@@ -124,6 +127,22 @@ smollm2-shape)
     python3 -m ddptune train "${smol_shape[@]}" train.cuda_graphs=$g train.max_steps=34 train.save_every=0 --nproc 1 \
       output_dir=/tmp/train-smol-graphs$g 2>&1 | quiet | tail -2
     cp /tmp/train-smol-graphs$g/metrics.jsonl "$OUT/train_smollm2_shape_graphs${g}_n1.jsonl"
+  done
+  ;;
+step-profile)
+  for job in ${PROF_JOBS:-smol 8b}; do
+    if [ "$job" = smol ]; then args=("${smol_shape[@]}"); steps=16
+    else
+      args=(configs/samsum_qlora_llama31_8b.yaml model.tokenizer=$TOK data.train=$DATA data.train_rows=0:700 data.val=null
+            train.micro_batch_size=4 train.grad_accum=null train.effective_batch_size=16 train.dequantize_base=true
+            train.ddp_bucket_mb=256 $EXTRA); steps=12
+    fi
+    for n in 1 2; do
+      python3 -m ddptune train "${args[@]}" train.cuda_graphs=true train.cuda_graph_scope=step train.max_steps=$steps \
+        train.profile_steps=4 train.save_every=0 --nproc $n output_dir=/tmp/prof-$job-n$n 2>&1 | quiet | tail -2
+    done
+    python3 benchmarks/kernel_split.py /tmp/prof-$job-n1/trace.json /tmp/prof-$job-n2/trace.json \
+      --json "$OUT/${job}_step_kernel_split.json" | cut -c1-200
   done
   ;;
 graphs-profile)
