@@ -1,7 +1,7 @@
 """Which of the GPU's work does not halve when the batch does: two torch.profiler traces of the same
 job, one process at a global batch against one of n processes at its 1/n share (same-global).
 
-    python benchmarks/kernel_split.py N1/trace.json N2/trace.json [--n 2] [--json split.json]
+    python benchmarks/kernel_split.py N1/trace.json N2/trace.json [--alone A/trace.json] [--n 2] [--json split.json]
 
 Each trace is rank 0's `output_dir/trace.json` from `ddptune train ... train.profile_steps=K`. For
 every kernel family (its name without template arguments, launch numbers or inductor's trailing
@@ -9,7 +9,13 @@ index) it sums the GPU time per profiled step at 1 process (t1) and at n (tn). W
 fixed + per-sample work, t1 = F + V and tn = F + V/n, so the family's fixed part is
 F = (n tn - t1) / (n - 1): the time that stays when each process gets fewer samples, the part that
 holds a same-global speedup under n. Kernels only one side runs (NCCL at n > 1) count wholly.
-The GPU's idle time inside the steps is reported the same way.
+The GPU's idle time inside the steps is reported the same way. With --alone (one process alone
+at the n-process share), `tax` = tn - t_alone is what running beside the others added.
+
+The profiler's window does not start or end at a step's edge on the GPU (graphs run behind the
+host), so each trace is cut at the launches of a kernel that runs once a step (--marker, by
+default the embedding's backward, `indexFuncLargeIndex`): only whole steps between the first and
+the last of them count.
 """
 from __future__ import annotations
 
@@ -50,11 +56,15 @@ def category(name: str, cat: str) -> str:
     return "other"
 
 
-def load(path: Path) -> dict:
-    """Per-step GPU time and launches by family and category, and the idle inside the profiled span."""
+def load(path: Path, marker: str) -> dict:
+    """Per-step GPU time and launches by family and category, and the idle, over whole steps."""
     events = json.loads(path.read_text())["traceEvents"]
-    steps = max(1, len({e["name"] for e in events if str(e.get("name", "")).startswith("ProfilerStep#")}))
     device = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE), key=lambda e: e["ts"])
+    marks = [e["ts"] for e in device if marker in e.get("name", "")]
+    if len(marks) < 2:
+        raise SystemExit(f"{path}: the marker {marker!r} ran {len(marks)} times; a whole step needs two (pick --marker)")
+    steps = len(marks) - 1
+    device = [e for e in device if marks[0] <= e["ts"] < marks[-1]]
     fams: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0, ""])
     busy, end = 0.0, None
     for e in device:
@@ -69,34 +79,41 @@ def load(path: Path) -> dict:
         elif stop > end:
             busy += stop - end
             end = stop
-    span = (device[-1]["ts"] + device[-1].get("dur", 0) - device[0]["ts"]) if device else 0.0
+    span = marks[-1] - marks[0]
     ms = 1e-3 / steps
     return {"steps": steps, "span_ms": span * ms, "busy_ms": busy * ms, "idle_ms": (span - busy) * ms,
             "families": {k: {"ms": v[0] * ms, "launches": v[1] / steps, "category": v[2]} for k, v in fams.items()}}
 
 
-def split(one: dict, many: dict, n: int) -> dict:
-    """Each family's and category's fixed part F = (n tn - t1) / (n - 1), per step, ms."""
-    def fixed(t1: float, tn: float) -> float:
-        return (n * tn - t1) / (n - 1)
+def split(one: dict, many: dict, n: int, alone: dict | None = None) -> dict:
+    """Each family's and category's fixed part F = (n tn - t1) / (n - 1), per step, ms (and with
+    `alone`, tax = tn - t_alone)."""
+    traces = {"t1": one, "tn": many} | ({"ta": alone} if alone else {})
+    none = {"ms": 0.0, "launches": 0.0}
+
+    def derive(row: dict) -> dict:
+        row["fixed_ms"] = (n * row["tn_ms"] - row["t1_ms"]) / (n - 1)
+        if alone:
+            row["tax_ms"] = row["tn_ms"] - row["ta_ms"]
+        return row
 
     rows = []
-    for name in sorted(set(one["families"]) | set(many["families"])):
-        a = one["families"].get(name, {"ms": 0.0, "launches": 0.0})
-        b = many["families"].get(name, {"ms": 0.0, "launches": 0.0})
-        cat = b.get("category") or a.get("category")
-        rows.append({"family": name, "category": cat, "t1_ms": a["ms"], "tn_ms": b["ms"], "fixed_ms": fixed(a["ms"], b["ms"]),
-                     "launches_1": a["launches"], "launches_n": b["launches"]})
+    for name in sorted(set().union(*(t["families"] for t in traces.values()))):
+        got = {k: t["families"].get(name, none) for k, t in traces.items()}
+        row = {"family": name, "category": next(g["category"] for g in got.values() if "category" in g)}
+        for k, g in got.items():
+            row[k + "_ms"], row["launches_" + k[1:]] = g["ms"], g["launches"]
+        rows.append(derive(row))
     cats: dict[str, dict] = {}
     for r in rows:
-        c = cats.setdefault(r["category"], {"category": r["category"], "t1_ms": 0.0, "tn_ms": 0.0, "launches_1": 0.0,
-                                            "launches_n": 0.0})
-        for k in ("t1_ms", "tn_ms", "launches_1", "launches_n"):
-            c[k] += r[k]
+        c = cats.setdefault(r["category"], {"category": r["category"]})
+        for k, v in r.items():
+            if k.startswith(("t", "launches")) and not k.endswith(("fixed_ms", "tax_ms")):
+                c[k] = c.get(k, 0.0) + v
     for c in cats.values():
-        c["fixed_ms"] = fixed(c["t1_ms"], c["tn_ms"])
-    totals = {k: {"t1_ms": one[k], "tn_ms": many[k], "fixed_ms": fixed(one[k], many[k])} for k in ("span_ms", "busy_ms", "idle_ms")}
-    return {"n": n, "steps": [one["steps"], many["steps"]], "totals": totals,
+        derive(c)
+    totals = {k: derive({f"{name}_ms": t[k] for name, t in traces.items()}) for k in ("span_ms", "busy_ms", "idle_ms")}
+    return {"n": n, "steps": [t["steps"] for t in traces.values()], "totals": totals,
             "categories": sorted(cats.values(), key=lambda c: -c["fixed_ms"]),
             "families": sorted(rows, key=lambda r: -r["fixed_ms"])}
 
@@ -105,22 +122,33 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("one", type=Path, help="trace.json of 1 process at the global batch")
     p.add_argument("many", type=Path, help="rank 0's trace.json of n processes at 1/n of it each")
+    p.add_argument("--alone", type=Path, help="trace.json of 1 process alone at the n-process share")
     p.add_argument("--n", type=int, default=2)
+    p.add_argument("--marker", default="indexFuncLargeIndex", help="a kernel that runs once a step")
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--json", type=Path)
     a = p.parse_args()
-    s = split(load(a.one), load(a.many), a.n)
-    print(f"per step, ms (profiled steps {s['steps'][0]} and {s['steps'][1]}); fixed = ({a.n} t{a.n} - t1) / {a.n - 1}")
-    print(f"{'':38} {'t1':>8} {'t' + str(a.n):>8} {'fixed':>8} {'launches':>15}")
+    s = split(load(a.one, a.marker), load(a.many, a.marker), a.n, load(a.alone, a.marker) if a.alone else None)
+    cols = ["t1", "tn", "fixed"] + (["ta", "tax"] if a.alone else [])
+    print(f"per step, ms (whole steps {s['steps']}); fixed = ({a.n} tn - t1) / {a.n - 1}"
+          + (", tax = tn - ta (ta: alone at the share)" if a.alone else ""))
+
+    def line(label: str, r: dict, launches: bool) -> str:
+        text = f"{label[:38]:38}" + "".join(f" {r[c + '_ms']:8.2f}" for c in cols)
+        return text + (f" {r['launches_1']:7.0f}/{r['launches_n']:<7.0f}" if launches else "")
+
+    print(f"{'':38}" + "".join(f" {c:>8}" for c in cols) + f" {'launches 1/n':>15}")
     for k, v in s["totals"].items():
-        print(f"{k:38} {v['t1_ms']:8.2f} {v['tn_ms']:8.2f} {v['fixed_ms']:8.2f}")
+        print(line(k, v, False))
     for c in s["categories"]:
-        print(f"{c['category'][:38]:38} {c['t1_ms']:8.2f} {c['tn_ms']:8.2f} {c['fixed_ms']:8.2f} "
-              f"{c['launches_1']:7.0f}/{c['launches_n']:<7.0f}")
+        print(line(c["category"], c, True))
     print("families with the largest fixed part:")
     for r in s["families"][:a.top]:
-        print(f"  {r['family'][:36]:36} {r['t1_ms']:8.2f} {r['tn_ms']:8.2f} {r['fixed_ms']:8.2f} "
-              f"{r['launches_1']:7.0f}/{r['launches_n']:<7.0f}")
+        print(line("  " + r["family"], r, True))
+    if a.alone:
+        print("families with the largest tax:")
+        for r in sorted(s["families"], key=lambda r: -r["tax_ms"])[:a.top]:
+            print(line("  " + r["family"], r, True))
     if a.json:
         a.json.write_text(json.dumps(s, indent=1))
 

@@ -55,8 +55,9 @@
 #                                            # backward with DDP's all-reduce, clip, AdamW) captured as one CUDA graph, against
 #                                            # the same step launched eagerly, at 1 and 2 GPUs (global batch 16): ms a step
 #   bash benchmarks/scaling_x2.sh step-profile  # the whole step as graphs (train.cuda_graph_scope=step), profiled at 1 process
-#                                            # (global batch 16) and 2 (8 each): benchmarks/kernel_split.py names the GPU work
-#                                            # that does not halve with the share (PROF_JOBS, default "smol 8b")
+#                                            # (global batch 16), 2 (8 each) and 1 alone at 8: benchmarks/kernel_split.py names the
+#                                            # GPU work that does not halve with the share, and what running beside another
+#                                            # process adds (PROF_JOBS, default "smol 8b")
 #   bash benchmarks/scaling_x2.sh cache      # the compiler's cache to $OUT/inductor.tgz (kept only under the 16 MiB a
 #                                            # file may bring back). Compiling the layers takes 50-76 s of each run's first
 #                                            # step on a fresh machine; copied into .inductor/ and carried, the next call
@@ -137,11 +138,13 @@ step-profile)
             train.micro_batch_size=4 train.grad_accum=null train.effective_batch_size=16 train.dequantize_base=true
             train.ddp_bucket_mb=256 $EXTRA); steps=12
     fi
-    for n in 1 2; do
+    for run in n1 n2 alone; do  # alone: one process at n = 2's share of 8 samples
+      n=${run#n}; more=(); [ $run = alone ] && n=1 more=(train.effective_batch_size=8)
       python3 -m ddptune train "${args[@]}" train.cuda_graphs=true train.cuda_graph_scope=step train.max_steps=$steps \
-        train.profile_steps=4 train.save_every=0 --nproc $n output_dir=/tmp/prof-$job-n$n 2>&1 | quiet | tail -2
+        train.profile_steps=4 train.save_every=0 "${more[@]}" --nproc $n output_dir=/tmp/prof-$job-$run 2>&1 | quiet \
+        | grep -E '^ddptune: (CUDA graphs|final)' | cut -c1-160
     done
-    python3 benchmarks/kernel_split.py /tmp/prof-$job-n1/trace.json /tmp/prof-$job-n2/trace.json \
+    python3 benchmarks/kernel_split.py /tmp/prof-$job-n1/trace.json /tmp/prof-$job-n2/trace.json --alone /tmp/prof-$job-alone/trace.json \
       --json "$OUT/${job}_step_kernel_split.json" | cut -c1-200
   done
   ;;

@@ -173,8 +173,7 @@ def test_cuda_graphs_train_to_the_losses_of_compiled_layers(tmp_path, monkeypatc
         cfg = config.load(ROOT / "configs" / "tiny.yaml", [
             f"output_dir={tmp_path / str(graphs)}", "train.max_steps=8", "data.val=null", "eval.enabled=false", "train.compile=true",
             f"train.cuda_graphs={str(graphs).lower()}", "train.micro_batch_size=8",
-            f"train.gradient_checkpointing={str(checkpointing).lower()}", f"train.tokens_per_forward={row}",
-            f"train.method={method}", *(["train.lr=1e-4"] if method == "full" else []), f"train.cuda_graph_lengths={lengths}"])
+            f"train.gradient_checkpointing={str(checkpointing).lower()}", f"train.cuda_graph_lengths={lengths}"])
         summary, _ = train.run(cfg)
         runs[graphs] = [json.loads(l)["loss"] for l in (tmp_path / str(graphs) / "metrics.jsonl").read_text().splitlines()
                         if '"loss"' in l]
