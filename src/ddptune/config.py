@@ -212,7 +212,8 @@ class TrainConfig:
     """Validation loss every N optimizer steps (needs data.val); 0: only at the end."""
     profile_steps: int = 0
     """Profile N optimizer steps after the warm-up steps with torch.profiler; rank 0 writes the
-    busiest operations to output_dir/profile.txt and a timeline to output_dir/trace.json. 0: off."""
+    busiest operations to output_dir/profile.txt and a timeline to output_dir/trace.json, every
+    other process its timeline to output_dir/trace-rankK.json. 0: off."""
     log_with: Literal["none", "tensorboard", "wandb", "mlflow"] = "none"
     """Also send metrics.jsonl's rows (rank 0's, through accelerate's trackers) to TensorBoard
     (output_dir/tensorboard: `tensorboard --logdir runs`), Weights & Biases or MLflow (project or

@@ -800,12 +800,15 @@ def profiling(r: Run):
     if r.accelerator.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
 
-    def write(prof) -> None:
-        if r.accelerator.is_main_process:
-            device = "self_device_time_total" if r.accelerator.device.type == "cuda" else "cpu_time_total"
-            tables = [prof.key_averages().table(sort_by=key, row_limit=30) for key in ("self_cpu_time_total", device)]
-            (r.out / "profile.txt").write_text("\n\n".join(tables))
-            prof.export_chrome_trace(str(r.out / "trace.json"))
+    def write(prof) -> None:  # every process its timeline: a step waits for the slowest, often not rank 0
+        if not r.accelerator.is_main_process:
+            r.out.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(r.out / f"trace-rank{r.accelerator.process_index}.json"))
+            return
+        device = "self_device_time_total" if r.accelerator.device.type == "cuda" else "cpu_time_total"
+        tables = [prof.key_averages().table(sort_by=key, row_limit=30) for key in ("self_cpu_time_total", device)]
+        (r.out / "profile.txt").write_text("\n\n".join(tables))
+        prof.export_chrome_trace(str(r.out / "trace.json"))
 
     schedule = torch.profiler.schedule(wait=config_lib.PROFILE_WAIT - 1, warmup=1, active=n, repeat=1)
     return torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=write)
