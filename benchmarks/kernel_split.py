@@ -2,6 +2,7 @@
 job, one process at a global batch against one of n processes at its 1/n share (same-global).
 
     python benchmarks/kernel_split.py N1/trace.json N2/trace.json [--alone A/trace.json] [--n 2] [--json split.json]
+    python benchmarks/kernel_split.py --collectives N2/trace.json N2/trace-rank1.json [--json c.json]
 
 Each trace is rank 0's `output_dir/trace.json` from `ddptune train ... train.profile_steps=K`. For
 every kernel family (its name without template arguments, launch numbers or inductor's trailing
@@ -16,6 +17,10 @@ The profiler's window does not start or end at a step's edge on the GPU (graphs 
 host), so each trace is cut at the launches of a kernel that runs once a step (--marker, by
 default the embedding's backward, `indexFuncLargeIndex`): only whole steps between the first and
 the last of them count.
+
+--collectives lines up the processes' NCCL kernels (their traces share the host's clock): when
+each process entered each collective and how long its kernel ran. The one that entered last ran
+its kernel for about the transfer alone; the others' kernels also waited for it.
 """
 from __future__ import annotations
 
@@ -85,6 +90,24 @@ def load(path: Path, marker: str) -> dict:
             "families": {k: {"ms": v[0] * ms, "launches": v[1] / steps, "category": v[2]} for k, v in fams.items()}}
 
 
+def collectives(paths: list[Path]) -> list[dict]:
+    """Each collective kernel of each trace, in order: when it started (ms after the first trace's
+    first kernel) and how long it ran, side by side by launch index; `last_in` is who entered last."""
+    launches, origin = [], None
+    for path in paths:
+        events = json.loads(path.read_text())["traceEvents"]
+        launches.append(sorted((e["ts"], e.get("dur", 0), family(e.get("name", ""))) for e in events
+                               if e.get("ph") == "X" and e.get("cat") == "kernel" and "nccl" in e.get("name", "").lower()))
+        if origin is None:
+            origin = min(e["ts"] for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE)
+    rows = []
+    for i in range(min(len(l) for l in launches)):
+        starts = [(l[i][0] - origin) / 1e3 for l in launches]
+        rows.append({"index": i, "family": launches[0][i][2], "start_ms": starts, "dur_ms": [l[i][1] / 1e3 for l in launches],
+                     "last_in": starts.index(max(starts))})
+    return rows
+
+
 def split(one: dict, many: dict, n: int, alone: dict | None = None) -> dict:
     """Each family's and category's fixed part F = (n tn - t1) / (n - 1), per step, ms (and with
     `alone`, tax = tn - t_alone)."""
@@ -121,14 +144,24 @@ def split(one: dict, many: dict, n: int, alone: dict | None = None) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("one", type=Path, help="trace.json of 1 process at the global batch")
-    p.add_argument("many", type=Path, help="rank 0's trace.json of n processes at 1/n of it each")
+    p.add_argument("many", type=Path, nargs="+", help="rank 0's trace.json of n processes at 1/n of it each "
+                   "(with --collectives: every process's trace)")
+    p.add_argument("--collectives", action="store_true", help="line up the traces' collectives instead")
     p.add_argument("--alone", type=Path, help="trace.json of 1 process alone at the n-process share")
     p.add_argument("--n", type=int, default=2)
     p.add_argument("--marker", default="indexFuncLargeIndex", help="a kernel that runs once a step")
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--json", type=Path)
     a = p.parse_args()
-    s = split(load(a.one, a.marker), load(a.many, a.marker), a.n, load(a.alone, a.marker) if a.alone else None)
+    if a.collectives:
+        rows = collectives([a.one, *a.many])
+        for r in rows:
+            print(f"{r['index']:3} {r['family'][:40]:40} start " + " ".join(f"{t:9.2f}" for t in r["start_ms"])
+                  + "  ran " + " ".join(f"{t:7.3f}" for t in r["dur_ms"]) + f"  last in: {r['last_in']}")
+        if a.json:
+            a.json.write_text(json.dumps(rows, indent=1))
+        return
+    s = split(load(a.one, a.marker), load(a.many[0], a.marker), a.n, load(a.alone, a.marker) if a.alone else None)
     cols = ["t1", "tn", "fixed"] + (["ta", "tax"] if a.alone else [])
     print(f"per step, ms (whole steps {s['steps']}); fixed = ({a.n} tn - t1) / {a.n - 1}"
           + (", tax = tn - ta (ta: alone at the share)" if a.alone else ""))

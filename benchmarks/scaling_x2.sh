@@ -57,7 +57,9 @@
 #   bash benchmarks/scaling_x2.sh step-profile  # the whole step as graphs (train.cuda_graph_scope=step), profiled at 1 process
 #                                            # (global batch 16), 2 (8 each) and 1 alone at 8: benchmarks/kernel_split.py names the
 #                                            # GPU work that does not halve with the share, and what running beside another
-#                                            # process adds (PROF_JOBS, default "smol 8b")
+#                                            # process adds (PROF_JOBS, default "smol 8b"; PROF_RUNS, default "n1 n2 alone"),
+#                                            # and when each process entered each all-reduce (kernel_split.py --collectives)
+#   bash benchmarks/scaling_x2.sh graph-allreduce  # benchmarks/graph_allreduce.py: an all-reduce eager against in a CUDA graph
 #   bash benchmarks/scaling_x2.sh cache      # the compiler's cache to $OUT/inductor.tgz (kept only under the 16 MiB a
 #                                            # file may bring back). Compiling the layers takes 50-76 s of each run's first
 #                                            # step on a fresh machine; copied into .inductor/ and carried, the next call
@@ -138,15 +140,24 @@ step-profile)
             train.micro_batch_size=4 train.grad_accum=null train.effective_batch_size=16 train.dequantize_base=true
             train.ddp_bucket_mb=256 $EXTRA); steps=12
     fi
-    for run in n1 n2 alone; do  # alone: one process at n = 2's share of 8 samples
+    runs=${PROF_RUNS:-n1 n2 alone}
+    for run in $runs; do  # alone: one process at n = 2's share of 8 samples
       n=${run#n}; more=(); [ $run = alone ] && n=1 more=(train.effective_batch_size=8)
       python3 -m ddptune train "${args[@]}" train.cuda_graphs=true train.cuda_graph_scope=step train.max_steps=$steps \
         train.profile_steps=4 train.save_every=0 "${more[@]}" --nproc $n output_dir=/tmp/prof-$job-$run 2>&1 | quiet \
         | grep -E '^ddptune: (CUDA graphs|final)' | cut -c1-160
     done
-    python3 benchmarks/kernel_split.py /tmp/prof-$job-n1/trace.json /tmp/prof-$job-n2/trace.json --alone /tmp/prof-$job-alone/trace.json \
-      --json "$OUT/${job}_step_kernel_split.json" | cut -c1-200
+    if [[ " $runs " == *" n2 "* ]]; then  # when each process entered each all-reduce, and how long its kernel ran
+      python3 benchmarks/kernel_split.py --collectives /tmp/prof-$job-n2/trace.json /tmp/prof-$job-n2/trace-rank1.json \
+        --json "$OUT/${job}_step_collectives${PROF_TAG:-}.json" | cut -c1-160
+    fi
+    [ "$runs" = "n1 n2 alone" ] && python3 benchmarks/kernel_split.py /tmp/prof-$job-n1/trace.json /tmp/prof-$job-n2/trace.json \
+      --alone /tmp/prof-$job-alone/trace.json --json "$OUT/${job}_step_kernel_split.json" | cut -c1-200
   done
+  ;;
+graph-allreduce)
+  torchrun --nproc_per_node 2 benchmarks/graph_allreduce.py --sizes "${AR_SIZES:-1,42,168}" --json "$OUT/graph_allreduce.json" 2>&1 \
+    | grep -E 'MB|Error' | tail -8
   ;;
 graphs-profile)
   for n in 1 2; do

@@ -49,3 +49,16 @@ def test_fixed_part_and_tax_per_family_over_whole_steps(tmp_path):
     assert nccl["fixed_ms"] == pytest.approx(0.06) and nccl["tax_ms"] == pytest.approx(0.03) and nccl["category"] == "nccl"
     assert s["totals"]["span_ms"]["tax_ms"] == pytest.approx(0.03)
     assert s["categories"][0]["category"] == "nccl"  # the largest fixed part first
+
+
+def test_collectives_say_who_entered_last(tmp_path):
+    def one_rank(path, start_us):  # a kernel at 0, then all-reduces entered at start_us, each ending together
+        events = [{"ph": "X", "cat": "kernel", "name": "fwd", "ts": 0, "dur": 5}]
+        events += [{"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL(x)", "ts": s,
+                    "dur": 1000 * (k + 1) + 500 - s} for k, s in enumerate(start_us)]
+        path.write_text(json.dumps({"traceEvents": events}))
+        return path
+
+    rows = kernel_split.collectives([one_rank(tmp_path / "0.json", [200, 1400]), one_rank(tmp_path / "1.json", [900, 1100])])
+    assert [r["last_in"] for r in rows] == [1, 0]
+    assert rows[0]["start_ms"] == pytest.approx([0.2, 0.9]) and rows[0]["dur_ms"] == pytest.approx([1.3, 0.6])
