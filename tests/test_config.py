@@ -139,3 +139,12 @@ def test_missing_config_file_is_one_line():
     proc = ddptune("train", "configs/nope.yaml", timeout=60)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert "configs/nope.yaml" in proc.stderr
+
+
+def test_graph_scope_auto_records_the_whole_step_only_with_an_update_that_can_be_recorded():
+    scope = {opt: config.from_dict({"train": {"cuda_graphs": True, "optimizer": opt}}) for opt in ("adamw", "paged_adamw_8bit")}
+    assert config.graph_scope(scope["adamw"].train) == "step"
+    assert config.graph_scope(scope["paged_adamw_8bit"].train) == "layers"
+    assert not [p for p in config.check_values(scope["paged_adamw_8bit"]) if "cuda_graph_scope" in p]  # auto falls back
+    asked = config.from_dict({"train": {"cuda_graphs": True, "optimizer": "adamw", "cuda_graph_scope": "layers"}})
+    assert config.graph_scope(asked.train) == "layers"

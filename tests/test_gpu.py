@@ -220,3 +220,28 @@ def test_whole_step_graphs_train_to_the_losses_of_compiled_layers(tmp_path, leng
     _, resumed = run("step-resume", "step")
     assert [r["step"] for r in resumed] == [5, 6, 7, 8]
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in step[4:]], rel=2e-2)
+
+
+@cuda
+def test_whole_step_graphs_are_the_default_with_graphs_and_still_validate_and_evaluate(tmp_path):
+    """With train.cuda_graphs and the default AdamW, auto records the whole step; validation (every
+    few steps and at the end) and ROUGE's generation afterwards run the layers eagerly, outside the
+    recordings, and the training steps after a validation replay the same graphs: the same losses
+    and validation losses as compiled layers without graphs."""
+    from conftest import ROOT
+    from ddptune import config, train
+
+    def run(name, *more):
+        cfg = config.load(ROOT / "configs" / "tiny.yaml", [
+            f"output_dir={tmp_path / name}", "train.max_steps=6", "train.val_every=3", "train.compile=true",
+            "train.micro_batch_size=8", "eval.enabled=true", "eval.zero_shot=false", "eval.max_samples=8",
+            "eval.max_new_tokens=8", *more])
+        summary, _ = train.run(cfg)
+        rows = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return summary, [r["loss"] for r in rows if "loss" in r], [r["val_loss"] for r in rows if "val_loss" in r]
+
+    summary, losses, val = run("step", "train.cuda_graphs=true")
+    assert summary["cuda_graph_scope"] == "step" and "rouge" in summary
+    _, eager_losses, eager_val = run("eager")
+    assert losses == pytest.approx(eager_losses, rel=2e-2) and len(val) == len(eager_val) >= 2
+    assert val == pytest.approx(eager_val, rel=2e-2)

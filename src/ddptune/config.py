@@ -169,8 +169,9 @@ class TrainConfig:
     GPU memory. The output head's summary positions are padded too, to a multiple of 64: each new row
     count there cost the GPU 3.5-5.7 ms of idle while the host prepared it (8B on an H200), and with
     it same-global efficiency at 2 GPUs went from 93.3 % to 95.0 % (same machine). DDP only."""
-    cuda_graph_scope: Literal["layers", "step"] = "layers"
-    """With train.cuda_graphs, what one graph holds. layers: each decoder layer's forward and its
+    cuda_graph_scope: Literal["auto", "layers", "step"] = "auto"
+    """With train.cuda_graphs, what one graph holds. auto: step with train.optimizer=adamw, else
+    layers (no measured run was slower with step than with layers). layers: each decoder layer's forward and its
     backward (torch.compile's reduce-overhead mode); the host still launches the layers, the output
     head, DDP's all-reduce and the optimizer one by one. step: the whole optimizer step, two graphs
     replayed per step: the forwards and backwards with DDP's all-reduce in them, then clipping, the
@@ -491,7 +492,7 @@ def check_values(cfg: Config) -> list[str]:
     if t.ddp_bucket_mb is not None and t.strategy == "fsdp":
         problems.append("train.ddp_bucket_mb: only for train.strategy=ddp (FSDP reduce-scatters each layer's "
                         "gradients on its own); set it to null")
-    if t.cuda_graph_scope == "step" and (not t.cuda_graphs or t.optimizer != "adamw"):
+    if t.cuda_graph_scope == "step" and (not t.cuda_graphs or t.optimizer != "adamw"):  # auto falls back, step is asked for
         problems.append("train.cuda_graph_scope: step needs train.cuda_graphs=true and train.optimizer=adamw (the update "
                         "is recorded too, and only torch's fused AdamW can be), or set train.cuda_graph_scope=layers")
     if t.dequantize_base and t.method != "qlora":
@@ -566,6 +567,13 @@ class BatchPlan:
         return (f"batch: {self.global_batch} samples per optimizer step = {self.per_process} per process x "
                 f"{self.world_size} processes, packed without padding into forwards of at most "
                 f"{self.tokens_per_forward} tokens")
+
+
+def graph_scope(t: TrainConfig) -> str:
+    """What one CUDA graph holds with train.cuda_graphs: "step" or "layers" (auto resolved)."""
+    if t.cuda_graph_scope != "auto":
+        return t.cuda_graph_scope
+    return "step" if t.optimizer == "adamw" else "layers"
 
 
 def batch_plan(t: TrainConfig, world_size: int) -> BatchPlan:

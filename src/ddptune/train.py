@@ -200,7 +200,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
 def whole_step(cfg: Config, accelerator: Accelerator) -> bool:
     """Whether each optimizer step is replayed as recorded CUDA graphs (train.cuda_graph_scope=step)."""
     t = cfg.train
-    return (t.cuda_graphs and t.cuda_graph_scope == "step" and t.compile is not False
+    return (t.cuda_graphs and config_lib.graph_scope(t) == "step" and t.compile is not False
             and accelerator.device.type == "cuda")
 
 
@@ -913,7 +913,7 @@ def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
         "ddp_bucket_mb": cfg.train.ddp_bucket_mb,
         "grad_buckets": r.clock.buckets if dist.ddp_wrapper(r.ddp_model) and acc.num_processes > 1 else None,
         "gradient_checkpointing": r.checkpointing, "compiled": r.compiled, "cuda_graphs": r.graphs,
-        "cuda_graph_scope": cfg.train.cuda_graph_scope if r.graphs else None,
+        "cuda_graph_scope": ("step" if whole_step(cfg, acc) else "layers") if r.graphs else None,
         "base_4bit": model_lib.holds_4bit(r.model),
         "trainable_params": trainable, "total_params": total,
         "output": str(final), "replica_fingerprints": fingerprints,
