@@ -140,19 +140,21 @@ step-profile)
             train.micro_batch_size=4 train.grad_accum=null train.effective_batch_size=16 train.dequantize_base=true
             train.ddp_bucket_mb=256 $EXTRA); steps=12
     fi
-    runs=${PROF_RUNS:-n1 n2 alone}
+    runs=${PROF_RUNS:-n1 n2 alone}; tag=${PROF_TAG:-}  # PROF_TAG names the folders and files of a variant (EXTRA=...)
     for run in $runs; do  # alone: one process at n = 2's share of 8 samples
       n=${run#n}; more=(); [ $run = alone ] && n=1 more=(train.effective_batch_size=8)
       python3 -m ddptune train "${args[@]}" train.cuda_graphs=true train.cuda_graph_scope=step train.max_steps=$steps \
-        train.profile_steps=4 train.save_every=0 "${more[@]}" --nproc $n output_dir=/tmp/prof-$job-$run 2>&1 | quiet \
+        train.profile_steps=4 train.save_every=0 "${more[@]}" --nproc $n output_dir=/tmp/prof-$job-$run$tag 2>&1 | quiet \
         | grep -E '^ddptune: (CUDA graphs|final)' | cut -c1-160
     done
     if [[ " $runs " == *" n2 "* ]]; then  # when each process entered each all-reduce, and how long its kernel ran
-      python3 benchmarks/kernel_split.py --collectives /tmp/prof-$job-n2/trace.json /tmp/prof-$job-n2/trace-rank1.json \
-        --json "$OUT/${job}_step_collectives${PROF_TAG:-}.json" | cut -c1-160
+      python3 benchmarks/kernel_split.py --collectives /tmp/prof-$job-n2$tag/trace.json /tmp/prof-$job-n2$tag/trace-rank1.json \
+        --json "$OUT/${job}_step_collectives$tag.json" | cut -c1-160
     fi
-    [ "$runs" = "n1 n2 alone" ] && python3 benchmarks/kernel_split.py /tmp/prof-$job-n1/trace.json /tmp/prof-$job-n2/trace.json \
-      --alone /tmp/prof-$job-alone/trace.json --json "$OUT/${job}_step_kernel_split.json" | cut -c1-200
+    if [ "$runs" = "n1 n2 alone" ]; then
+      python3 benchmarks/kernel_split.py /tmp/prof-$job-n1$tag/trace.json /tmp/prof-$job-n2$tag/trace.json \
+        --alone /tmp/prof-$job-alone$tag/trace.json --json "$OUT/${job}_step_kernel_split$tag.json" | cut -c1-200
+    fi
   done
   ;;
 graph-allreduce)
