@@ -465,10 +465,12 @@ def account(row: dict, base: dict | None, cuda: bool) -> dict:
         change = row["compute_s"] / one["compute_s"] - 1
         notes.append(f"compute per process {'fell' if change < 0 else 'grew'} {abs(change):.0%} with {1 - k:.0%} fewer "
                      "samples per process" + (" (one process alone too)" if alone is not None else "")
-                     + ": the step is bound by the host launching kernels, not by the GPU"
-                     + (" (even with the whole step recorded)" if row.get("cuda_graph_scope") == "step"
-                        else " (try train.cuda_graph_scope=step: the whole step as recorded CUDA graphs)" if row.get("cuda_graphs")
-                        else " (try train.cuda_graphs=true)"))
+                     + (": with the whole step recorded no launch is left to the host, so the GPU's own kernels set the pace, "
+                        "each at its minimum time whatever the tokens (more samples per process would use them better)"
+                        if row.get("cuda_graph_scope") == "step"
+                        else ": the step is bound by the host launching kernels, not by the GPU"
+                        + (" (try train.cuda_graph_scope=step with train.optimizer=adamw: the whole step as recorded CUDA graphs)"
+                           if row.get("cuda_graphs") else " (try train.cuda_graphs=true)")))
     padding, padding_1 = row.get("padding", 0.0), base.get("padding", 0.0)
     if n > 1 and row["efficiency"] is not None and (padding or padding_1):
         # the same efficiency counted in the tokens the GPUs computed, padding included: a count whose
