@@ -377,7 +377,7 @@ class StepGraphs:
     """
 
     def __init__(self, r: Run, rows: dict[tuple, list[list[dict]]], stream):
-        acc, device = r.accelerator, r.accelerator.device
+        device = r.accelerator.device
         self.stream, self.pool = stream, torch.cuda.graph_pool_handle()
         self.num_items = torch.ones((), device=device)   # summary tokens of the global batch
         self.loss_sum = torch.zeros((), device=device)   # this process's loss, out of the backward graph
