@@ -198,7 +198,8 @@ def setup(cfg: Config, resume: bool = False) -> Run:
 
 
 def whole_step(cfg: Config, accelerator: Accelerator) -> bool:
-    """Whether each optimizer step is replayed as recorded CUDA graphs (train.cuda_graph_scope=step)."""
+    """Whether each optimizer step is replayed as recorded CUDA graphs (train.cuda_graph_scope step,
+    or auto with AdamW)."""
     t = cfg.train
     return (t.cuda_graphs and config_lib.graph_scope(t) == "step" and t.compile is not False
             and accelerator.device.type == "cuda")
