@@ -28,9 +28,11 @@ import argparse
 import collections
 import json
 import re
+import sys
 from pathlib import Path
 
-DEVICE = {"kernel", "gpu_memcpy", "gpu_memset"}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_gaps import DEVICE_CATEGORIES as DEVICE, idle_gaps  # noqa: E402
 
 
 def family(name: str) -> str:
@@ -71,22 +73,15 @@ def load(path: Path, marker: str) -> dict:
     steps = len(marks) - 1
     device = [e for e in device if marks[0] <= e["ts"] < marks[-1]]
     fams: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0, ""])
-    busy, end = 0.0, None
     for e in device:
         f = fams[family(e.get("name", ""))]
         f[0] += e.get("dur", 0)
         f[1] += 1
         f[2] = category(e.get("name", ""), e["cat"])
-        start, stop = e["ts"], e["ts"] + e.get("dur", 0)
-        if end is None or start >= end:
-            busy += stop - start
-            end = stop
-        elif stop > end:
-            busy += stop - end
-            end = stop
     span = marks[-1] - marks[0]
+    idle = sum(b - a for a, b, *_ in idle_gaps([(e["ts"], e["ts"] + e.get("dur", 0), "") for e in device], marks[0], marks[-1]))
     ms = 1e-3 / steps
-    return {"steps": steps, "span_ms": span * ms, "busy_ms": busy * ms, "idle_ms": (span - busy) * ms,
+    return {"steps": steps, "span_ms": span * ms, "busy_ms": (span - idle) * ms, "idle_ms": idle * ms,
             "families": {k: {"ms": v[0] * ms, "launches": v[1] / steps, "category": v[2]} for k, v in fams.items()}}
 
 
