@@ -156,6 +156,8 @@ CASES = [
     ("checkpointing as text", [*TRAIN, "train.gradient_checkpointing=sometimes"], ["train.gradient_checkpointing: 'sometimes' is not allowed"]),
     ("profile past the end", [*TRAIN, "train.max_steps=3", "train.profile_steps=2"],
      ["train.profile_steps: 2 steps after 2 warm-up steps need train.max_steps >= 4"]),
+    ("profile without a warm-up step", [*TRAIN, "train.profile_steps=2", "train.profile_after=0"],
+     ["train.profile_after: must be at least 1 (got 0)"]),
     ("row shorter than a sample", [*TRAIN, "train.tokens_per_forward=100"], ["train.tokens_per_forward: 100 is shorter than data.max_length 384"]),
     ("graphs without packing", [*TRAIN, "train.cuda_graphs=true", "train.packing=false"], ["train.cuda_graphs: needs train.packing=true"]),
     ("step graphs without graphs", [*TRAIN, "train.cuda_graph_scope=step"], ["train.cuda_graph_scope: step needs train.cuda_graphs=true"]),

@@ -212,9 +212,12 @@ class TrainConfig:
     val_every: int = 0
     """Validation loss every N optimizer steps (needs data.val); 0: only at the end."""
     profile_steps: int = 0
-    """Profile N optimizer steps after the warm-up steps with torch.profiler; rank 0 writes the
+    """Profile N optimizer steps after the first profile_after with torch.profiler; rank 0 writes the
     busiest operations to output_dir/profile.txt and a timeline to output_dir/trace.json, every
     other process its timeline to output_dir/trace-rankK.json. 0: off."""
+    profile_after: int = 2
+    """Optimizer steps before the profiled ones (at least 1: the profiler warms up in the last of
+    them); 2 skips the first step's compilation and allocator warm-up."""
     log_with: Literal["none", "tensorboard", "wandb", "mlflow"] = "none"
     """Also send metrics.jsonl's rows (rank 0's, through accelerate's trackers) to TensorBoard
     (output_dir/tensorboard: `tensorboard --logdir runs`), Weights & Biases or MLflow (project or
@@ -526,13 +529,12 @@ def check_values(cfg: Config) -> list[str]:
             parse_rows(spec)
         except ValueError:
             problems.append(f"{where}: {spec!r} is not a row slice (write START:STOP, e.g. \"0:700\")")
-    if t.profile_steps and t.max_steps is not None and t.max_steps < PROFILE_WAIT + t.profile_steps:
-        problems.append(f"train.profile_steps: {t.profile_steps} steps after {PROFILE_WAIT} warm-up steps need "
-                        f"train.max_steps >= {PROFILE_WAIT + t.profile_steps} (got {t.max_steps}; profile fewer steps or train longer)")
+    if t.profile_steps and t.profile_after < 1:
+        problems.append(f"train.profile_after: must be at least 1 (got {t.profile_after}): the profiler warms up in that step")
+    elif t.profile_steps and t.max_steps is not None and t.max_steps < t.profile_after + t.profile_steps:
+        problems.append(f"train.profile_steps: {t.profile_steps} steps after {t.profile_after} warm-up steps need "
+                        f"train.max_steps >= {t.profile_after + t.profile_steps} (got {t.max_steps}; profile fewer steps or train longer)")
     return problems
-
-
-PROFILE_WAIT = 2  # steps the profiler skips first (compilation, allocator warm-up)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -574,6 +576,11 @@ def graph_scope(t: TrainConfig) -> str:
     if t.cuda_graph_scope != "auto":
         return t.cuda_graph_scope
     return "step" if t.optimizer == "adamw" else "layers"
+
+
+def records_whole_step(t: TrainConfig) -> bool:
+    """Whether a GPU run replays each optimizer step as recorded CUDA graphs (scope step, or auto with AdamW)."""
+    return t.cuda_graphs and graph_scope(t) == "step" and t.compile is not False
 
 
 def batch_plan(t: TrainConfig, world_size: int) -> BatchPlan:

@@ -165,8 +165,8 @@ def setup(cfg: Config, resume: bool = False) -> Run:
         if problems := checks.rows_problems(len(train_set), plan):
             raise ConfigError(problems)
     total_steps = cfg.train.max_steps or max(1, math.floor(cfg.train.epochs * len(train_set) / plan.global_batch))
-    if cfg.train.profile_steps and total_steps < config_lib.PROFILE_WAIT + cfg.train.profile_steps:
-        raise ConfigError([f"train.profile_steps: {cfg.train.profile_steps} steps after {config_lib.PROFILE_WAIT} warm-up steps "
+    if cfg.train.profile_steps and total_steps < cfg.train.profile_after + cfg.train.profile_steps:
+        raise ConfigError([f"train.profile_steps: {cfg.train.profile_steps} steps after {cfg.train.profile_after} warm-up steps "
                            f"do not fit a run of {total_steps} steps (profile fewer steps or train longer)"])
 
     t1 = time.perf_counter()
@@ -200,9 +200,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
 def whole_step(cfg: Config, accelerator: Accelerator) -> bool:
     """Whether each optimizer step is replayed as recorded CUDA graphs (train.cuda_graph_scope step,
     or auto with AdamW)."""
-    t = cfg.train
-    return (t.cuda_graphs and config_lib.graph_scope(t) == "step" and t.compile is not False
-            and accelerator.device.type == "cuda")
+    return config_lib.records_whole_step(cfg.train) and accelerator.device.type == "cuda"
 
 
 @contextmanager
@@ -793,7 +791,7 @@ class _NoProfiler:
 
 
 def profiling(r: Run):
-    """torch.profiler over train.profile_steps steps after the first PROFILE_WAIT, or nothing."""
+    """torch.profiler over train.profile_steps steps after the first train.profile_after, or nothing."""
     n = r.cfg.train.profile_steps
     if not n:
         return nullcontext(_NoProfiler())
@@ -811,7 +809,7 @@ def profiling(r: Run):
         (r.out / "profile.txt").write_text("\n\n".join(tables))
         prof.export_chrome_trace(str(r.out / "trace.json"))
 
-    schedule = torch.profiler.schedule(wait=config_lib.PROFILE_WAIT - 1, warmup=1, active=n, repeat=1)
+    schedule = torch.profiler.schedule(wait=r.cfg.train.profile_after - 1, warmup=1, active=n, repeat=1)
     return torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=write)
 
 
