@@ -245,3 +245,32 @@ def test_whole_step_graphs_are_the_default_with_graphs_and_still_validate_and_ev
     _, eager_losses, eager_val = run("eager")
     assert losses == pytest.approx(eager_losses, rel=2e-2) and len(val) == len(eager_val) >= 2
     assert val == pytest.approx(eager_val, rel=2e-2)
+
+
+@cuda
+def test_scale_splits_whole_step_graphs_from_every_gpus_timeline(tmp_path):
+    """With the whole step recorded (auto with train.cuda_graphs), `scale` profiles timeline.STEPS
+    steps after each run's window and reads compute (and, on 2 GPUs, the all-reduce each process ran
+    with nothing beside it) from every process's GPU timeline: the parts are the GPU's, and add up
+    to the window's step."""
+    import types
+
+    from conftest import ROOT
+    from ddptune import scale, timeline
+
+    counts = "1,2" if torch.cuda.device_count() >= 2 else "1"
+    out = tmp_path / "scale"
+    args = types.SimpleNamespace(config=str(ROOT / "configs" / "tiny.yaml"), overrides=[
+        "data.val=null", "train.cuda_graphs=true", "train.compile=true", "train.micro_batch_size=8"], nproc=counts,
+        mode="same-global", steps=4, warmup=1, out=str(out), bandwidth_sizes="none", numa_binding=None, alone=False,
+        alone_only=False, timeline_steps=None)
+    assert scale.main(args) == 0
+    result = json.loads((out / "scaling.json").read_text())
+    assert result["manifest"]["timeline_steps"] == timeline.STEPS
+    for row in result["rows"]:
+        assert row["cuda_graph_scope"] == "step" and row["timeline_steps"] == timeline.STEPS, row["note"]
+        assert 0 < row["compute_s"] < row["step_s"] and "GPU timeline" in row["note"]
+        assert row["step_s"] == pytest.approx(sum(row["parts"].values()))
+        if row["nproc"] > 1:
+            assert row["exposed_comm_s"] is None or row["exposed_comm_s"] > 0
+            assert sum(row["slowest_steps"]) == timeline.STEPS

@@ -3,21 +3,29 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 import types
 
 import pytest
 
-from conftest import ROOT, check, ddptune, metrics
-from ddptune import scale
+from conftest import ROOT, check, ddptune, gpu_trace, metrics
+from ddptune import config, scale
 from ddptune.config import BatchPlan, ConfigError, TrainConfig
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
 FAST = ["data.val=null", "--steps", "3", "--warmup", "1", "--bandwidth-sizes", "64KB,1MB"]
 
 
-def test_scale_both_modes_on_the_same_samples(tmp_path):
-    out = tmp_path / "scale"
-    proc = check(ddptune("scale", TINY, *FAST, "--nproc", "1,2", "--mode", "both", "--alone", "--out", str(out)))
+@pytest.fixture(scope="module")
+def both_modes(tmp_path_factory):
+    """One `ddptune scale` of both modes with --alone and --timeline-steps 2 (four runs), read by two tests."""
+    out = tmp_path_factory.mktemp("both") / "scale"
+    return out, check(ddptune("scale", TINY, *FAST, "--nproc", "1,2", "--mode", "both", "--alone", "--timeline-steps", "2",
+                              "--out", str(out)))
+
+
+def test_scale_both_modes_on_the_same_samples(both_modes):
+    out, proc = both_modes
 
     for name in ("scaling.json", "scaling.csv", "scaling.md", "scaling.png", "manifest.json"):
         assert (out / name).is_file(), name
@@ -83,6 +91,38 @@ def test_scale_both_modes_on_the_same_samples(tmp_path):
     # the folder is never overwritten
     again = ddptune("scale", TINY, *FAST, "--nproc", "1,2", "--out", str(out))
     assert again.returncode == 2 and "already holds files" in again.stderr
+
+
+def test_timelines_profiled_after_the_window_split_its_steps(both_modes, tmp_path):
+    """--timeline-steps K: after its window every run trains one step for the profiler's warm-up and K
+    profiled ones, every process writing its timeline. CPU processes' timelines hold no GPU work, so
+    the parts stay the host clock's and the note says so; GPU timelines in their place give the parts."""
+    out, _ = both_modes
+    result = json.loads((out / "scaling.json").read_text())
+    assert result["manifest"]["timeline_steps"] == 2 and "--timeline-steps 2" in result["manifest"]["command"]
+    for key, run in result["manifest"]["runs"].items():
+        assert len([r for r in metrics(out / key) if "step_time_s" in r]) == run["steps"] + 3
+        for k in range(run["nproc"]):  # ProfilerStep#k is step k + 1: the run's last two
+            trace = json.loads((out / key / ("trace.json" if k == 0 else f"trace-rank{k}.json")).read_text())
+            profiled = {e["name"] for e in trace["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")}
+            assert profiled == {f"ProfilerStep#{run['steps'] + 1}", f"ProfilerStep#{run['steps'] + 2}"}, key
+    assert all("the timelines hold no GPU work (CPU processes)" in r["note"] for r in result["rows"] if "ceiling" not in r)
+
+    # GPU timelines of the two profiled steps: process 1's GPU 40 µs slower; process 0 waits for it
+    run_dir = tmp_path / "n2"
+    shutil.copytree(out / "same-global-n2", run_dir)
+    steps = result["manifest"]["runs"]["same-global-n2"]["steps"]
+    for k, slow in enumerate((0, 40)):
+        (run_dir / ("trace.json" if k == 0 else f"trace-rank{k}.json")).write_text(
+            json.dumps(gpu_trace(slow, profiler_steps=(steps + 1, steps + 2))))
+    plan = scale.plan_for(config.load(TINY, ["data.val=null"]).train, "same-global", 2)
+    run = {"nproc": 2, "dir": run_dir, "plan": plan, "overrides": ["train.profile_steps=2"]}
+    row = scale.account(dict(scale.measure(run, tuple(result["manifest"]["sample_window"]["same-global"])),
+                             mode="same-global"), None, cuda=True)
+    assert row["timeline_steps"] == 2 and row["slowest_steps"] == [0, 2]
+    assert (row["compute_s"], row["imbalance_s"], row["exposed_comm_s"]) == pytest.approx((170e-6, 20e-6, 120e-6))
+    assert row["rest_s"] == pytest.approx(row["step_s"] - 310e-6)  # the window's step, less the three
+    assert "from every process's GPU timeline over 2 steps profiled after the window" in row["note"]
 
 
 def test_scale_four_processes_report_their_balance(tmp_path):
@@ -190,7 +230,7 @@ def test_an_imbalance_that_even_shares_do_not_explain_is_named_as_the_gpus_sprea
 def test_bad_nproc_is_one_line_error(tmp_path):
     args = types.SimpleNamespace(config=TINY, overrides=[], nproc="2,4", mode="same-per-device", steps=None, warmup=None,
                                  out=str(tmp_path / "x"), bandwidth_sizes="1MB", numa_binding=None, alone=False,
-                                 alone_only=False)
+                                 alone_only=False, timeline_steps=None)
     with pytest.raises(ConfigError, match="include 1"):
         scale.main(args)
     args.nproc, args.alone = "1,2", True  # one process at the share of a count only means something at a fixed global batch
@@ -311,7 +351,7 @@ def test_alone_only_measures_the_ceiling_of_two_gpus_on_one(tmp_path):
     out = tmp_path / "ceiling"
     args = types.SimpleNamespace(config=TINY, overrides=["data.val=null"], nproc="1,2", mode="same-global", steps=3,
                                  warmup=1, out=str(out), bandwidth_sizes="1MB", numa_binding=None, alone=False,
-                                 alone_only=True)
+                                 alone_only=True, timeline_steps=None)
     assert scale.main(args) == 0
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["alone-n2", "n1"]
     result = json.loads((out / "scaling.json").read_text())

@@ -22,7 +22,7 @@ import contextlib
 import os
 import sys
 
-from ddptune import checks, config as config_lib, dist, lock, report
+from ddptune import checks, config as config_lib, dist, lock, report, timeline
 from ddptune.config import ConfigError
 
 
@@ -88,6 +88,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--alone-only", action="store_true",
                    help="same-global, on one GPU: run n = 1 and the --alone runs only, for the ceiling each count "
                         "could reach at this global batch before any more GPUs are used")
+    s.add_argument("--timeline-steps", type=int, default=None, metavar="K",
+                   help="profile K steps after each run's measured window and split its steps from every process's "
+                        "GPU timeline (default: %d where the whole step is recorded as CUDA graphs on GPUs, else 0)"
+                        % timeline.STEPS)
     m = sub.add_parser("plan", help="predict peak memory per GPU before loading anything, and how to run it")
     m.add_argument("config")
     m.add_argument("overrides", nargs="*")

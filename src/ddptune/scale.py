@@ -19,6 +19,12 @@ Where the time goes: each process times its own compute (forwards and backwards 
 gradient bucket is ready) and its wait for the gradient all-reduce (`dist.StepClock`). Per step:
     step = mean compute + imbalance (slowest - mean compute)
          + exposed communication (the slowest process's wait: it waits for nobody) + rest.
+With the whole step recorded as CUDA graphs (train.cuda_graph_scope=step) no mark can be placed
+inside it, and the host's clock counts the wait for the others as compute. Each run then trains
+--timeline-steps more steps after the window (after one more for the profiler's warm-up) under
+torch.profiler, and compute, imbalance and exposed communication come from every process's GPU
+timeline over them (`timeline`: each GPU's own work, and the collectives it ran with nothing
+beside); the rest is what the window's mean step has beyond those three.
 Where the shares' work (metrics.predicted_excess) explains less than half the imbalance, the note
 says the rest comes from the GPUs: equal work, and still one GPU slower each step. It names the
 process when the same one was the slowest in most steps (that GPU is slower), else the GPUs' spread.
@@ -70,7 +76,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from ddptune import checks, comm, config as config_lib, dist, env, metrics, report
+from ddptune import checks, comm, config as config_lib, dist, env, metrics, report, timeline
 from ddptune.config import BatchPlan, ConfigError
 
 SAME_PER_DEVICE, SAME_GLOBAL = "same-per-device", "same-global"
@@ -114,6 +120,10 @@ def main(args) -> int:
     measured = MEASURED if args.steps is None else args.steps
     sizes = parse_sizes(args.bandwidth_sizes)
     cuda = torch.cuda.is_available()
+    # the whole step recorded as CUDA graphs hides the all-reduce from the host's clock: read the GPU's timelines
+    profiled = args.timeline_steps
+    if profiled is None:
+        profiled = timeline.STEPS if cuda and config_lib.records_whole_step(cfg.train) else 0
     # as many threads per process at every count, those of the largest count, so that n = 1 is not
     # measured with threads that n = N could not have
     threads = dist.default_threads(max(counts), cuda)
@@ -126,6 +136,8 @@ def main(args) -> int:
         problems.append(f"--out: {out} already holds files (choose another --out, or remove it)")
     if warmup < 0 or measured < 1:
         problems.append(f"--warmup {warmup} / --steps {measured}: need warm-up >= 0 and at least 1 measured step")
+    if profiled < 0:
+        problems.append(f"--timeline-steps {profiled}: must be 0 (off) or more")
     alone_only = args.alone_only
     with_alone = args.alone or alone_only  # the alone runs
     if with_alone and SAME_GLOBAL not in modes:
@@ -153,7 +165,12 @@ def main(args) -> int:
             runs[f"alone-n{n}"] = {"nproc": 1, "dir": out / f"alone-n{n}", "plan": share,
                                    "steps": windows[m][1] // share.global_batch}
     for key, run in runs.items():
-        run["overrides"] = [*batch_overrides(run["plan"], cfg.train), f"train.max_steps={run['steps']}", f"output_dir={as_yaml(run['dir'])}"]
+        steps = run["steps"]
+        if profiled:  # after the window, one step for the profiler's own warm-up, then the profiled ones
+            run["overrides"] = [f"train.profile_steps={profiled}", f"train.profile_after={steps + 1}"]
+            steps += 1 + profiled
+        run["overrides"] = [*run.get("overrides", []), *batch_overrides(run["plan"], cfg.train),
+                            f"train.max_steps={steps}", f"output_dir={as_yaml(run['dir'])}"]
         try:
             checks.validate(config_lib.load(args.config, overrides + run["overrides"]), run["nproc"])
         except ConfigError as e:
@@ -217,10 +234,12 @@ def main(args) -> int:
                                "--steps", str(measured), "--warmup", str(warmup), "--out", str(out),
                                "--bandwidth-sizes", args.bandwidth_sizes]
                               + (["--numa-binding", args.numa_binding] if args.numa_binding else [])
-                              + (["--alone"] if args.alone else []) + (["--alone-only"] if alone_only else [])),
+                              + (["--alone"] if args.alone else []) + (["--alone-only"] if alone_only else [])
+                              + ([] if args.timeline_steps is None else ["--timeline-steps", str(args.timeline_steps)])),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "modes": modes, "config": args.config,
         "overrides": overrides, "seed": cfg.train.seed, "sample_window": {m: list(w) for m, w in windows.items()},
         "threads_per_process": threads, "numa_binding": args.numa_binding, "alone": args.alone, "alone_only": alone_only,
+        "timeline_steps": profiled,
         "batch": [{"mode": m, "nproc": n, **dataclasses.asdict(p), "global_batch": p.global_batch, "describe": p.describe()}
                   for (m, n), p in plans.items()],
         "runs": {k: {"nproc": r["nproc"], "steps": r["steps"], "dir": str(r["dir"]), "command": r["command"]} for k, r in runs.items()},
@@ -358,14 +377,16 @@ def measure(run: dict, window: tuple[int, int]) -> dict:
     plan: BatchPlan = run["plan"]
     steps = window_lines(run["dir"], "metrics.jsonl", plan.global_batch, window)
     ranks = window_lines(run["dir"], "ranks.jsonl", plan.global_batch, window)
+    asked = any(o.startswith("train.profile_steps=") for o in run.get("overrides", []))
+    gpu = gpu_lines(run["dir"], plan.world_size) if asked else []
     summary = json.loads((run["dir"] / "summary.json").read_text())
     peaks = [p for p in summary.get("peak_mem_gib_per_process") or [] if p is not None]
     return {"nproc": plan.world_size, "per_process": plan.per_process, "global_batch": plan.global_batch,
             "batch": f"{plan.per_process} x {plan.world_size} = {plan.global_batch}", "steps": len(steps),
             **timing([r["step_time_s"] for r in steps], sum(r["tokens"] for r in steps), window[1] - window[0],
-                     plan.world_size, ranks),
+                     plan.world_size, ranks, gpu),
             "strategy": summary.get("strategy", "ddp"), "cuda_graphs": summary.get("cuda_graphs", False),
-            "cuda_graph_scope": summary.get("cuda_graph_scope"),
+            "cuda_graph_scope": summary.get("cuda_graph_scope"), "timeline_asked": asked,
             "balance": statistics.fmean(r["balance"] for r in steps),
             # of the tokens the GPUs computed: padded batches, or rows padded for CUDA graphs
             "padding": 1 - sum(r["tokens"] for r in steps) / sum(r["padded_tokens"] for r in steps),
@@ -376,17 +397,33 @@ def measure(run: dict, window: tuple[int, int]) -> dict:
             **{f"host_cpu_{k}": (run.get("host_cpu") or {}).get(k) for k in ("busy", "steal")}}
 
 
-def timing(times: list[float], tokens: int, samples: int, nproc: int, ranks: list[dict]) -> dict:
+def gpu_lines(folder: Path, world: int) -> list[dict]:
+    """The ranks.jsonl lines of the steps profiled after the window, their compute and wait read
+    from every process's GPU timeline (`timeline`); [] where the timelines hold no GPU work."""
+    paths = timeline.trace_files(folder, world)
+    if paths is None:
+        return []
+    lines = [json.loads(line) for line in (folder / "ranks.jsonl").read_text().splitlines()]
+    return timeline.rank_lines(lines, [timeline.load(p) for p in paths])
+
+
+def timing(times: list[float], tokens: int, samples: int, nproc: int, ranks: list[dict], gpu: list[dict] = ()) -> dict:
     """A run's figures over the steps of the window: their step `times`, the real `tokens` and
-    `samples` they trained on, and their ranks.jsonl lines (the split of each step into its parts)."""
+    `samples` they trained on, and their ranks.jsonl lines (the split of each step into its parts).
+    With `gpu` (gpu_lines) the parts but the rest come from those profiled steps' GPU timelines, and
+    the rest is what the window's mean step has beyond them."""
     seconds = sum(times)
-    split = metrics.split(ranks)
+    split = metrics.split(gpu or ranks)
+    if gpu:
+        split["rest_s"] = seconds / len(times) - sum(split[k] for k in PART_KEYS[:3])
+        split["rest_s_se"] = None
     return {"samples_measured": samples, "step_s": seconds / len(times), "median_step_s": statistics.median(times),
             **stalls(times), "tokens_per_s": tokens / seconds, "tokens_per_s_per_gpu": tokens / seconds / nproc,
             "samples_per_s": samples / seconds,
             **{f"{k}{se}": split[k + se] for k in PART_KEYS for se in ("", "_se")},
             "imbalance_costed_s": split["imbalance_costed_s"], "slowest_steps": split["slowest_steps"],
-            "compute_offset_s": split["compute_offset_s"]}
+            "compute_offset_s": split["compute_offset_s"],
+            "timeline_steps": len(gpu), "timeline_step_s": split["step_s"] if gpu else None}
 
 
 def which_gpu(row: dict) -> str | None:
@@ -483,9 +520,16 @@ def account(row: dict, base: dict | None, cuda: bool) -> dict:
     if n > 1 and row.get("strategy") == "fsdp":
         # FSDP's all-gathers and reduce-scatters run inside forward and backward: no mark separates them
         notes.append("fsdp: its communication runs inside forward and backward and is counted in compute")
-    if n > 1 and row.get("cuda_graph_scope") == "step":  # no timing event can be recorded inside a graph
+    if row.get("timeline_steps"):
+        notes.append(f"compute, imbalance and exposed comm from every process's GPU timeline over {row['timeline_steps']} "
+                     f"steps profiled after the window ({row['timeline_step_s'] * 1e3:.4g} ms a step there, "
+                     f"{row['step_s'] * 1e3:.4g} ms in the window): compute is each GPU's own work, exposed comm the "
+                     "all-reduce the slowest process ran with nothing beside it")
+    elif row.get("timeline_asked"):
+        notes.append("--timeline-steps: the timelines hold no GPU work (CPU processes): the parts are each process's own clock's")
+    elif n > 1 and row.get("cuda_graph_scope") == "step":  # no timing event can be recorded inside a graph
         notes.append("cuda_graph_scope=step: the gradient all-reduce and the wait for the other processes run "
-                     "inside the recorded step and are counted in compute")
+                     "inside the recorded step and are counted in compute (--timeline-steps splits them)")
     for r, who in ((base, "n = 1"), (row, f"n = {n}")) if n > 1 else ((row, "n = 1"),):
         if r.get("stall_steps"):
             notes.append(f"{who}: {r['stall_steps']} step(s) over {STALL_FACTOR:g}x the median, {r['stall_s']:.1f} s in all")
