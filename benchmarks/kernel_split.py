@@ -3,6 +3,7 @@ job, one process at a global batch against one of n processes at its 1/n share (
 
     python benchmarks/kernel_split.py N1/trace.json N2/trace.json [--alone A/trace.json] [--n 2] [--json split.json]
     python benchmarks/kernel_split.py --collectives N2/trace.json N2/trace-rank1.json [--json c.json]
+    python benchmarks/kernel_split.py --timeline N2/trace.json N2/trace-rank1.json [--json t.json]
 
 Each trace is rank 0's `output_dir/trace.json` from `ddptune train ... train.profile_steps=K`. For
 every kernel family (its name without template arguments, launch numbers or inductor's trailing
@@ -21,6 +22,10 @@ the last of them count.
 --collectives lines up the processes' NCCL kernels (their traces share the host's clock): when
 each process entered each collective and how long its kernel ran. The one that entered last ran
 its kernel for about the transfer alone; the others' kernels also waited for it.
+
+--timeline splits each profiled step as `ddptune scale` does with the whole step recorded
+(`ddptune.timeline`): every process's compute, wait and idle, and the step's mean compute,
+imbalance and exposed communication.
 """
 from __future__ import annotations
 
@@ -142,12 +147,27 @@ def main() -> None:
     p.add_argument("many", type=Path, nargs="+", help="rank 0's trace.json of n processes at 1/n of it each "
                    "(with --collectives: every process's trace)")
     p.add_argument("--collectives", action="store_true", help="line up the traces' collectives instead")
+    p.add_argument("--timeline", action="store_true", help="split each step from every process's timeline instead")
     p.add_argument("--alone", type=Path, help="trace.json of 1 process alone at the n-process share")
     p.add_argument("--n", type=int, default=2)
     p.add_argument("--marker", default="indexFuncLargeIndex", help="a kernel that runs once a step")
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--json", type=Path)
     a = p.parse_args()
+    if a.timeline:
+        from ddptune import metrics, timeline
+
+        per_rank = [timeline.load(path) for path in [a.one, *a.many]]
+        lines = timeline.rank_lines([{"step": k, "step_s": [0.0]} for k in sorted(per_rank[0])], per_rank)  # no host step: no rest
+        split = metrics.split(lines)
+        for line in lines:
+            print(f"step {line['step']:4}" + "".join(f"  {k.removesuffix('_s')} " + " ".join(f"{t * 1e3:8.3f}" for t in line[k])
+                                                     for k in ("compute_s", "wait_s", "work_s", "idle_s")))
+        print("ms a step: " + ", ".join(f"{k.removesuffix('_s')} {split[k] * 1e3:.3f}" for k in ("compute_s", "imbalance_s", "exposed_comm_s"))
+              + f"; slowest in steps per process {split['slowest_steps']}")
+        if a.json:
+            a.json.write_text(json.dumps({"steps": lines, "split": split}, indent=1))
+        return
     if a.collectives:
         rows = collectives([a.one, *a.many])
         for r in rows:

@@ -62,3 +62,17 @@ def test_collectives_say_who_entered_last(tmp_path):
     rows = kernel_split.collectives([one_rank(tmp_path / "0.json", [200, 1400]), one_rank(tmp_path / "1.json", [900, 1100])])
     assert [r["last_in"] for r in rows] == [1, 0]
     assert rows[0]["start_ms"] == pytest.approx([0.2, 0.9]) and rows[0]["dur_ms"] == pytest.approx([1.3, 0.6])
+
+
+def test_timeline_splits_each_step_as_scale_does(tmp_path, monkeypatch, capsys):
+    from conftest import gpu_trace
+
+    paths = [tmp_path / "trace.json", tmp_path / "trace-rank1.json"]
+    for path, slow in zip(paths, (0, 40)):
+        path.write_text(json.dumps(gpu_trace(slow)))
+    monkeypatch.setattr("sys.argv", ["kernel_split.py", "--timeline", *map(str, paths), "--json", str(tmp_path / "t.json")])
+    kernel_split.main()
+    got = json.loads((tmp_path / "t.json").read_text())
+    assert [s["step"] for s in got["steps"]] == [4, 5] and got["split"]["slowest_steps"] == [0, 2]
+    assert (got["split"]["imbalance_s"], got["split"]["exposed_comm_s"]) == pytest.approx((20e-6, 120e-6))
+    assert "imbalance 0.020, exposed_comm 0.120" in capsys.readouterr().out

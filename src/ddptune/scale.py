@@ -23,8 +23,9 @@ With the whole step recorded as CUDA graphs (train.cuda_graph_scope=step) no mar
 inside it, and the host's clock counts the wait for the others as compute. Each run then trains
 --timeline-steps more steps after the window (after one more for the profiler's warm-up) under
 torch.profiler, and compute, imbalance and exposed communication come from every process's GPU
-timeline over them (`timeline`: each GPU's own work, and the collectives it ran with nothing
-beside); the rest is what the window's mean step has beyond those three.
+timeline over them (`timeline`: a process's compute runs from the first GPU's start of the step
+until its GPU came to the all-reduce; the last to come waits only for the transfer); the rest is
+what the window's mean step has beyond those three.
 Where the shares' work (metrics.predicted_excess) explains less than half the imbalance, the note
 says the rest comes from the GPUs: equal work, and still one GPU slower each step. It names the
 process when the same one was the slowest in most steps (that GPU is slower), else the GPUs' spread.
@@ -523,8 +524,8 @@ def account(row: dict, base: dict | None, cuda: bool) -> dict:
     if row.get("timeline_steps"):
         notes.append(f"compute, imbalance and exposed comm from every process's GPU timeline over {row['timeline_steps']} "
                      f"steps profiled after the window ({row['timeline_step_s'] * 1e3:.4g} ms a step there, "
-                     f"{row['step_s'] * 1e3:.4g} ms in the window): compute is each GPU's own work, exposed comm the "
-                     "all-reduce the slowest process ran with nothing beside it")
+                     f"{row['step_s'] * 1e3:.4g} ms in the window): compute runs until each GPU came to the all-reduce, "
+                     "exposed comm is what the last to come spent in it")
     elif row.get("timeline_asked"):
         notes.append("--timeline-steps: the timelines hold no GPU work (CPU processes): the parts are each process's own clock's")
     elif n > 1 and row.get("cuda_graph_scope") == "step":  # no timing event can be recorded inside a graph

@@ -1,23 +1,28 @@
-"""Each process's own GPU time per step, read from its torch.profiler timeline.
+"""Each process's GPU time per step, read from its torch.profiler timeline.
 
 With the whole step recorded as CUDA graphs (train.cuda_graph_scope=step) no timing event can be
 placed between a process's last backward kernel and its gradient all-reduce, so its host clock
 (dist.StepClock) sees compute and the wait for the other processes as one. The profiler sees
 every kernel of the replayed graphs. `train.profile_steps` writes one timeline per process
-(rank 0 `trace.json`, the others `trace-rankK.json`); for each profiled step this reads:
+(rank 0 `trace.json`, the others `trace-rankK.json`); for each profiled step, on each GPU:
 
-    compute_s  the time the GPU ran anything but a collective (kernels, copies and memsets,
-               overlapping ones counted once): this process's own work
-    wait_s     the time it ran collectives and nothing else: the all-reduce this process could
-               not hide behind its own work, waiting for slower processes included
-    idle_s     the time inside the step it ran nothing
+    work_s   the time it ran anything but a collective (kernels, copies and memsets, overlapping
+             ones counted once)
+    wait_s   the time it ran collectives and nothing else: the all-reduce it could not hide
+             behind its own work, and its wait for the processes that came to it later
+    idle_s   the time inside the step it ran nothing
 
 A step's work is found through the launch calls: a kernel belongs to the step whose
 `ProfilerStep#k` span on the host holds the call that launched it (a graph replay launches all of
-its kernels at once), whenever the GPU ran it. With these in place of the host's compute and wait,
-`metrics.split` splits the step as it does for eager steps: the slowest process's own work sets
-the step, the others wait for it in the all-reduce (imbalance), and what the slowest process
-waits is the all-reduce it could not hide (exposed communication).
+its kernels at once), whenever the GPU ran it.
+
+Across processes (`rank_lines`, their timelines on one machine's clock): a step starts when the
+first GPU starts it, and a process's compute is the time from there until its GPU finished the
+step, less its wait: its own work, the idle inside it and a late start. The process that came last
+to the all-reduce waits least and has the most compute; it waits for nobody, so its wait is the
+all-reduce itself. With these in place of the host's compute and wait, `metrics.split` splits the
+step as it does for eager steps: mean compute, imbalance (slowest - mean: the others' wait for the
+last) and exposed communication (the last one's wait).
 """
 from __future__ import annotations
 
@@ -53,9 +58,10 @@ def is_collective(event: dict) -> bool:
 
 
 def step_times(events: list[dict], first_step: int = 0) -> dict[int, dict]:
-    """{step: {"compute_s", "wait_s", "idle_s", "span_s", "kernels"}} for each profiled step of one
-    process's trace events (step numbers 1-based, as in metrics.jsonl: ProfilerStep#k is step
-    first_step + k + 1, `first_step` being the step a resumed run started after)."""
+    """{step: {"work_s", "wait_s", "idle_s", "start_us", "end_us", "kernels"}} for each profiled
+    step of one process's trace events (the step's first and last GPU work on the trace's clock);
+    step numbers are 1-based, as in metrics.jsonl: ProfilerStep#k is step first_step + k + 1,
+    `first_step` being the step a resumed run started after."""
     spans = sorted((e["ts"], e["ts"] + e.get("dur", 0), int(m.group(1))) for e in events
                    if e.get("ph") == "X" and e.get("cat") == "user_annotation" and (m := STEP.match(str(e.get("name", "")))))
     starts = [s[0] for s in spans]
@@ -76,10 +82,10 @@ def step_times(events: list[dict], first_step: int = 0) -> dict[int, dict]:
     out = {}
     for k, items in sorted(work.items()):
         busy = union([(a, b) for a, b, _ in items])
-        compute = union([(a, b) for a, b, collective in items if not collective])
-        span = max(b for _, b, _ in items) - min(a for a, _, _ in items)
-        out[first_step + k + 1] = {"compute_s": compute / 1e6, "wait_s": (busy - compute) / 1e6,
-                                   "idle_s": (span - busy) / 1e6, "span_s": span / 1e6, "kernels": len(items)}
+        own = union([(a, b) for a, b, collective in items if not collective])
+        start, end = min(a for a, _, _ in items), max(b for _, b, _ in items)
+        out[first_step + k + 1] = {"work_s": own / 1e6, "wait_s": (busy - own) / 1e6, "idle_s": (end - start - busy) / 1e6,
+                                   "start_us": start, "end_us": end, "kernels": len(items)}
     return out
 
 
@@ -89,13 +95,14 @@ def load(path: Path, first_step: int = 0) -> dict[int, dict]:
 
 
 def rank_lines(lines: list[dict], per_rank: list[dict[int, dict]]) -> list[dict]:
-    """ranks.jsonl `lines` of the steps every process's timeline holds (with GPU work on each),
-    their compute_s and wait_s replaced by the timelines': input for metrics.split."""
+    """ranks.jsonl `lines` of the steps every process's timeline holds, their compute_s and wait_s
+    replaced by the timelines' (module docstring; work_s and idle_s beside them): metrics.split's input."""
     out = []
     for line in lines:
         got = [steps.get(line["step"]) for steps in per_rank]
-        if None in got or not all(g["kernels"] for g in got):
+        if None in got:
             continue
-        out.append({**line, "compute_s": [g["compute_s"] for g in got], "wait_s": [g["wait_s"] for g in got],
-                    "idle_s": [g["idle_s"] for g in got], "span_s": [g["span_s"] for g in got]})
+        origin = min(g["start_us"] for g in got)
+        out.append({**line, "compute_s": [(g["end_us"] - origin) / 1e6 - g["wait_s"] for g in got],
+                    **{key: [g[key] for g in got] for key in ("wait_s", "work_s", "idle_s")}})
     return out
