@@ -21,5 +21,6 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/ddptune train configs/demo.yaml output_dir=runs/demo-$$(date +%Y%m%d-%H%M%S)
 
+# two workers (most tests wait on processes they spawn), grouped by module so a module's fixture is made once
 test: setup
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -n 2 --dist loadscope --durations=15
