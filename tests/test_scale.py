@@ -116,7 +116,7 @@ def test_timelines_profiled_after_the_window_split_its_steps(both_modes, tmp_pat
         (run_dir / ("trace.json" if k == 0 else f"trace-rank{k}.json")).write_text(
             json.dumps(gpu_trace(slow, profiler_steps=(steps + 1, steps + 2))))
     plan = scale.plan_for(config.load(TINY, ["data.val=null"]).train, "same-global", 2)
-    run = {"nproc": 2, "dir": run_dir, "plan": plan, "overrides": ["train.profile_steps=2"]}
+    run = {"nproc": 2, "dir": run_dir, "plan": plan, "timeline": 2}
     row = scale.account(dict(scale.measure(run, tuple(result["manifest"]["sample_window"]["same-global"])),
                              mode="same-global"), None, cuda=True)
     assert row["timeline_steps"] == 2 and row["slowest_steps"] == [0, 2]

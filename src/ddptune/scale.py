@@ -166,12 +166,12 @@ def main(args) -> int:
             runs[f"alone-n{n}"] = {"nproc": 1, "dir": out / f"alone-n{n}", "plan": share,
                                    "steps": windows[m][1] // share.global_batch}
     for key, run in runs.items():
-        steps = run["steps"]
+        run["timeline"], steps, profile = profiled, run["steps"], []
         if profiled:  # after the window, one step for the profiler's own warm-up, then the profiled ones
-            run["overrides"] = [f"train.profile_steps={profiled}", f"train.profile_after={steps + 1}"]
+            profile = [f"train.profile_steps={profiled}", f"train.profile_after={steps + 1}"]
             steps += 1 + profiled
-        run["overrides"] = [*run.get("overrides", []), *batch_overrides(run["plan"], cfg.train),
-                            f"train.max_steps={steps}", f"output_dir={as_yaml(run['dir'])}"]
+        run["overrides"] = [*profile, *batch_overrides(run["plan"], cfg.train), f"train.max_steps={steps}",
+                            f"output_dir={as_yaml(run['dir'])}"]
         try:
             checks.validate(config_lib.load(args.config, overrides + run["overrides"]), run["nproc"])
         except ConfigError as e:
@@ -378,8 +378,7 @@ def measure(run: dict, window: tuple[int, int]) -> dict:
     plan: BatchPlan = run["plan"]
     steps = window_lines(run["dir"], "metrics.jsonl", plan.global_batch, window)
     ranks = window_lines(run["dir"], "ranks.jsonl", plan.global_batch, window)
-    asked = any(o.startswith("train.profile_steps=") for o in run.get("overrides", []))
-    gpu = gpu_lines(run["dir"], plan.world_size) if asked else []
+    gpu = gpu_lines(run["dir"], plan.world_size) if run.get("timeline") else []
     summary = json.loads((run["dir"] / "summary.json").read_text())
     peaks = [p for p in summary.get("peak_mem_gib_per_process") or [] if p is not None]
     return {"nproc": plan.world_size, "per_process": plan.per_process, "global_batch": plan.global_batch,
@@ -387,7 +386,7 @@ def measure(run: dict, window: tuple[int, int]) -> dict:
             **timing([r["step_time_s"] for r in steps], sum(r["tokens"] for r in steps), window[1] - window[0],
                      plan.world_size, ranks, gpu),
             "strategy": summary.get("strategy", "ddp"), "cuda_graphs": summary.get("cuda_graphs", False),
-            "cuda_graph_scope": summary.get("cuda_graph_scope"), "timeline_asked": asked,
+            "cuda_graph_scope": summary.get("cuda_graph_scope"), "timeline_asked": bool(run.get("timeline")),
             "balance": statistics.fmean(r["balance"] for r in steps),
             # of the tokens the GPUs computed: padded batches, or rows padded for CUDA graphs
             "padding": 1 - sum(r["tokens"] for r in steps) / sum(r["padded_tokens"] for r in steps),
