@@ -269,8 +269,11 @@ def test_scale_splits_whole_step_graphs_from_every_gpus_timeline(tmp_path):
     assert result["manifest"]["timeline_steps"] == timeline.STEPS
     for row in result["rows"]:
         assert row["cuda_graph_scope"] == "step" and row["timeline_steps"] == timeline.STEPS, row["note"]
-        assert 0 < row["compute_s"] < row["step_s"] and "GPU timeline" in row["note"]
+        assert row["compute_s"] > 0 and "GPU timeline" in row["note"]
         assert row["step_s"] == pytest.approx(sum(row["parts"].values()))
+        # the GPUs' part of a profiled step fits in that step as the host's events timed it
+        gpu = row["compute_s"] + (row["imbalance_s"] or 0) + (row["exposed_comm_s"] or 0)
+        assert gpu < 1.1 * row["timeline_step_s"]
         if row["nproc"] > 1:
             assert row["exposed_comm_s"] is None or row["exposed_comm_s"] > 0
             assert sum(row["slowest_steps"]) == timeline.STEPS
