@@ -107,6 +107,7 @@ def test_timelines_profiled_after_the_window_split_its_steps(both_modes, tmp_pat
             profiled = {e["name"] for e in trace["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")}
             assert profiled == {f"ProfilerStep#{run['steps'] + 1}", f"ProfilerStep#{run['steps'] + 2}"}, key
     assert all("the timelines hold no GPU work (CPU processes)" in r["note"] for r in result["rows"] if "ceiling" not in r)
+    assert "GPU timeline over 2 steps profiled after the window" in (out / "scaling.md").read_text()
 
     # GPU timelines of the two profiled steps: process 1's GPU 40 µs slower; process 0 waits for it
     run_dir = tmp_path / "n2"

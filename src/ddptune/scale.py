@@ -674,7 +674,10 @@ def markdown(table: str, bandwidth: dict, result: dict) -> str:
              "those steps. step = compute (mean process) + imbalance (slowest - mean) + exposed comm (the slowest process's "
              "wait for the all-reduce) + rest (optimizer, data, gaps). speedup = samples/s at n over samples/s at 1; "
              "efficiency = speedup / n; the `lost:` columns split 1 - efficiency into its parts (fractions of the step at n). "
-             "A part below twice its standard error is left blank and named in the note.\n",
+             "A part below twice its standard error is left blank and named in the note."
+             + (f" Where the whole step is recorded as CUDA graphs, compute, imbalance and exposed comm come from every "
+                f"process's GPU timeline over {m['timeline_steps']} steps profiled after the window (the notes say which rows)."
+                if m.get("timeline_steps") else "") + "\n",
              table]
     parts.append(f"## All-reduce bandwidth, {bandwidth['nproc']} processes ({bandwidth.get('backend', 'none')})\n")
     parts.append(f"Interconnect: {result['interconnect']}.\n")
