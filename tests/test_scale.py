@@ -18,10 +18,9 @@ FAST = ["data.val=null", "--steps", "3", "--warmup", "1", "--bandwidth-sizes", "
 
 @pytest.fixture(scope="module")
 def both_modes(tmp_path_factory):
-    """One `ddptune scale` of both modes with --alone and --timeline-steps 2 (four runs), read by two tests."""
+    """One `ddptune scale` of both modes with --alone (four runs), read by two tests."""
     out = tmp_path_factory.mktemp("both") / "scale"
-    return out, check(ddptune("scale", TINY, *FAST, "--nproc", "1,2", "--mode", "both", "--alone", "--timeline-steps", "2",
-                              "--out", str(out)))
+    return out, check(ddptune("scale", TINY, *FAST, "--nproc", "1,2", "--mode", "both", "--alone", "--out", str(out)))
 
 
 def test_scale_both_modes_on_the_same_samples(both_modes):
@@ -93,29 +92,23 @@ def test_scale_both_modes_on_the_same_samples(both_modes):
     assert again.returncode == 2 and "already holds files" in again.stderr
 
 
-def test_timelines_profiled_after_the_window_split_its_steps(both_modes, tmp_path):
-    """--timeline-steps K: after its window every run trains one step for the profiler's warm-up and K
-    profiled ones, every process writing its timeline. CPU processes' timelines hold no GPU work, so
-    the parts stay the host clock's and the note says so; GPU timelines in their place give the parts."""
+def test_gpu_timelines_of_profiled_steps_split_them(both_modes, tmp_path):
+    """With the whole step recorded on GPUs, each run profiles --timeline-steps steps after its window
+    (after one for the profiler's warm-up) and every process's GPU timeline gives compute, imbalance
+    and exposed comm. Here: a 2-process CPU run's folder with GPU timelines written into it for the
+    window's last two steps (process 1's GPU 40 µs slower, process 0 waiting for it in the all-reduce)."""
+    assert scale.timeline_overrides(4, 0) == ["train.max_steps=4"]
+    assert scale.timeline_overrides(4, 2) == ["train.profile_steps=2", "train.profile_after=5",
+                                              f"train.max_steps={4 + 1 + 2 + scale.TIMELINE_TAIL}"]
     out, _ = both_modes
     result = json.loads((out / "scaling.json").read_text())
-    assert result["manifest"]["timeline_steps"] == 2 and "--timeline-steps 2" in result["manifest"]["command"]
-    for key, run in result["manifest"]["runs"].items():
-        assert len([r for r in metrics(out / key) if "step_time_s" in r]) == run["steps"] + 3
-        for k in range(run["nproc"]):  # ProfilerStep#k is step k + 1: the run's last two
-            trace = json.loads((out / key / ("trace.json" if k == 0 else f"trace-rank{k}.json")).read_text())
-            profiled = {e["name"] for e in trace["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")}
-            assert profiled == {f"ProfilerStep#{run['steps'] + 1}", f"ProfilerStep#{run['steps'] + 2}"}, key
-    assert all("the timelines hold no GPU work (CPU processes)" in r["note"] for r in result["rows"] if "ceiling" not in r)
-    assert "GPU timeline over 2 steps profiled after the window" in (out / "scaling.md").read_text()
-
-    # GPU timelines of the two profiled steps: process 1's GPU 40 µs slower; process 0 waits for it
+    assert result["manifest"]["timeline_steps"] == 0  # CPU processes: no GPU timeline to read
     run_dir = tmp_path / "n2"
     shutil.copytree(out / "same-global-n2", run_dir)
     steps = result["manifest"]["runs"]["same-global-n2"]["steps"]
-    for k, slow in enumerate((0, 40)):
+    for k, slow in enumerate((0, 40)):  # ProfilerStep#k is step k + 1
         (run_dir / ("trace.json" if k == 0 else f"trace-rank{k}.json")).write_text(
-            json.dumps(gpu_trace(slow, profiler_steps=(steps + 1, steps + 2))))
+            json.dumps(gpu_trace(slow, profiler_steps=(steps - 2, steps - 1))))
     plan = scale.plan_for(config.load(TINY, ["data.val=null"]).train, "same-global", 2)
     run = {"nproc": 2, "dir": run_dir, "plan": plan, "timeline": 2}
     row = scale.account(dict(scale.measure(run, tuple(result["manifest"]["sample_window"]["same-global"])),
@@ -124,6 +117,20 @@ def test_timelines_profiled_after_the_window_split_its_steps(both_modes, tmp_pat
     assert (row["compute_s"], row["imbalance_s"], row["exposed_comm_s"]) == pytest.approx((190e-6, 20e-6, 120e-6))
     assert row["rest_s"] == pytest.approx(row["step_s"] - 330e-6)  # the window's step, less the step on the GPUs
     assert "from every process's GPU timeline over 2 steps profiled after the window" in row["note"]
+    # a process's timeline missing: the host clock's parts, and the note says why
+    (run_dir / "trace-rank1.json").unlink()
+    row = scale.account(dict(scale.measure(run, tuple(result["manifest"]["sample_window"]["same-global"])),
+                             mode="same-global"), None, cuda=True)
+    assert row["timeline_steps"] == 0 and "no profiled step with GPU work in every process's timeline" in row["note"]
+
+
+def test_timeline_steps_on_cpu_are_refused_before_any_run(tmp_path):
+    args = types.SimpleNamespace(config=TINY, overrides=["data.val=null"], nproc="1,2", mode="same-global", steps=3,
+                                 warmup=1, out=str(tmp_path / "scale"), bandwidth_sizes="none", numa_binding=None,
+                                 alone=False, alone_only=False, timeline_steps=2)
+    with pytest.raises(ConfigError, match="--timeline-steps 2: it reads the GPUs' kernels"):
+        scale.main(args)
+    assert not (tmp_path / "scale").exists()
 
 
 def test_scale_four_processes_report_their_balance(tmp_path):

@@ -29,14 +29,14 @@ def train_tiny(overrides: list[str], resume: bool = False) -> dict:
 
 def test_cli_two_processes_end_to_end(tmp_path):
     out = tmp_path / "run"
-    proc = check(ddptune("train", TINY, f"output_dir={out}", "--nproc", "2", "train.profile_steps=2"))
+    proc = check(ddptune("train", TINY, f"output_dir={out}", "--nproc", "2", "train.profile_steps=2", "train.profile_after=3"))
 
     for name in ("config.yaml", "metrics.jsonl", "ranks.jsonl", "summary.json", "adapter/adapter_model.safetensors",
                  "adapter/adapter_config.json", "adapter/tokenizer.json", "adapter/ddptune.yaml", "profile.txt"):
         assert (out / name).is_file(), name
-    for trace in ("trace.json", "trace-rank1.json"):  # every process's timeline, each with its profiled steps
+    for trace in ("trace.json", "trace-rank1.json"):  # every process's timeline, each with its profiled steps (4 and 5)
         steps = {e["name"] for e in json.loads((out / trace).read_text())["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")}
-        assert len(steps) == 2, (trace, steps)
+        assert steps == {"ProfilerStep#3", "ProfilerStep#4"}, (trace, steps)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["global_batch"] == 8 and summary["per_process"] == 4
     assert len(set(summary["replica_fingerprints"])) == 1  # both replicas hold the same weights

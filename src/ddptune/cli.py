@@ -90,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
                         "could reach at this global batch before any more GPUs are used")
     s.add_argument("--timeline-steps", type=int, default=None, metavar="K",
                    help="profile K steps after each run's measured window and split its steps from every process's "
-                        "GPU timeline (default: %d where the whole step is recorded as CUDA graphs on GPUs, else 0)"
+                        "GPU timeline (GPUs only; default: %d where the whole step is recorded as CUDA graphs, else 0)"
                         % timeline.STEPS)
     m = sub.add_parser("plan", help="predict peak memory per GPU before loading anything, and how to run it")
     m.add_argument("config")

@@ -21,11 +21,11 @@ gradient bucket is ready) and its wait for the gradient all-reduce (`dist.StepCl
          + exposed communication (the slowest process's wait: it waits for nobody) + rest.
 With the whole step recorded as CUDA graphs (train.cuda_graph_scope=step) no mark can be placed
 inside it, and the host's clock counts the wait for the others as compute. Each run then trains
---timeline-steps more steps after the window (after one more for the profiler's warm-up) under
-torch.profiler, and compute, imbalance and exposed communication come from every process's GPU
-timeline over them (`timeline`: a process's compute runs from the first GPU's start of the step
-until its GPU came to the all-reduce; the last to come waits only for the transfer); the rest is
-what the window's mean step has beyond those three.
+--timeline-steps more steps after the window under torch.profiler (after one for the profiler's
+warm-up, and before TIMELINE_TAIL more), and compute, imbalance and exposed communication come
+from every process's GPU timeline over them (`timeline`: a process's compute runs from the first
+GPU's start of the step until its GPU came to the all-reduce; the last to come waits only for the
+transfer); the rest is what the window's mean step has beyond those three.
 Where the shares' work (metrics.predicted_excess) explains less than half the imbalance, the note
 says the rest comes from the GPUs: equal work, and still one GPU slower each step. It names the
 process when the same one was the slowest in most steps (that GPU is slower), else the GPUs' spread.
@@ -89,6 +89,9 @@ ONE_SLOW_GPU = 0.75  # the share of the steps in which one process must be the s
 STALL_FACTOR = 3  # a step this many times the run's median is a stall, named in the row's note
 STEAL_NOTE = 0.01  # a share of the host's CPU time stolen by the hypervisor worth naming beside a row
 PADDING_NOTE = 0.02  # a difference in padding share from n = 1 worth naming (it moves compute per real token)
+# steps after the profiled ones: a process that ends right after profiling can abort at exit (kineto's
+# threads; pytorch/kineto#1051 "profiling near the end of training"; seen once here, on CPU)
+TIMELINE_TAIL = 3
 CEILING_ADVICE = 0.97  # scale --alone: below this ceiling, the note gives the global batch that would reach it
 COLUMNS = [  # (row key, header): scaling.csv uses the keys, scaling.md the headers
     ("mode", "mode"), ("nproc", "n"), ("batch", "samples per step"), ("steps", "steps measured"),
@@ -139,6 +142,9 @@ def main(args) -> int:
         problems.append(f"--warmup {warmup} / --steps {measured}: need warm-up >= 0 and at least 1 measured step")
     if profiled < 0:
         problems.append(f"--timeline-steps {profiled}: must be 0 (off) or more")
+    elif profiled and not cuda:
+        problems.append(f"--timeline-steps {profiled}: it reads the GPUs' kernels from the profiler's timelines, and "
+                        "these processes run on CPU (leave it out)")
     alone_only = args.alone_only
     with_alone = args.alone or alone_only  # the alone runs
     if with_alone and SAME_GLOBAL not in modes:
@@ -166,11 +172,8 @@ def main(args) -> int:
             runs[f"alone-n{n}"] = {"nproc": 1, "dir": out / f"alone-n{n}", "plan": share,
                                    "steps": windows[m][1] // share.global_batch}
     for key, run in runs.items():
-        run["timeline"], steps, profile = profiled, run["steps"], []
-        if profiled:  # after the window, one step for the profiler's own warm-up, then the profiled ones
-            profile = [f"train.profile_steps={profiled}", f"train.profile_after={steps + 1}"]
-            steps += 1 + profiled
-        run["overrides"] = [*profile, *batch_overrides(run["plan"], cfg.train), f"train.max_steps={steps}",
+        run["timeline"] = profiled
+        run["overrides"] = [*timeline_overrides(run["steps"], profiled), *batch_overrides(run["plan"], cfg.train),
                             f"output_dir={as_yaml(run['dir'])}"]
         try:
             checks.validate(config_lib.load(args.config, overrides + run["overrides"]), run["nproc"])
@@ -351,6 +354,16 @@ def batch_overrides(plan: BatchPlan, t: config_lib.TrainConfig) -> list[str]:
     return [f"train.micro_batch_size={micro}", "train.grad_accum=null", f"train.effective_batch_size={plan.global_batch}"]
 
 
+def timeline_overrides(steps: int, profiled: int) -> list[str]:
+    """A run's length: its `steps` up to the window's end, and with `profiled` timeline steps, one
+    more for the profiler's own warm-up, the profiled ones, and TIMELINE_TAIL more (the window's
+    steps untouched)."""
+    if not profiled:
+        return [f"train.max_steps={steps}"]
+    return [f"train.profile_steps={profiled}", f"train.profile_after={steps + 1}",
+            f"train.max_steps={steps + 1 + profiled + TIMELINE_TAIL}"]
+
+
 def sample_window(global_batches: list[int], warmup: int, measured: int) -> tuple[int, int]:
     """[start, end) in the sample stream that every run measures: `warmup` steps of the largest
     batch before it, `measured` such steps inside it, both ends whole steps of every batch."""
@@ -526,7 +539,8 @@ def account(row: dict, base: dict | None, cuda: bool) -> dict:
                      f"{row['step_s'] * 1e3:.4g} ms in the window): compute runs until each GPU came to the all-reduce, "
                      "exposed comm is what the last to come spent in it")
     elif row.get("timeline_asked"):
-        notes.append("--timeline-steps: the timelines hold no GPU work (CPU processes): the parts are each process's own clock's")
+        notes.append("--timeline-steps: no profiled step with GPU work in every process's timeline: the parts are each "
+                     "process's own clock's")
     elif n > 1 and row.get("cuda_graph_scope") == "step":  # no timing event can be recorded inside a graph
         notes.append("cuda_graph_scope=step: the gradient all-reduce and the wait for the other processes run "
                      "inside the recorded step and are counted in compute (--timeline-steps splits them)")
