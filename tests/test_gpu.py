@@ -267,6 +267,7 @@ def test_scale_splits_whole_step_graphs_from_every_gpus_timeline(tmp_path):
     assert scale.main(args) == 0
     result = json.loads((out / "scaling.json").read_text())
     assert result["manifest"]["timeline_steps"] == timeline.STEPS
+    assert f"GPU timeline over {timeline.STEPS} steps profiled after the window" in (out / "scaling.md").read_text()
     for row in result["rows"]:
         assert row["cuda_graph_scope"] == "step" and row["timeline_steps"] == timeline.STEPS, row["note"]
         assert row["compute_s"] > 0 and "GPU timeline" in row["note"]
