@@ -37,9 +37,14 @@ LAUNCHES = {"cuda_runtime", "cuda_driver"}
 STEP = re.compile(r"ProfilerStep#(\d+)$")
 
 
+def trace_path(folder: Path, rank: int) -> Path:
+    """Where process `rank` of a run writes its timeline (train.profile_steps)."""
+    return folder / ("trace.json" if rank == 0 else f"trace-rank{rank}.json")
+
+
 def trace_files(folder: Path, world: int) -> list[Path] | None:
     """The timelines of a run's `world` processes in rank order, or None if any is missing."""
-    paths = [folder / ("trace.json" if k == 0 else f"trace-rank{k}.json") for k in range(world)]
+    paths = [trace_path(folder, k) for k in range(world)]
     return paths if all(p.is_file() for p in paths) else None
 
 

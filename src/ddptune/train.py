@@ -32,6 +32,7 @@ from accelerate.utils import AutocastKwargs, set_seed
 from tqdm.auto import tqdm
 
 from ddptune import checkpoint, checks, config as config_lib, data, dist, evaluate, metrics, model as model_lib, plan as plan_lib
+from ddptune import timeline
 from ddptune.config import BatchPlan, Config, ConfigError
 
 
@@ -802,12 +803,12 @@ def profiling(r: Run):
     def write(prof) -> None:  # every process its timeline: a step waits for the slowest, often not rank 0
         if not r.accelerator.is_main_process:
             r.out.mkdir(parents=True, exist_ok=True)
-            prof.export_chrome_trace(str(r.out / f"trace-rank{r.accelerator.process_index}.json"))
+            prof.export_chrome_trace(str(timeline.trace_path(r.out, r.accelerator.process_index)))
             return
         device = "self_device_time_total" if r.accelerator.device.type == "cuda" else "cpu_time_total"
         tables = [prof.key_averages().table(sort_by=key, row_limit=30) for key in ("self_cpu_time_total", device)]
         (r.out / "profile.txt").write_text("\n\n".join(tables))
-        prof.export_chrome_trace(str(r.out / "trace.json"))
+        prof.export_chrome_trace(str(timeline.trace_path(r.out, 0)))
 
     schedule = torch.profiler.schedule(wait=r.cfg.train.profile_after - 1, warmup=1, active=n, repeat=1)
     return torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=write)
