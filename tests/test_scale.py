@@ -114,8 +114,12 @@ def test_gpu_timelines_of_profiled_steps_split_them(both_modes, tmp_path):
     row = scale.account(dict(scale.measure(run, tuple(result["manifest"]["sample_window"]["same-global"])),
                              mode="same-global"), None, cuda=True)
     assert row["timeline_steps"] == 2 and row["slowest_steps"] == [0, 2]
-    assert (row["compute_s"], row["imbalance_s"], row["exposed_comm_s"]) == pytest.approx((190e-6, 20e-6, 120e-6))
-    assert row["rest_s"] == pytest.approx(row["step_s"] - 330e-6)  # the window's step, less the step on the GPUs
+    # each part is its share of the profiled steps (the host timed them), of the window's step
+    ratio = row["step_s"] / row["timeline_step_s"]
+    assert (row["compute_s"], row["imbalance_s"], row["exposed_comm_s"]) == pytest.approx(
+        (190e-6 * ratio, 20e-6 * ratio, 120e-6 * ratio))
+    assert row["rest_s"] == pytest.approx((row["timeline_step_s"] - 330e-6) * ratio)
+    assert sum(row["parts"].values()) == pytest.approx(row["step_s"])
     assert "from every process's GPU timeline over 2 steps profiled after the window" in row["note"]
     # a process's timeline missing: the host clock's parts, and the note says why
     (run_dir / "trace-rank1.json").unlink()

@@ -25,7 +25,8 @@ inside it, and the host's clock counts the wait for the others as compute. Each 
 warm-up, and before TIMELINE_TAIL more), and compute, imbalance and exposed communication come
 from every process's GPU timeline over them (`timeline`: a process's compute runs from the first
 GPU's start of the step until its GPU came to the all-reduce; the last to come waits only for the
-transfer); the rest is what the window's mean step has beyond those three.
+transfer) and the rest from the host's step less those three; each part is its share of the
+profiled step, applied to the window's mean step (the profiler slows the steps it records).
 Where the shares' work (metrics.predicted_excess) explains less than half the imbalance, the note
 says the rest comes from the GPUs: equal work, and still one GPU slower each step. It names the
 process when the same one was the slowest in most steps (that GPU is slower), else the GPUs' spread.
@@ -423,13 +424,18 @@ def gpu_lines(folder: Path, world: int) -> list[dict]:
 def timing(times: list[float], tokens: int, samples: int, nproc: int, ranks: list[dict], gpu: list[dict] = ()) -> dict:
     """A run's figures over the steps of the window: their step `times`, the real `tokens` and
     `samples` they trained on, and their ranks.jsonl lines (the split of each step into its parts).
-    With `gpu` (gpu_lines) the parts but the rest come from those profiled steps' GPU timelines, and
-    the rest is what the window's mean step has beyond them."""
+    With `gpu` (gpu_lines) the parts come from those profiled steps' GPU timelines, as shares of
+    their step applied to the window's mean step: the profiler slows the steps it records (SmolLM2's
+    shape on one H200: 28.59 ms a step against 27.53 in the window), and the window's step less
+    unscaled parts would leave a negative rest."""
     seconds = sum(times)
     split = metrics.split(gpu or ranks)
     if gpu:
-        split["rest_s"] = seconds / len(times) - sum(split[k] for k in PART_KEYS[:3])
-        split["rest_s_se"] = None
+        ratio = seconds / len(times) / split["step_s"]
+        for k in (*PART_KEYS, "imbalance_costed_s"):
+            for key in (k, k + "_se"):
+                if split.get(key) is not None:
+                    split[key] *= ratio
     return {"samples_measured": samples, "step_s": seconds / len(times), "median_step_s": statistics.median(times),
             **stalls(times), "tokens_per_s": tokens / seconds, "tokens_per_s_per_gpu": tokens / seconds / nproc,
             "samples_per_s": samples / seconds,
@@ -536,7 +542,8 @@ def account(row: dict, base: dict | None, cuda: bool) -> dict:
     if row.get("timeline_steps"):
         notes.append(f"compute, imbalance and exposed comm from every process's GPU timeline over {row['timeline_steps']} "
                      f"steps profiled after the window ({row['timeline_step_s'] * 1e3:.4g} ms a step there, "
-                     f"{row['step_s'] * 1e3:.4g} ms in the window): compute runs until each GPU came to the all-reduce, "
+                     f"{row['step_s'] * 1e3:.4g} ms in the window: each part is its share of the profiled step, "
+                     "of the window's step here): compute runs until each GPU came to the all-reduce, "
                      "exposed comm is what the last to come spent in it")
     elif row.get("timeline_asked"):
         notes.append("--timeline-steps: no profiled step with GPU work in every process's timeline: the parts are each "
