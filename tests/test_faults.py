@@ -11,7 +11,6 @@ import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 import multiproc
@@ -55,14 +54,7 @@ def test_a_hung_process_ends_the_run_with_a_clear_error(tmp_path):
     out = tmp_path / "run"
     overrides = [f"output_dir={out}", "train.max_steps=100000", "train.timeout_minutes=0.15", "data.val=null",
                  "train.save_every=1", "train.keep_checkpoints=1"]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = multiproc.free_port()
-    args = (overrides, str(out / "metrics.jsonl"))
-    procs = [ctx.Process(target=multiproc._worker, args=(train_until_a_process_hangs, rank, 2, port, args, results))
-             for rank in range(2)]
-    for p in procs:
-        p.start()
+    procs, results = multiproc.start(train_until_a_process_hangs, 2, overrides, str(out / "metrics.jsonl"))
     try:
         rank, error, value = results.get(timeout=300)  # rank 1 is frozen: only rank 0 can answer
     finally:
@@ -106,13 +98,7 @@ def test_a_signal_to_one_process_stops_all_after_a_saved_step_and_resume_finishe
 
     out = tmp_path / "run"
     overrides = [f"output_dir={out}", "train.max_steps=60", "data.val=null", "train.save_every=0"]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = multiproc.free_port()
-    procs = [ctx.Process(target=multiproc._worker, args=(train_until_interrupted, rank, 2, port, (overrides,), results))
-             for rank in range(2)]
-    for p in procs:
-        p.start()
+    procs, results = multiproc.start(train_until_interrupted, 2, overrides)
     try:
         metrics_path = out / "metrics.jsonl"
         deadline = time.time() + 240
