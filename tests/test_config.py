@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 
 import pytest
 
@@ -97,48 +96,20 @@ def test_non_finite_numbers_are_refused():
     assert any(p.startswith("train.lr:") for p in problems) and any(p.startswith("train.max_grad_norm:") for p in problems)
 
 
-def _bad_column_file(tmp_path):
-    path = tmp_path / "rows.json"
-    path.write_text(json.dumps([{"text": "A: hi\nB: hello", "summary": "They greet."}] * 10))
-    return path
-
-
-# Two cases through a real `python -m ddptune` process: its exit code and its stderr, with torchrun
-# never started. The rest of the bad-input table runs in-process, tripwires on torchrun included
-# (tests/test_bad_input.py, which has these two as well): a process each costs about 4 s here.
-BAD = {
-    "unknown key": (["train.learning_rate=1e-4"], "train.learning_rate: unknown key"),
-    "missing column": (["data.train={bad}"], "has no text column 'dialogue' (set data.dialogue_column to one of: summary, text)"),
-}
-
-
-@pytest.mark.parametrize("name", BAD)
-def test_bad_config_fails_with_one_line_before_any_process_starts(name, tmp_path):
-    overrides, expected = BAD[name]
-    overrides = [o.format(bad=_bad_column_file(tmp_path)) for o in overrides]
+# One case through a real `python -m ddptune` process: its exit code and its stderr, with torchrun
+# never started. The rest of the bad-input table, this case among them, runs in-process with
+# tripwires where work would start, and checks that nothing was written or changed
+# (tests/test_bad_input.py): a `python -m ddptune` process costs about 7 s of CPU here.
+def test_bad_config_fails_with_one_line_before_any_process_starts(tmp_path):
     out = tmp_path / "out"
-    proc = ddptune("train", str(ROOT / "configs" / "tiny.yaml"), f"output_dir={out}", *overrides, "--nproc", "2", timeout=120)
+    proc = ddptune("train", str(ROOT / "configs" / "tiny.yaml"), f"output_dir={out}", "train.learning_rate=1e-4",
+                   "--nproc", "2", timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ddptune: invalid config: "), proc.stderr
-    assert expected in lines[0]
+    assert "train.learning_rate: unknown key" in lines[0]
     assert not out.exists()  # nothing written
     assert "OMP_NUM_THREADS" not in proc.stderr and proc.stdout == ""  # torchrun never started
-
-
-def test_an_existing_run_is_never_overwritten(tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "metrics.jsonl").write_text("precious\n")
-    proc = ddptune("train", str(ROOT / "configs" / "tiny.yaml"), f"output_dir={out}", timeout=120)
-    assert proc.returncode == 2 and "output_dir: " in proc.stderr and "--resume" in proc.stderr
-    assert (out / "metrics.jsonl").read_text() == "precious\n"
-
-
-def test_missing_config_file_is_one_line():
-    proc = ddptune("train", "configs/nope.yaml", timeout=60)
-    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
-    assert "configs/nope.yaml" in proc.stderr
 
 
 def test_graph_scope_auto_records_the_whole_step_only_with_an_update_that_can_be_recorded():

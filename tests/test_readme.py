@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import re
 import shlex
 
-import pytest
 import torch
 
 from conftest import ROOT
