@@ -45,11 +45,18 @@ def threads(nproc: int) -> int:
     return max(1, (os.cpu_count() or 1) // nproc)
 
 
+def context():
+    """The processes' start method: forked from the server (started at this process's first call,
+    with PRELOAD imported); for tests that start processes of their own too."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def start(fn, nproc: int, *args) -> tuple[list, object]:
     """fn(*args) started in `nproc` processes: the processes, and the queue on which each puts
     (rank, error or None, return value) when fn ends (for tests that signal or watch them)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts, at this process's first start()
+    ctx = context()
     results = ctx.Queue()
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS=str(threads(nproc)))  # as a launcher sets it

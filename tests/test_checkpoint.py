@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import multiproc
 from conftest import ROOT, metrics
 from ddptune import checkpoint, config, data, model as model_lib, train
 from ddptune.config import ConfigError
@@ -118,12 +119,11 @@ def _save_forever(folder: str) -> None:
 
 
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint_whole(tmp_path):
-    import multiprocessing
     import signal
     import time
 
     folder = tmp_path / "checkpoints"
-    proc = multiprocessing.get_context("spawn").Process(target=_save_forever, args=(str(folder),))
+    proc = multiproc.context().Process(target=_save_forever, args=(str(folder),))
     proc.start()
     deadline = time.time() + 120
     # wait until one checkpoint is complete and the next is being written, then kill -9

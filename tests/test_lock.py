@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import socket
 import subprocess
@@ -12,6 +11,7 @@ import time
 
 import pytest
 
+import multiproc
 from conftest import ROOT
 from ddptune import cli, config, dist, lock
 
@@ -106,9 +106,9 @@ def _race(folder: str, start: float, results) -> None:
 def test_racing_runs_take_a_stale_lock_over_once(tmp_path):
     out = tmp_path / "run"
     plant(out, [dead_pid()])
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiproc.context()
     results = ctx.Queue()
-    start = time.time() + 3.0  # every process past its imports by then
+    start = time.time() + 3.0  # every process started by then
     procs = [ctx.Process(target=_race, args=(str(out), start, results)) for _ in range(4)]
     for p in procs:
         p.start()
