@@ -1,4 +1,5 @@
-"""Turn the raw 2-GPU results of benchmarks/scaling_x2.sh into benchmarks/results/h200x2_<model>_<mode>.json.
+"""Turn the raw 2-GPU results of benchmarks/scaling_x2.sh into benchmarks/results/h200x2_<model>_<mode>.json
+(--prefix h200 for a one-GPU machine's: `scale --alone-only`).
 
     python benchmarks/scaling_report.py --scale SCALING.json --recipe-1 RECIPE_N1.json --recipe-2 RECIPE_N2.json \
         --model llama31_8b_qlora --device "2x NVIDIA H200 (NVLink NV18), nvidia-h200-x2" --date 2026-11-29
@@ -27,17 +28,17 @@ KEEP = ("nproc", "per_process", "batch", "steps", "samples_measured", "step_s", 
         "speedup", "efficiency", "efficiency_computed", "compute_s", "imbalance_s", "imbalance_costed_s", "exposed_comm_s", "rest_s", "lost_compute",
         "lost_imbalance", "lost_comm", "lost_rest", "balance", "peak_mem_gib", "final_loss", "val_loss", "note",
         "rouge1", "rouge2", "rougeL", "rougeLsum", "stall_steps", "stall_s", "efficiency_median", "padding",
-        "computed_per_process", "alone_compute_s", "alone_compute_measured_s", "alone_step_s",
+        "computed_per_process", "alone_compute_s", "speedup_ceiling", "alone_step_measured_s", "timeline_steps", "timeline_step_s", "alone_compute_measured_s", "alone_step_s",
         "alone_computed_per_process", "lost_smaller_batch", "ceiling", "slowest_steps", "compute_offset_s")
 
 
 def with_median_efficiency(rows: list[dict]) -> list[dict]:
     """Each row's efficiency from median steps beside the one from means over the window (a one-time
-    stall inside the window moves the means)."""
+    stall inside the window moves the means). None for a --alone-only count, which ran no n processes."""
     from ddptune import scale
 
     for r in rows:
-        r["efficiency_median"] = scale.median_efficiency(r, rows[0])
+        r["efficiency_median"] = scale.median_efficiency(r, rows[0]) if "median_step_s" in r else None
     return rows
 
 
@@ -111,6 +112,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=3, help="with --ranks: as given to ddptune scale")
     p.add_argument("--command", help="with --ranks: the command that made the runs")
     p.add_argument("--suffix", default="", help="file name ending, e.g. _2026-11-30")
+    p.add_argument("--prefix", default="h200x2", help="file name start: the device kind, e.g. h200 for one GPU")
     p.add_argument("--recipe-1")
     p.add_argument("--recipe-2")
     p.add_argument("--model", required=True, help="file name part, e.g. llama31_8b_qlora")
@@ -142,14 +144,14 @@ def main() -> int:
 
 
 def write(out: dict, args) -> None:
-    """benchmarks/results/h200x2_<model>_<mode><suffix>.json, with the recipe's rows beside
+    """benchmarks/results/<prefix>_<model>_<mode><suffix>.json, with the recipe's rows beside
     same-per-device ones (the recipe keeps its per-device batch, as the tutorial does)."""
     if out["mode"] == "same-per-device" and args.recipe_1 and args.recipe_2:
         out["reference_recipe"] = recipe_rows(json.loads(Path(args.recipe_1).read_text()),
                                               json.loads(Path(args.recipe_2).read_text()))
     if args.note:
         out["note"] = args.note
-    path = ROOT / "benchmarks" / "results" / f"h200x2_{args.model}_{out['mode']}{args.suffix}.json"
+    path = ROOT / "benchmarks" / "results" / f"{args.prefix}_{args.model}_{out['mode']}{args.suffix}.json"
     path.write_text(json.dumps(out, indent=2) + "\n")
     print(path)
 
