@@ -212,7 +212,7 @@ CASES = [
     ("output_dir is a file", ["train", "{cfg}", "output_dir={afile}"], ["output_dir: ", "afile is a file, not a folder"]),
     ("output_dir under a file", ["train", "{cfg}", "output_dir={afile}/run"], ["output_dir: ", "cannot be made: ", "afile is a file"]),
     ("output_dir not writable", ["train", "{cfg}", "output_dir=/proc/ddptune-test/run"], ["output_dir: /proc is not writable"]),
-    ("output_dir holds a run", ["train", "{cfg}", "output_dir={busy}"], ["output_dir: ", "already holds files (choose a new output_dir, pass --resume to continue that run, or --overwrite"]),
+    ("output_dir holds a run", ["train", "{cfg}", "output_dir={busy}"], ["output_dir: ", "holds files that are not a ddptune run"]),
     # --- --resume
     ("resume into nothing", [*TRAIN, "--resume"], ["output_dir: --resume found no checkpoints in"]),
     ("resume a finished run", ["train", "{cfg}", "output_dir={done}", "--resume"], ["is complete (it wrote summary.json): nothing to resume"]),

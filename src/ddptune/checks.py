@@ -15,9 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ddptune import checkpoint, config as config_lib, data as data_lib, model as model_lib
+from ddptune import checkpoint, config as config_lib, data as data_lib, model as model_lib, rundir
 from ddptune.config import BatchPlan, Config, ConfigError
-from ddptune.lock import NAME as LOCK_NAME
 
 
 def validate(cfg: Config, world_size: int, resume: bool = False, overwrite: bool = False,
@@ -220,14 +219,9 @@ def has_checkpoint(output_dir: str | Path) -> bool:
 
 
 def clear_run_folder(out: str | Path) -> None:
-    """What --overwrite asked for: delete everything in `out` but the lock this run holds."""
-    for p in run_files(Path(out)):
-        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-
-
-def run_files(out: Path) -> list[Path]:
-    """What a folder holds, besides a run's lock."""
-    return [p for p in out.iterdir() if p.name != LOCK_NAME] if out.is_dir() else []
+    """What --overwrite asked for: delete the run's own files in `out` (output_problems has checked
+    that it holds a run and nothing else), never the lock this run holds."""
+    rundir.clear(Path(out))
 
 
 def output_problems(cfg: Config, resume: bool, world_size: int | None = None, overwrite: bool = False) -> list[str]:
@@ -237,10 +231,7 @@ def output_problems(cfg: Config, resume: bool, world_size: int | None = None, ov
     if resume and overwrite:
         return ["--overwrite: cannot be combined with --resume (continue the run, or start it again, not both)"]
     if not resume:
-        if run_files(out) and not overwrite:
-            return [f"output_dir: {out} already holds files (choose a new output_dir, pass --resume to continue that run, "
-                    "or --overwrite to delete it and start again)"]
-        return []
+        return fresh_start_problems(out, overwrite)
     if (out / "summary.json").is_file():
         return [f"output_dir: the run in {out} is complete (it wrote summary.json): nothing to resume "
                 "(raise train.max_steps into a new output_dir to train on)"]
@@ -285,6 +276,24 @@ def output_problems(cfg: Config, resume: bool, world_size: int | None = None, ov
             for key, value in config_lib.flatten(config_lib.to_dict(cfg)).items()
             if saved.get(key) != value and key not in RESUME_MAY_CHANGE and not (same_batch and key in BATCH_KEYS)
             and not (key not in saved and value == defaults[key])]  # a key newer than the run, at its default
+
+
+def fresh_start_problems(out: Path, overwrite: bool) -> list[str]:
+    """A new run needs an empty output_dir; --overwrite empties one that holds a ddptune run and
+    nothing else. A folder of anything else is never offered --overwrite: it deletes nothing there."""
+    found = rundir.entries(out)
+    if not found:
+        return []
+    if not rundir.is_run(out):
+        return [f"output_dir: {out} holds files that are not a ddptune run ({rundir.named(found)}): choose a new "
+                "or empty output_dir (nothing was deleted)"]
+    if overwrite and (theirs := rundir.foreign(out)):
+        return [f"output_dir: {out} holds a ddptune run and files it did not write ({rundir.named(theirs)}): move them "
+                "out or choose another output_dir (--overwrite deletes only a run's own files; nothing was deleted)"]
+    if not overwrite:
+        return [f"output_dir: {out} already holds a ddptune run (choose a new output_dir, pass --resume to continue "
+                "that run, or --overwrite to delete it and start again)"]
+    return []
 
 
 RESUME_MAY_CHANGE = {"train.timeout_minutes", "train.save_every", "train.save_every_minutes", "train.keep_checkpoints"}  # keys that change no result: a resume may set them anew

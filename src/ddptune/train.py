@@ -32,7 +32,7 @@ from accelerate.utils import AutocastKwargs, set_seed
 from tqdm.auto import tqdm
 
 from ddptune import checkpoint, checks, config as config_lib, data, dist, evaluate, metrics, model as model_lib, plan as plan_lib
-from ddptune import timeline
+from ddptune import rundir, timeline
 from ddptune.config import BatchPlan, Config, ConfigError
 
 
@@ -155,7 +155,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
             raise ConfigError(problems)
     out = Path(cfg.output_dir)
     if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
+        rundir.mark(out)  # first: whatever happens next, this folder is a run that --overwrite may clear
         (out / "config.yaml").write_text(config_lib.dump(cfg))
     t0 = time.perf_counter()
 

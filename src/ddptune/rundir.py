@@ -1,0 +1,77 @@
+"""What a run folder holds: the marker a run writes first, the names of everything ddptune writes
+there, and whether a folder is a run at all. `--overwrite` deletes a run's own files and nothing else.
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+import shutil
+import time
+from pathlib import Path
+
+MARKER = ".ddptune-run"  # written before anything else of a run; a folder without one is not treated as a run
+# Everything a run writes into its output_dir (names, or fnmatch patterns). `--overwrite` deletes these only.
+RUN_ENTRIES = (
+    MARKER, "config.yaml", "metrics.jsonl", "ranks.jsonl", "summary.json", "profile.txt", "trace.json",
+    "trace-rank*.json", "checkpoints", "adapter", "model", "eval", "eval-base", "cache", "tensorboard",
+    ".adapter.tmp-*", ".model.tmp-*", ".adapter.old", ".model.old", ".summary.json.tmp-*",
+)
+LOCK = ".ddptune.lock"  # the lock a live run holds (lock.py), with its helper files beside it
+# what a run folder made before the marker existed held, besides a config.yaml: one of these
+_OLD_RUN_SIGNS = ("metrics.jsonl", "checkpoints", "summary.json", "adapter", "model")
+
+
+def mark(folder: Path) -> None:
+    """Make `folder` a run folder: the marker first, so that even a run that stops at once is one."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / MARKER).write_text(json.dumps({"ddptune_run": True, "created": time.time()}) + "\n")
+
+
+def entries(folder: Path) -> list[Path]:
+    """What `folder` holds, besides a run's lock (and its helper files)."""
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if not p.name.startswith(LOCK))
+
+
+def is_own(path: Path) -> bool:
+    """Whether `path` (an entry of a run folder) is a name ddptune writes there."""
+    return any(fnmatch.fnmatchcase(path.name, pattern) for pattern in RUN_ENTRIES)
+
+
+def is_run(folder: Path) -> bool:
+    """Whether `folder` holds a ddptune run: its marker, or (a run written before markers existed)
+    a config.yaml that reads as a ddptune config beside what a run writes."""
+    if (folder / MARKER).is_file():
+        return True
+    if not (folder / "config.yaml").is_file() or not any((folder / name).exists() for name in _OLD_RUN_SIGNS):
+        return False
+    from ddptune import config as config_lib
+
+    try:
+        config_lib.from_dict(config_lib.read_yaml(folder / "config.yaml", "output_dir"))
+    except (config_lib.ConfigError, RecursionError):
+        return False
+    return True
+
+
+def foreign(folder: Path) -> list[Path]:
+    """The entries of a run folder that ddptune did not write (a user's own files)."""
+    return [p for p in entries(folder) if not is_own(p)]
+
+
+def named(paths: list[Path], most: int = 3) -> str:
+    """'a, b/ and 2 more': a few entries by name, folders with a slash."""
+    names = [p.name + ("/" if p.is_dir() else "") for p in paths[:most]]
+    return ", ".join(names) + (f" and {len(paths) - most} more" if len(paths) > most else "")
+
+
+def clear(folder: Path) -> None:
+    """Delete the run's own entries (never anything else, never the lock this run holds)."""
+    for p in entries(folder):
+        if not is_own(p):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
