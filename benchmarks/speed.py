@@ -114,6 +114,8 @@ def main() -> int:
     p.add_argument("--skip-reference", action="store_true")
     p.add_argument("--runs", default="ddptune,ddptune_gc,ddptune_lora_bf16",
                    help=f"comma-separated ddptune runs, of: {', '.join(RUNS)}")
+    p.add_argument("--run", action="append", default=[], metavar="NAME=KEY=VALUE,...",
+                   help="a run of its own: NAME=section.key=value,section.key=value (repeatable; after --runs)")
     p.add_argument("--work", default="/tmp/ddptune-bench")
     args = p.parse_args()
     work = Path(args.work)
@@ -142,8 +144,14 @@ def main() -> int:
             "--out", str(ref_json)], work / "reference.log")
         result["reference"] = json.loads(ref_json.read_text())
 
-    for name in args.runs.split(","):
-        result[name] = ddptune_run(args, name, RUNS[name], work)
+    out = ROOT / "benchmarks" / "results" / f"{args.name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    named = [(n, RUNS[n]) for n in args.runs.split(",") if n]
+    named += [(spec.split("=", 1)[0], [o for o in spec.split("=", 1)[1].split(",") if o]) for spec in args.run]
+    for name, overrides in named:
+        result[name] = ddptune_run(args, name, overrides, work)
+        if os.environ.get("OUT"):  # what is measured so far, should a later run not finish in time
+            Path(os.environ["OUT"], out.name).write_text(json.dumps(result, indent=2))
 
     d = result.get("ddptune")
     if d:
@@ -157,8 +165,6 @@ def main() -> int:
         for run, key in (("ddptune", "speedup"), ("ddptune_gc", "speedup_gc")):
             if run in result:
                 result[key] = result[run]["real_tok_s_per_gpu"] / r["real_tok_s_per_gpu"]
-    out = ROOT / "benchmarks" / "results" / f"{args.name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], out.name).write_text(json.dumps(result, indent=2))
