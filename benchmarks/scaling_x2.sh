@@ -29,8 +29,6 @@
 #                                            # of each value in THREADS (default "1 16"; 1 is ddptune's default on GPUs)
 #   bash benchmarks/scaling_x2.sh binding    # the CPU-binding lever: the 8B job same-per-device without and with
 #                                            # --numa-binding exclusive (torchrun's; needs numactl on the machine)
-#   bash benchmarks/scaling_x2.sh graphs     # CUDA graphs under DDP: the variants of benchmarks/graphs_probe.py (VARIANTS=a,b,..;
-#                                            # default all), SmolLM2 shape, at 1 and 2 processes (all: about 240 s)
 #   bash benchmarks/scaling_x2.sh stalls     # why a full fine-tune's steps stall: the 1B full run at 1 GPU with
 #                                            # TORCH_LOGS=recompiles, its per-step times and the recompile log
 #   bash benchmarks/scaling_x2.sh buckets    # DDP's gradient buckets: the 8B job at a global batch of 16 (EXTRA, default
@@ -40,8 +38,6 @@
 #   bash benchmarks/scaling_x2.sh graph-warmup  # (one GPU is enough) the CUDA-graph tests of tests/test_gpu.py, then the 8B job
 #                                            # at 16 samples with 4 graph lengths at 1 GPU: every step over 3x the median
 #                                            # after the first (none on 2026-11-30: each length is recorded before step 1)
-#   bash benchmarks/scaling_x2.sh gemm       # (one GPU is enough; seconds of GPU time) benchmarks/gemm_shapes.py: the 8B base's GEMMs at the
-#                                            # token counts of the 2026-11-30 runs, and the fixed part of the line through them
 #   bash benchmarks/scaling_x2.sh head-shapes  # (one GPU is enough; about 90 s a run) the 8B job at 8 samples a step, CUDA graphs,
 #                                            # 1 GPU, alternating the code in $BEFORE (a copy of an older src/, e.g. main's before the
 #                                            # targets were padded) and this one, twice: median step, and the GPU's idle inside the
@@ -51,15 +47,6 @@
 #                                            # (HEAD_RUNS, default "before after before after before-eager"; HEAD_GPU picks
 #                                            # the GPU, default 0, so two lists can run side by side on a 2-GPU machine;
 #                                            # HEAD_GRAPHS=false profiles the shipped default, compiled layers without graphs)
-#   bash benchmarks/scaling_x2.sh step-graph # benchmarks/step_graph_probe.py: the SmolLM2 shape's whole LoRA step (forward,
-#                                            # backward with DDP's all-reduce, clip, AdamW) captured as one CUDA graph, against
-#                                            # the same step launched eagerly, at 1 and 2 GPUs (global batch 16): ms a step
-#   bash benchmarks/scaling_x2.sh step-profile  # the whole step as graphs (train.cuda_graph_scope=step), profiled at 1 process
-#                                            # (global batch 16), 2 (8 each) and 1 alone at 8: benchmarks/kernel_split.py names the
-#                                            # GPU work that does not halve with the share, and what running beside another
-#                                            # process adds (PROF_JOBS, default "smol 8b"; PROF_RUNS, default "n1 n2 alone"),
-#                                            # and when each process entered each all-reduce (kernel_split.py --collectives)
-#   bash benchmarks/scaling_x2.sh graph-allreduce  # benchmarks/graph_allreduce.py: an all-reduce eager against in a CUDA graph
 #   bash benchmarks/scaling_x2.sh cache      # the compiler's cache to $OUT/inductor.tgz (kept only under the 16 MiB a
 #                                            # file may bring back). Compiling the layers takes 50-76 s of each run's first
 #                                            # step on a fresh machine; copied into .inductor/ and carried, the next call
@@ -132,35 +119,6 @@ smollm2-shape)
     cp /tmp/train-smol-graphs$g/metrics.jsonl "$OUT/train_smollm2_shape_graphs${g}_n1.jsonl"
   done
   ;;
-step-profile)
-  for job in ${PROF_JOBS:-smol 8b}; do
-    if [ "$job" = smol ]; then args=("${smol_shape[@]}"); steps=16
-    else
-      args=(configs/samsum_qlora_llama31_8b.yaml model.tokenizer=$TOK data.train=$DATA data.train_rows=0:700 data.val=null
-            train.micro_batch_size=4 train.grad_accum=null train.effective_batch_size=16 train.dequantize_base=true
-            train.ddp_bucket_mb=256 $EXTRA); steps=12
-    fi
-    runs=${PROF_RUNS:-n1 n2 alone}; tag=${PROF_TAG:-}  # PROF_TAG names the folders and files of a variant (EXTRA=...)
-    for run in $runs; do  # alone: one process at n = 2's share of 8 samples
-      n=${run#n}; more=(); [ $run = alone ] && n=1 more=(train.effective_batch_size=8)
-      python3 -m ddptune train "${args[@]}" train.cuda_graphs=true train.cuda_graph_scope=step train.max_steps=$steps \
-        train.profile_steps=4 train.save_every=0 "${more[@]}" --nproc $n output_dir=/tmp/prof-$job-$run$tag 2>&1 | quiet \
-        | grep -E '^ddptune: (CUDA graphs|final)' | cut -c1-160
-    done
-    if [[ " $runs " == *" n2 "* ]]; then  # when each process entered each all-reduce, and how long its kernel ran
-      python3 benchmarks/kernel_split.py --collectives /tmp/prof-$job-n2$tag/trace.json /tmp/prof-$job-n2$tag/trace-rank1.json \
-        --json "$OUT/${job}_step_collectives$tag.json" | cut -c1-160
-    fi
-    if [ "$runs" = "n1 n2 alone" ]; then
-      python3 benchmarks/kernel_split.py /tmp/prof-$job-n1$tag/trace.json /tmp/prof-$job-n2$tag/trace.json \
-        --alone /tmp/prof-$job-alone$tag/trace.json --json "$OUT/${job}_step_kernel_split$tag.json" | cut -c1-200
-    fi
-  done
-  ;;
-graph-allreduce)
-  torchrun --nproc_per_node 2 benchmarks/graph_allreduce.py --sizes "${AR_SIZES:-1,42,168}" --json "$OUT/graph_allreduce.json" 2>&1 \
-    | grep -E 'MB|Error' | tail -8
-  ;;
 graphs-profile)
   for n in 1 2; do
     python3 -m ddptune train "${smol_shape[@]}" train.cuda_graphs=true train.max_steps=16 train.profile_steps=4 \
@@ -214,12 +172,6 @@ binding)
     keep_runs /tmp/scale-8b-bind-$b "$OUT/scale_8b_binding_$b"
   done
   ;;
-graphs)
-  for n in 1 2; do
-    torchrun --standalone --nproc_per_node $n benchmarks/graphs_probe.py --preset smollm2-135m --steps 8 ${VARIANTS:+--variants $VARIANTS} \
-      --out "$OUT/graphs_probe_n$n.json" 2>&1 | grep '^{' || true
-  done
-  ;;
 stalls)
   TORCH_LOGS=recompiles python3 -m ddptune train configs/samsum_qlora_llama31_8b.yaml model.source=preset:llama-3.2-1b \
     model.tokenizer=$TOK train.method=full data.train=$DATA data.train_rows=0:700 data.val=null train.max_steps="$STEPS" \
@@ -267,20 +219,10 @@ head-shapes)
       $d/metrics.jsonl $d/gaps.json $v | tee -a "$OUT/head_shapes.txt"
   done
   ;;
-gemm)
-  CUDA_VISIBLE_DEVICES=0 python3 benchmarks/gemm_shapes.py --json "$OUT/gemm_shapes_llama31_8b.json"
-  ;;
-step-graph)
-  # the SmolLM2 shape's whole step as one CUDA graph against eager launches, at 1 and 2 GPUs, global batch 16
-  for n in ${STEP_GRAPH_COUNTS:-1 2}; do
-    torchrun --standalone --nproc_per_node "$n" benchmarks/step_graph_probe.py --preset smollm2-135m --tokenizer $TOK \
-      --data $DATA --samples 16 --steps 30 --json "$OUT/step_graph_smollm2_n$n.json" 2>&1 | grep -v -E '^(W|I)[0-9]{4}' | tail -3
-  done
-  ;;
 cache)
   tar czf "$OUT/inductor.tgz" -C "$TORCHINDUCTOR_CACHE_DIR" .
   size=$(stat -c %s "$OUT/inductor.tgz")
   if [ "$size" -gt 16000000 ]; then rm "$OUT/inductor.tgz"; echo "compiler cache: $size bytes, over what \$OUT brings back"; fi
   ;;
-*) echo "usage: $0 recipe|qlora-8b|smollm2|smollm2-shape|graphs-profile|full-1b|full-8b|full-8b-1gpu|threads|binding|graphs|stalls|buckets|graph-warmup|head-shapes|gemm|step-graph|cache" >&2; exit 2 ;;
+*) echo "usage: $0 recipe|qlora-8b|smollm2|smollm2-shape|graphs-profile|full-1b|full-8b|full-8b-1gpu|threads|binding|stalls|buckets|graph-warmup|head-shapes|cache" >&2; exit 2 ;;
 esac
