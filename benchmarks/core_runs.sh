@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU figures for the core and evaluation issues, run on the device machine from the repo root:
+# One-GPU training through the launcher, and evaluation; run on the GPU machine from the repo root:
 #   bash benchmarks/core_runs.sh qlora-1b   # QLoRA, Llama-3.2-1B shape, gradient checkpointing, torchrun + NCCL (world size 1)
 #   bash benchmarks/core_runs.sh smollm2    # LoRA on real SmolLM2-135M-Instruct weights (GGUF at $SMOLLM2),
 #                                           # SAMSum validation rows 0-699, ROUGE on rows 700-817, zero-shot vs fine-tuned

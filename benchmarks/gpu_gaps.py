@@ -5,8 +5,8 @@
 Every kernel, copy and memset on the device is a busy interval; the GPU is idle wherever no
 interval covers time between the first and last of them. For each profiled step (torch's
 ProfilerStep#N, as the GPU ran it) it reports the idle time inside the step and the gap before
-the step's first kernel since the previous step's last one: the host stall this project
-removes shows up as that gap (the device waiting for the host to queue the next step).
+the step's first kernel since the previous step's last one: a host stall between steps shows
+up as that gap (the device waiting for the host to queue the next step).
 
 `idle_by_launcher` names who ended each idle stretch: the host code that queued the work run
 right after it (through the kernel's correlation id to its launch call, then the innermost
@@ -82,7 +82,7 @@ def by_launcher(gaps: list[tuple[float, float, dict | None]], host: Host) -> lis
 
 
 def busy_by_launcher(kernels: list[dict], host: Host) -> list[dict]:
-    """Device time summed by who launched it (a replayed CUDA graph counts as one launch), largest first."""
+    """GPU time summed by who launched it (a replayed CUDA graph counts as one launch), largest first."""
     rows: dict[str, dict] = {}
     for k in kernels:
         launch, name = host.launcher(k)

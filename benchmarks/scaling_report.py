@@ -4,7 +4,7 @@
     python benchmarks/scaling_report.py --scale SCALING.json --recipe-1 RECIPE_N1.json --recipe-2 RECIPE_N2.json \
         --model llama31_8b_qlora --device "2x NVIDIA H200 (NVLink NV18), nvidia-h200-x2" --date 2026-11-29
 
-A `ddptune scale` run cut short (the device call's time ran out before its last run) leaves no scaling.json,
+A `ddptune scale` run cut short (a time limit ran out before its last run) leaves no scaling.json,
 but every finished run left its ranks.jsonl: `--ranks N1.jsonl N2.jsonl --mode same-per-device --steps 20
 --warmup 3` rebuilds the rows from them, over the same sample window and with the same accounting as
 `ddptune scale` (tokens per second from the per-process token counts).

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The 2-GPU measurements (device kind nvidia-h200-x2), one part per device call (each part fits the
-# 10-minute limit; together they do not). Run from the repo root on the device machine, after
+# The 2-GPU measurements (device kind nvidia-h200-x2), one part per run (each part takes under 10 minutes;
+# together they take longer). Run from the repo root on the GPU machine, after
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 #   export PYTHONPATH=/tmp/site:$PWD/src
 # with .devdata/samsum_validation.json (a copy of ../shared/data) and .tok/smollm2 (the SmolLM2 tokenizer).
@@ -12,7 +12,7 @@
 #                                            # SCALE_ARGS=--alone adds one GPU alone at 2 GPUs' share, same-global)
 #   bash benchmarks/scaling_x2.sh smollm2    # SmolLM2-135M LoRA (real weights at $SMOLLM2), global batch 16, 1 and 2 GPUs,
 #                                            # with validation loss and ROUGE on SAMSum rows 700-817 at each count
-#   bash benchmarks/scaling_x2.sh smollm2-shape  # the same SmolLM2 job with random weights (no GGUF to carry, no ROUGE):
+#   bash benchmarks/scaling_x2.sh smollm2-shape  # the same SmolLM2 job with random weights (no GGUF file needed, no ROUGE):
 #                                            # scale at 1 and 2 GPUs, then `train` at 1 GPU for the step time and losses,
 #                                            # each with and without train.cuda_graphs (GRAPHS="true false"), about 300 s each;
 #                                            # SMOL_TRAIN=0 leaves out the `train` runs; EXTRA=train.cuda_graph_scope=step
@@ -22,8 +22,8 @@
 #                                            # benchmarks/gpu_gaps.py on rank 0's trace; about 150 s
 #   bash benchmarks/scaling_x2.sh full-1b    # Llama-3.2-1B shape, full fine-tuning: DDP and FSDP, 1 and 2 GPUs, with `plan`
 #                                            # (STRATEGIES=fsdp for one of them)
-#   bash benchmarks/scaling_x2.sh full-8b    # Llama-3.1-8B shape, full fine-tuning with AdamW: `plan` for 1 GPU (does not fit)
-#                                            # and FSDP over 2, then FSDP over 2 GPUs trains it (FULL8B_STEPS steps)
+#   bash benchmarks/scaling_x2.sh full-8b    # Llama-3.1-8B shape, full fine-tuning with AdamW: `plan` for 1 GPU
+#                                            # and for FSDP over 2, then FSDP over 2 GPUs trains it (FULL8B_STEPS steps)
 #   bash benchmarks/scaling_x2.sh full-8b-1gpu  # the same 8B full fine-tune on ONE GPU (it held 119.8 GiB on an H200)
 #   bash benchmarks/scaling_x2.sh threads    # the OpenMP-threads lever: the 8B job same-per-device at OMP_NUM_THREADS
 #                                            # of each value in THREADS (default "1 16"; 1 is ddptune's default on GPUs)
@@ -47,10 +47,10 @@
 #                                            # (HEAD_RUNS, default "before after before after before-eager"; HEAD_GPU picks
 #                                            # the GPU, default 0, so two lists can run side by side on a 2-GPU machine;
 #                                            # HEAD_GRAPHS=false profiles the shipped default, compiled layers without graphs)
-#   bash benchmarks/scaling_x2.sh cache      # the compiler's cache to $OUT/inductor.tgz (kept only under the 16 MiB a
-#                                            # file may bring back). Compiling the layers takes 50-76 s of each run's first
-#                                            # step on a fresh machine; copied into .inductor/ and carried, the next call
-#                                            # starts warm (every part unpacks .inductor/inductor.tgz first).
+#   bash benchmarks/scaling_x2.sh cache      # the compiler's cache to $OUT/inductor.tgz (kept only if
+#                                            # under 16 MiB). Compiling the layers takes 50-76 s of each run's first
+#                                            # step on a fresh machine; copied into .inductor/, the next run on a fresh
+#                                            # machine starts warm (every part unpacks .inductor/inductor.tgz first).
 # Each part copies its raw results to $OUT; `python benchmarks/scaling_report.py DIR...` turns them into
 # benchmarks/results/h200x2_*.json.
 set -euo pipefail
@@ -67,13 +67,13 @@ if [ -f .inductor/inductor.tgz ] && [ ! -d "$TORCHINDUCTOR_CACHE_DIR" ]; then
   mkdir -p "$TORCHINDUCTOR_CACHE_DIR" && tar xzf .inductor/inductor.tgz -C "$TORCHINDUCTOR_CACHE_DIR"
 fi
 keep_runs() {  # DIR PREFIX: a scale run's tables, and every process count's per-step files as far as they got
-  # in one PREFIX_runs.tgz (a device call brings back at most 8 files: one file per count would crowd them out)
+  # in one PREFIX_runs.tgz (one archive per run instead of a file per count)
   for f in scaling.json scaling.md scaling.png; do [ -f "$1/$f" ] && cp "$1/$f" "$2.${f#*.}"; done
   (cd "$1" 2>/dev/null && find . -name ranks.jsonl -o -name metrics.jsonl | tar czf "$2_runs.tgz" -T -)
   return 0
 }
 quiet() { tr '\r' '\n' | grep -v -E '^(train|Loading weights|generate)' ; }
-# the SmolLM2 job of the smollm2 part with random weights of the same shape (no GGUF to carry, no ROUGE)
+# the SmolLM2 job of the smollm2 part with random weights of the same shape (no GGUF file needed, no ROUGE)
 smol_shape=(configs/demo.yaml model.source=preset:smollm2-135m model.tokenizer=$TOK data.train=$DATA data.train_rows=0:700
             data.val=null data.max_length=512 train.effective_batch_size=16 train.grad_accum=null train.lr=5e-4
             train.warmup_steps=5 eval.enabled=false $EXTRA)
@@ -90,7 +90,7 @@ recipe)
   done
   ;;
 qlora-8b)
-  # a run cut by the call's limit leaves no scaling.json, but every finished run's ranks.jsonl and
+  # a run cut by a time limit leaves no scaling.json, but every finished run's ranks.jsonl and
   # metrics.jsonl are kept in scale_8b_MODE_runs.tgz (scaling_report.py --ranks rebuilds the rows from them)
   mode=${MODE:-both}; dir=$(mktemp -u -d /tmp/scale-8b-$mode-XXXX)  # a fresh folder for each run of this part
   trap 'keep_runs "$dir" "$OUT/scale_8b_$mode"' EXIT

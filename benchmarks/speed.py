@@ -1,6 +1,6 @@
 """Speed benchmark: the tutorial's recipe against ddptune on the same GPU, model shape, data and optimization.
 
-One device call runs, in order:
+One run does, in order:
   1. the GPU's bf16 matrix rate (the MFU denominator), measured on random data;
   2. the reference recipe (HF Trainer + accelerate launch + PEFT + bitsandbytes QLoRA, gradient
      checkpointing, dynamic padding: benchmarks/reference_recipe.py), unless --skip-reference;
@@ -9,7 +9,7 @@ One device call runs, in order:
      attention, compiled layers, gradient checkpointing decided from memory); the same with
      gradient checkpointing forced on; bf16 LoRA (no quantization) for MFU.
 It writes benchmarks/results/<name>.json (raw figures of every run) and prints the headline figures.
-An 8B run of all three plus the reference does not fit one 10-minute device call: split it with --runs.
+An 8B run of all three plus the reference takes over 10 minutes: split it with --runs if that is too long.
 
     python benchmarks/speed.py --name h200_llama31_8b_qlora_v2 --preset llama-3.1-8b \
         --tokenizer .tok/smollm2 --data .devdata/samsum_validation.json --steps 25 --warmup 5 --runs ddptune,ddptune_gc
