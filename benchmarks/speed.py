@@ -30,12 +30,12 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "samsum_qlora_llama31_8b.yaml"
 
 
-def sh(cmd: list[str], log: Path) -> float:
+def sh(cmd: list[str], log: Path, env: dict | None = None) -> float:
     """Run a command, tee its output to `log`; return wall seconds. Raises on failure."""
-    print("$", " ".join(cmd), flush=True)
+    print("$", " ".join(cmd), *(f"({k}={v})" for k, v in (env or {}).items()), flush=True)
     t = time.perf_counter()
     with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=dict(os.environ, **(env or {})))
     if proc.returncode:
         print(log.read_text()[-6000:])
         raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}")
@@ -75,12 +75,16 @@ RUNS = {
 
 
 def ddptune_run(args, name: str, overrides: list[str], work: Path) -> dict:
+    """One `ddptune train` of the shipped config on the benchmark's data; an override `env:NAME=VALUE`
+    sets an environment variable for the run instead (DDPTUNE_SPEED forces speed choices)."""
     out = work / name
+    env = {o[4:].split("=", 1)[0]: o[4:].split("=", 1)[1] for o in overrides if o.startswith("env:")}
+    overrides = [o for o in overrides if not o.startswith("env:")]
     cmd = [sys.executable, "-m", "ddptune", "train", str(CONFIG), f"output_dir={out}",
            f"model.source=preset:{args.preset}", f"model.tokenizer={args.tokenizer}", f"data.train={args.data}",
            f"data.train_rows={args.rows}", "data.val=null", f"train.max_steps={args.steps}",
            f"train.warmup_steps={args.lr_warmup}", f"train.method={args.method}", *args.override, *overrides, "--nproc", "1"]
-    wall = sh(cmd, work / f"{name}.log")
+    wall = sh(cmd, work / f"{name}.log", env)
     summary = json.loads((out / "summary.json").read_text())
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
     measured = rows[args.warmup:]
@@ -92,6 +96,8 @@ def ddptune_run(args, name: str, overrides: list[str], work: Path) -> dict:
         "real_tok_s_per_gpu": real / sum(r["step_time_s"] for r in measured),
         "padding_fraction": 1 - real / padded,
         "peak_mem_gib": summary["peak_mem_gib"], "mfu": summary["mfu"],
+        "mfu_denominator_tflops": summary.get("mfu_denominator_tflops"), "speed": summary.get("speed"),
+        "wall_time_s": summary.get("wall_time_s"),
         "gradient_checkpointing": summary["gradient_checkpointing"], "compiled": summary.get("compiled"),
         "losses": [r["loss"] for r in rows], "grad_norms": [r["grad_norm"] for r in rows],
         "final_loss": rows[-1]["loss"], "load_time_s": summary["load_time_s"],
@@ -112,6 +118,7 @@ def main() -> int:
     p.add_argument("--method", choices=["qlora", "lora"], default="qlora", help="lora: for a CPU smoke test")
     p.add_argument("--override", action="append", default=[], help="extra key=value for every ddptune run")
     p.add_argument("--skip-reference", action="store_true")
+    p.add_argument("--reference-best", action="store_true", help="also the recipe without checkpointing, cuDNN attention off")
     p.add_argument("--runs", default="ddptune,ddptune_gc,ddptune_lora_bf16",
                    help=f"comma-separated ddptune runs, of: {', '.join(RUNS)}")
     p.add_argument("--run", action="append", default=[], metavar="NAME=KEY=VALUE,...",
@@ -126,9 +133,7 @@ def main() -> int:
 
     result = {"name": args.name, "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
               "preset": args.preset, "steps": args.steps, "warmup_steps_excluded": args.warmup}
-    result["matmul_tflops_bf16"] = matmul_tflops()
-    if result["matmul_tflops_bf16"]:
-        os.environ["DDPTUNE_PEAK_TFLOPS"] = f"{result['matmul_tflops_bf16']:.1f}"
+    result["matmul_tflops_bf16"] = matmul_tflops()  # the second MFU column's denominator (ddptune's is the datasheet's)
     import torch
 
     result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -136,13 +141,16 @@ def main() -> int:
     folder = model_lib.preset_folder(args.preset, 0)
     result["preset_save_s"] = time.perf_counter() - t
 
-    if not args.skip_reference:
-        ref_json = work / "reference.json"
+    variants = {"reference": []} if not args.skip_reference else {}
+    if args.reference_best:  # the recipe with its own best switches: no checkpointing, cuDNN attention off
+        variants["reference_best"] = ["--no-gradient-checkpointing", "--no-cudnn-attention"]
+    for key, extra in variants.items():
+        ref_json = work / f"{key}.json"
         sh(["accelerate", "launch", "--num_processes", "1", "--mixed_precision", "bf16",
             str(ROOT / "benchmarks" / "reference_recipe.py"), "--model-dir", str(folder), "--tokenizer-dir", args.tokenizer,
             "--data", args.data, "--method", args.method, "--max-steps", str(args.steps), "--warmup-steps-excluded", str(args.warmup),
-            "--out", str(ref_json)], work / "reference.log")
-        result["reference"] = json.loads(ref_json.read_text())
+            "--out", str(ref_json), *extra], work / f"{key}.log")
+        result[key] = json.loads(ref_json.read_text())
 
     out = ROOT / "benchmarks" / "results" / f"{args.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Run by test_faults under `dist.torchrun`: note every signal this worker receives, then exit 128 + it.
+"""Run by test_faults under `launch.torchrun`: note every signal this worker receives, then exit 128 + it.
 
 No worker exits before every worker has written down what it got: once one worker exits, torchrun
 sends SIGTERM to the rest (its own handling of a failed worker), which is not a copy of the signal."""

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import multiproc
 from conftest import ROOT, metrics
-from ddptune import checkpoint, config, data, model as model_lib, train
+from ddptune import checkpoint, config, data, model as model_lib, step, train
 from ddptune.config import ConfigError
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -40,7 +40,7 @@ def test_planted_pickles_never_run(tmp_path):
     marker = tmp_path / "pwned"
     m = model_lib.add_adapters(model_lib.build_preset("tiny", 0, torch.float32, torch.device("cpu"), "varlen"), "lora",
                                config.LoraConfig(r=8, alpha=16, dropout=0.0), False)
-    opt, sched = train.build_optimizer(config.load(TINY), m, 2)
+    opt, sched = step.build_optimizer(config.load(TINY).train, m, 2)
     for name in files:  # each file in turn replaced by a pickle that would create `marker`
         bad = tmp_path / "bad"
         shutil.rmtree(bad, ignore_errors=True)
@@ -56,7 +56,7 @@ def test_planted_pickles_never_run(tmp_path):
     cfg = config.load(TINY)
     rows = data.load_split(cfg.data.train, cfg.data.train_rows, cfg.data)
     tok = model_lib.load_tokenizer(cfg.model)
-    again = data.tokenize_cached(rows, tok, cfg.data, out / "cache", model_lib.fingerprint(tok))
+    again = data.tokenize_cached(rows, tok, cfg.data, out / "cache", data.fingerprint(tok))
     assert not marker.exists() and len(again) == len(rows) and json.loads(cache.read_text()) == again
 
 
@@ -147,7 +147,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_whole(tmp_path):
 
 
 def test_learning_rates_kept_on_the_gpu_resume_in_either_kind_of_optimizer(tmp_path):
-    """train.cuda_graph_scope=step keeps the learning rate as a tensor that its schedule fills in
+    """A step recorded as CUDA graphs keeps the learning rate as a tensor that its schedule fills in
     place (the recorded update reads it there). A checkpoint stores it as a number: a run with a
     tensor rate resumes one written with a number and the reverse, the tensor stays the object the
     optimizer had (a recording still points at it), and both go on as the unbroken run does."""

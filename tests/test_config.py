@@ -6,7 +6,7 @@ import importlib.util
 import pytest
 
 from conftest import ROOT, SHARED_DATA, ddptune
-from ddptune import checks, config
+from ddptune import batchplan, checks, config, configref, data
 from ddptune.config import ConfigError
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -37,34 +37,34 @@ def test_every_shipped_config_loads_and_validates(path, tmp_path):
 
 def test_effective_batch_fixes_the_global_batch_across_process_counts():
     padded = config.from_dict({"train": {"micro_batch_size": 4, "effective_batch_size": 16, "packing": False}}).train
-    plans = [config.batch_plan(padded, n) for n in (1, 2, 4)]
+    plans = [batchplan.batch_plan(padded, n) for n in (1, 2, 4)]
     assert [p.grad_accum for p in plans] == [4, 2, 1] and {p.global_batch for p in plans} == {16}
     assert "4 per forward x 2 processes x 2 accumulation = 16 samples per optimizer step (padded)" in plans[1].describe()
     with pytest.raises(ConfigError, match="not a multiple of micro_batch_size x processes = 4 x 8 = 32"):
-        config.batch_plan(padded, 8)
+        batchplan.batch_plan(padded, 8)
     # packed: samples per step and per process; micro-batches and accumulation do not exist
     packed = config.from_dict({"train": {"micro_batch_size": 4, "effective_batch_size": 16}}).train
-    plan = config.batch_plan(packed, 8)
+    plan = batchplan.batch_plan(packed, 8)
     assert (plan.per_process, plan.global_batch, plan.grad_accum, plan.tokens_per_forward) == (2, 16, None, 8192)
     assert plan.describe().startswith("batch: 16 samples per optimizer step = 2 per process x 8 processes, packed")
     with pytest.raises(ConfigError, match="16 is not a multiple of the process count 3"):
-        config.batch_plan(packed, 3)
+        batchplan.batch_plan(packed, 3)
     grown = config.from_dict({"train": {"micro_batch_size": 4, "grad_accum": 4}}).train
-    assert config.batch_plan(grown, 2).global_batch == 32
+    assert batchplan.batch_plan(grown, 2).global_batch == 32
     # an old padded-style key keeps working, with one line saying what it means with packing
-    assert config.batch_notes(grown) == ["train.grad_accum=4 with packing only sets the samples per process "
+    assert batchplan.batch_notes(grown) == ["train.grad_accum=4 with packing only sets the samples per process "
                                          "(micro_batch_size x grad_accum = 16); each process packs them into forwards "
                                          "of at most train.tokens_per_forward=8192 tokens"]
-    assert config.batch_notes(padded) == []
+    assert batchplan.batch_notes(padded) == []
 
 
 def test_the_readme_config_table_is_generated_from_the_docstrings():
-    """README.md's config reference is `config.reference_markdown()` verbatim (regenerate it with
+    """README.md's config reference is `configref.reference_markdown()` verbatim (regenerate it with
     `python -m ddptune.config > table` and paste it between the markers)."""
     readme = (ROOT / "README.md").read_text()
     start, end = "<!-- config-reference:start -->\n", "<!-- config-reference:end -->"
-    assert readme[readme.index(start) + len(start):readme.index(end)] == config.reference_markdown()
-    rows = config.reference()
+    assert readme[readme.index(start) + len(start):readme.index(end)] == configref.reference_markdown()
+    rows = configref.reference()
     assert all(r["doc"] for r in rows), [r["key"] for r in rows if not r["doc"]]  # every field documented
     assert {r["key"] for r in rows} >= {"train.profile_steps", "model.attn_implementation", "data.summary_column"}
 
@@ -112,10 +112,10 @@ def test_bad_config_fails_with_one_line_before_any_process_starts(tmp_path):
     assert "OMP_NUM_THREADS" not in proc.stderr and proc.stdout == ""  # torchrun never started
 
 
-def test_graph_scope_auto_records_the_whole_step_only_with_an_update_that_can_be_recorded():
-    scope = {opt: config.from_dict({"train": {"cuda_graphs": True, "optimizer": opt}}) for opt in ("adamw", "paged_adamw_8bit")}
-    assert config.graph_scope(scope["adamw"].train) == "step"
-    assert config.graph_scope(scope["paged_adamw_8bit"].train) == "layers"
-    assert not [p for p in config.check_values(scope["paged_adamw_8bit"]) if "cuda_graph_scope" in p]  # auto falls back
-    asked = config.from_dict({"train": {"cuda_graphs": True, "optimizer": "adamw", "cuda_graph_scope": "layers"}})
-    assert config.graph_scope(asked.train) == "layers"
+def test_keys_ddptune_decides_itself_are_refused_each_with_one_line():
+    """An old config that still sets a speed switch ddptune now chooses gets a line per key saying so."""
+    with pytest.raises(ConfigError) as e:
+        config.from_dict({"train": {key.split(".")[1]: 1 for key in config.RETIRED}})
+    assert sorted(p.split(":")[0] for p in e.value.problems) == sorted(config.RETIRED)
+    assert all("decides this itself" in p for p in e.value.problems)
+    assert config.from_dict({"train": {"cuda_graphs": "auto"}}).train.cuda_graphs == "auto"

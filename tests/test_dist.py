@@ -9,7 +9,7 @@ import torch
 from accelerate.utils import DistributedType
 
 import multiproc
-from ddptune import dist
+from ddptune import dist, launch
 
 
 def test_teardown_undoes_what_a_one_process_fsdp_setup_wrote():

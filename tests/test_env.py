@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ddptune import env
+from ddptune import env, system
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 KEYS = {"python", "platform", "cpu", "cpu_count", "ram_GiB", "torch", "cuda", "cudnn", "nccl", "gpus",
@@ -21,7 +21,7 @@ def test_env_no_bandwidth(tmp_path: Path, capsys: pytest.CaptureFixture[str],
     assert env.main(["--no-bandwidth", "--json", str(out)]) == 0
     info = json.loads(out.read_text())
     assert KEYS <= info.keys()
-    assert set(info["packages"]) == set(env.PACKAGES)
+    assert set(info["packages"]) == set(system.PACKAGES)
     assert info["env_vars"]["NCCL_DEBUG"] == "INFO"
     assert info["bandwidth"]["status"].startswith("skipped")
     assert info["ddptune"] == importlib.metadata.version("ddptune")
@@ -56,12 +56,12 @@ def test_env_bandwidth_two_cpu_processes(tmp_path: Path, capsys: pytest.CaptureF
 
 
 def test_host_cpu_share_counts_the_busy_time_between_two_readings() -> None:
-    before = env.cpu_times()
+    before = system.cpu_times()
     assert before and 0 <= before["steal"] <= before["total"] and 0 < before["busy"] <= before["total"]
     spin = before["total"]
-    while (after := env.cpu_times())["total"] < spin + 20:  # at least 20 ticks of host time pass
+    while (after := system.cpu_times())["total"] < spin + 20:  # at least 20 ticks of host time pass
         sum(range(10_000))
-    share = env.cpu_share(before, after)
+    share = system.cpu_share(before, after)
     assert 0 < share["busy"] <= 1 and 0 <= share["steal"] <= 1
-    assert env.cpu_share(before, before) is None and env.cpu_share(None, after) is None
-    assert env.cpu_model()
+    assert system.cpu_share(before, before) is None and system.cpu_share(None, after) is None
+    assert system.cpu_model()

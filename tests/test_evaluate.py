@@ -7,7 +7,7 @@ import pytest
 
 import multiproc
 from conftest import ROOT, check, ddptune
-from ddptune import config, evaluate, model as model_lib
+from ddptune import config, data, evaluate, generation, model as model_lib
 from test_train import train_tiny
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -15,26 +15,26 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 
 def test_rouge_matches_hand_computed_scores():
     # pred unigrams 3, ref 6, overlap 3: P=1, R=1/2, F=2/3. Bigrams: 2 vs 5, overlap 2: F=2*1*0.4/1.4.
-    s = evaluate.rouge(["the cat sat"], ["the cat sat on the mat"])
+    s = generation.rouge(["the cat sat"], ["the cat sat on the mat"])
     assert s["rouge1"] == pytest.approx(100 * 2 / 3)
     assert s["rouge2"] == pytest.approx(100 * 0.8 / 1.4)
     assert s["rougeL"] == pytest.approx(100 * 2 / 3)
     # stemming: "cats"/"cat" and "sitting"/"sit" match; nothing in common scores 0; mean over pairs
-    s = evaluate.rouge(["cats sitting", "dog"], ["cat sit", "bird"])
+    s = generation.rouge(["cats sitting", "dog"], ["cat sit", "bird"])
     assert s["rouge1"] == pytest.approx(50.0) and s["rouge2"] == pytest.approx(50.0)
 
 
 def test_rouge_lsum_uses_sentences():
-    assert evaluate.sentences("Anna is late. Tom waits! OK?") == "Anna is late.\nTom waits!\nOK?"
+    assert generation.sentences("Anna is late. Tom waits! OK?") == "Anna is late.\nTom waits!\nOK?"
     # two sentences in swapped order: ROUGE-L (one sequence) punishes the swap, ROUGE-Lsum does not
-    s = evaluate.rouge(["tom waits. anna is late."], ["anna is late. tom waits."])
+    s = generation.rouge(["tom waits. anna is late."], ["anna is late. tom waits."])
     assert s["rougeLsum"] == pytest.approx(100.0)
     assert s["rougeL"] < 100.0
 
 
 def test_batches_are_the_same_for_any_process_count():
     prompts = [[1] * n for n in (5, 3, 9, 3, 1)]
-    assert evaluate.fixed_batches(prompts, 2) == [[4, 1], [3, 0], [2]]
+    assert generation.fixed_batches(prompts, 2) == [[4, 1], [3, 0], [2]]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_one_and_two_processes_give_the_same_predictions(trained_run, tmp_path):
     m1 = json.loads((tmp_path / "one" / "metrics.json").read_text())
     m2 = json.loads((tmp_path / "two" / "metrics.json").read_text())
     assert (m1["world_size"], m2["world_size"]) == (1, 2) and m1["n"] == m2["n"] == 5
-    for k in evaluate.ROUGE_KEYS:
+    for k in generation.ROUGE_KEYS:
         assert m1[k] == m2[k]
 
 
@@ -94,7 +94,7 @@ def test_compare_shows_the_config_keys_that_differ_and_plots_the_losses(tmp_path
         (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 5.0 - s * lr}) + "\n" for s in (1, 2, 3)))
         (run / "summary.json").write_text(json.dumps({"world_size": 2, "global_batch": 8, "steps": 3}))
         (run / "eval" / "metrics.json").write_text(json.dumps(
-            {"label": "fine-tuned", "n": 4, "generation_time_s": 1.0, **{k: 0.5 for k in evaluate.ROUGE_KEYS}}))
+            {"label": "fine-tuned", "n": 4, "generation_time_s": 1.0, **{k: 0.5 for k in generation.ROUGE_KEYS}}))
         runs.append(str(run))
     png = tmp_path / "losses.png"
     assert cli.main(["compare", *runs, "--plot", str(png)]) == 0
@@ -109,7 +109,7 @@ def test_train_runs_evaluation_before_and_after(tmp_path):
                                                  "eval.max_samples=4", "eval.max_new_tokens=8"])
     for sub in ("eval", "eval-base"):
         assert len((out / sub / "predictions.jsonl").read_text().splitlines()) == 4
-    assert set(summary["rouge"]) == set(evaluate.ROUGE_KEYS)
+    assert set(summary["rouge"]) == set(generation.ROUGE_KEYS)
     assert json.loads((out / "eval" / "metrics.json").read_text())["world_size"] == 2
 
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 import multiproc
 from conftest import ROOT, UNBROKEN_ARGS
-from ddptune import config, dist, train
+from ddptune import config, data, dist, launch, train
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
 
@@ -162,7 +162,7 @@ def _workers(proc) -> list:
 
     def is_worker(p) -> bool:
         try:
-            return "LOCAL_RANK" in p.environ() and "ddptune.launcher" not in " ".join(p.cmdline())
+            return "LOCAL_RANK" in p.environ() and "ddptune.launch" not in " ".join(p.cmdline())
         except psutil.Error:
             return False
 
@@ -244,14 +244,14 @@ def test_a_straggling_process_is_named(tmp_path):
 
 def test_sigint_to_the_launcher_reaches_each_worker_exactly_once(tmp_path):
     """The launcher side of Ctrl-C (the workers' side, stop after a saved step, is tested above):
-    torchrun is in a session of its own, and `dist.torchrun` passes the signal on to each worker once."""
+    torchrun is in a session of its own, and `launch.torchrun` passes the signal on to each worker once."""
     import subprocess
     import sys
 
     path = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path, SIGWORKER_DIR=str(tmp_path))
-    launcher = subprocess.Popen([sys.executable, "-c", "import sys; from ddptune import dist; "
-                                 "sys.exit(dist.torchrun(2, ['sigworker']))"], env=env, stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen([sys.executable, "-c", "import sys; from ddptune import launch; "
+                                 "sys.exit(launch.torchrun(2, ['sigworker']))"], env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not all((tmp_path / f"ready-{r}").exists() for r in (0, 1)) and time.time() < deadline and launcher.poll() is None:
         time.sleep(0.05)

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 import multiproc
 from conftest import ROOT, metrics
-from ddptune import checks, config, dist, train
+from ddptune import batches, checks, config, data, dist, train
 from ddptune.config import ConfigError
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -153,7 +153,7 @@ def test_fsdp_refuses_what_it_does_not_cover():
 
 def test_lockstep_gives_every_process_as_many_forwards():
     a, b, c, d, e = ({"id": i} for i in range(5))
-    out = train.lockstep([[[a, b, c], [d]], [[e]], [[a], [b], [c]]])
+    out = batches.lockstep([[[a, b, c], [d]], [[e]], [[a], [b], [c]]])
     assert [len(rows) for rows in out] == [3, 3, 3]
     assert out[0] == [[a], [b, c], [d]]  # the row of the most samples split in two: the same samples
     assert out[1] == [[e], [], []]  # one sample cannot be split: forwards that count nothing

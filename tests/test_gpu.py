@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from ddptune import data, model as model_lib
+from ddptune import batches, data, launch, model as model_lib, scaling
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -46,8 +46,8 @@ def packed_and_separate(weights_dtype: torch.dtype, context) -> tuple:
         ex.append({"input_ids": ids, "labels": [data.IGNORE] * 10 + ids[10:]})
     to = lambda b: {k: v.cuda() if torch.is_tensor(v) else v for k, v in b.items()}  # noqa: E731
     with context:
-        separate = sum(net(**to(data.collate([e], 0)), num_items=1).float() for e in ex)
-        packed = net(**to(data.collate_packed(ex)), num_items=1).float()
+        separate = sum(net(**to(batches.collate([e], 0)), num_items=1).float() for e in ex)
+        packed = net(**to(batches.collate_packed(ex)), num_items=1).float()
     return packed, separate, net
 
 
@@ -100,7 +100,7 @@ def test_numa_binding_exclusive_gives_each_process_cores_of_its_own(tmp_path):
         "','.join(map(str, sorted(os.sched_getaffinity(0)))))\n")
     n = torch.cuda.device_count()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]), PROBE_DIR=str(tmp_path))
-    assert dist.torchrun(n, ["affinity_probe"], env=env, numa_binding="exclusive") == 0
+    assert launch.torchrun(n, ["affinity_probe"], env=env, numa_binding="exclusive") == 0
     cpus = [set(map(int, (tmp_path / str(r)).read_text().split(","))) for r in range(n)]
     assert all(cpus) and all(c <= os.sched_getaffinity(0) for c in cpus)
     assert sum(map(len, cpus)) == len(set().union(*cpus))  # disjoint
@@ -133,7 +133,7 @@ def test_flash_varlen_computes_every_position_of_a_row_padded_for_graphs():
     longer than max_length_q left positions unwritten: finite loss, NaN gradients on H200.)"""
     g = torch.Generator(device="cuda").manual_seed(2)
     ex = [{"input_ids": [1] * n, "labels": [1] * n} for n in (37, 200, 5)]
-    row = data.collate_packed(ex, pad_to=1024, max_length=200)
+    row = batches.collate_packed(ex, pad_to=1024, max_length=200)
     cu = row["cu_seq_lens_q"].cuda()
     q, k, v = (torch.randn(1024, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True) for _ in range(3))
     out = model_lib._flash_varlen(q, k, v, cu, row["max_length_q"], 0.125)

@@ -39,7 +39,7 @@ def test_ddptunes_launcher_prints_once_each_line_rank_0_did_not(tmp_path, monkey
     each other line once (one only a non-zero rank met, or all of them on a node without rank 0)."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from ddptune import dist, launcher
+    from ddptune import dist, launch
 
     def failure(rank: int, line: str | None, exitcode: int = 2) -> ProcessFailure:
         path = tmp_path / f"error-{len(list(tmp_path.iterdir()))}.json"  # a new file each time (none when no line)
@@ -49,16 +49,16 @@ def test_ddptunes_launcher_prints_once_each_line_rank_0_did_not(tmp_path, monkey
         return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(path))
 
     bad, own = "ddptune: invalid config: x: bad", "ddptune: invalid config: y: only rank 2 saw this"
-    assert launcher.untold({0: failure(0, bad), 1: failure(1, bad), 2: failure(2, own), 3: failure(3, own)}) == [own]
-    assert launcher.untold({0: failure(0, None, -15), 1: failure(1, bad)}) == [bad]  # rank 0 stopped before it spoke
-    assert launcher.untold({2: failure(2, bad), 3: failure(3, bad)}) == [bad]  # node 1
-    assert launcher.untold({0: failure(0, bad), 1: failure(1, None, -15)}) == []
+    assert launch.untold({0: failure(0, bad), 1: failure(1, bad), 2: failure(2, own), 3: failure(3, own)}) == [own]
+    assert launch.untold({0: failure(0, None, -15), 1: failure(1, bad)}) == [bad]  # rank 0 stopped before it spoke
+    assert launch.untold({2: failure(2, bad), 3: failure(3, bad)}) == [bad]  # node 1
+    assert launch.untold({0: failure(0, bad), 1: failure(1, None, -15)}) == []
     # a worker killed by a signal says nothing itself: the launcher names it (the first to fail only:
     # torchrun's own SIGTERMs to the others follow from it)
-    assert launcher.killed(1, failure(1, None, -9)) == [
+    assert launch.killed(1, failure(1, None, -9)) == [
         "ddptune: rank 1 was killed by SIGKILL and the job stopped (the kernel's out-of-memory killer sends SIGKILL: "
         "see dmesg); continue from the newest checkpoint with --resume"]
-    assert launcher.killed(0, failure(0, bad)) == [] and launcher.killed(0, failure(0, None, 130)) == []
+    assert launch.killed(0, failure(0, bad)) == [] and launch.killed(0, failure(0, None, 130)) == []
 
 
 def _commands_with_stderr(commands: list[tuple[list[str], int]]) -> list[tuple[int, str]]:

@@ -1,6 +1,7 @@
-"""The package's shape: its import graph (every `from . import x` or `from ddptune import x`, at the top of a
-module or inside a function) has no circle, the ground floor imports nothing of ddptune, and no module
-imports a command's module from below. Read from the source, so a moved import breaks this test, not a run."""
+"""The package's shape, read from the source (so a moved import or a grown function breaks this
+test, not a run): commands import components, never each other; the ground floor imports nothing
+of ddptune; the import graph has no circle; no module, function or class outgrows a screen's reason;
+and each module's first docstring line says what it owns."""
 from __future__ import annotations
 
 import ast
@@ -10,10 +11,11 @@ from pathlib import Path
 import ddptune
 
 PACKAGE = Path(ddptune.__file__).parent
-# modules that know nothing of the rest: the config, the process layer, files and figures
-GROUND = {"config", "dist", "launcher", "checkpoint", "metrics", "report"}
-# the commands' floor: only the CLI (and __main__) may import it
-COMMANDS = {"cli"}
+# modules that know nothing of the rest: the config, starting processes, files and figures
+GROUND = {"config", "launch", "checkpoint", "metrics", "report", "attention"}
+COMMANDS = {"cli", "train", "evaluate", "predict", "export", "scale", "plan", "env"}
+MAX_MODULE, MAX_TRAIN, MAX_FUNCTION, MAX_CLASS = 500, 450, 60, 120
+LONG_ALLOWED = {("cli", "_parser"), ("config", "check_values")}  # the argparse builder, the config's value checks
 
 
 def ddptune_imports(path: Path) -> set[str]:
@@ -30,8 +32,12 @@ def ddptune_imports(path: Path) -> set[str]:
     return found - {path.stem}
 
 
+def modules() -> list[Path]:
+    return [p for p in sorted(PACKAGE.glob("*.py")) if p.stem != "__init__"]
+
+
 def graph() -> dict[str, set[str]]:
-    return {p.stem: ddptune_imports(p) for p in sorted(PACKAGE.glob("*.py")) if p.stem != "__init__"}
+    return {p.stem: ddptune_imports(p) for p in modules()}
 
 
 def test_the_reader_sees_function_level_imports_too(tmp_path):
@@ -43,21 +49,46 @@ def test_the_reader_sees_function_level_imports_too(tmp_path):
 
 def test_the_import_graph_has_no_circle():
     g = graph()
-    assert set(g) >= {"config", "dist", "train", "evaluate", "scale", "cli", "model", "data"}
+    assert set(g) >= COMMANDS | GROUND | {"dist", "model", "data", "batches", "speed", "graphs", "step"}
     for deps in g.values():
         assert deps <= set(g), f"imports a module that does not exist: {deps - set(g)}"
     order = list(graphlib.TopologicalSorter(g).static_order())  # raises CycleError on a circle
     assert order.index("config") < order.index("train") < order.index("cli")
 
 
-def test_ground_floor_imports_nothing_of_ddptune_and_nothing_imports_the_cli():
+def test_commands_import_components_never_each_other_and_the_ground_floor_imports_nothing():
     g = graph()
     assert {m: g[m] for m in GROUND if g[m]} == {}
-    assert [m for m, deps in g.items() if deps & COMMANDS and m != "__main__"] == []
+    assert {m: g[m] & COMMANDS for m in g if m not in ("cli", "__main__") and g[m] & COMMANDS} == {}
 
 
-def test_train_reads_as_setup_fit_finish_in_short_functions():
+def test_no_module_function_or_class_outgrows_its_bound():
+    too_long = {}
+    for path in modules():
+        lines = len(path.read_text().splitlines())
+        if lines > (MAX_TRAIN if path.stem == "train" else MAX_MODULE):
+            too_long[path.stem] = lines
+        for node in ast.walk(ast.parse(path.read_text())):
+            size = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and size > MAX_FUNCTION \
+                    and (path.stem, node.name) not in LONG_ALLOWED:
+                too_long[f"{path.stem}.{node.name}"] = size
+            if isinstance(node, ast.ClassDef) and size > MAX_CLASS and not any(
+                    "dataclass" in ast.unparse(d) for d in node.decorator_list):
+                too_long[f"{path.stem}.{node.name}"] = size
+    assert too_long == {}
+
+
+def test_each_module_says_in_its_first_line_what_it_owns():
+    unsaid = {}
+    for path in modules():
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        first = doc.splitlines()[0] if doc else ""
+        if not first or len(first) > 120 or not first.rstrip().endswith((".", ":")):
+            unsaid[path.stem] = first
+    assert unsaid == {}
+
+
+def test_train_reads_as_setup_fit_finish():
     tree = ast.parse((PACKAGE / "train.py").read_text())
-    functions = {n.name: n.end_lineno - n.lineno + 1 for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
-    assert {"setup", "fit", "finish", "train_step"} <= set(functions)
-    assert {name: n for name, n in functions.items() if n >= 60} == {}
+    assert {"setup", "fit", "finish", "train_step"} <= {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}

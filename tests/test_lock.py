@@ -13,7 +13,7 @@ import pytest
 
 import multiproc
 from conftest import ROOT
-from ddptune import cli, config, dist, lock
+from ddptune import cli, config, dist, launch, lock
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
 
@@ -37,7 +37,7 @@ def no_work(monkeypatch):
     def tripped(*args, **kwargs):
         raise AssertionError("a refused run started work")
 
-    for owner, name in ((dist, "torchrun"), (dist, "setup"), (ddptune.train, "run")):
+    for owner, name in ((launch, "torchrun"), (dist, "setup"), (ddptune.train, "run")):
         monkeypatch.setattr(owner, name, tripped)
 
 

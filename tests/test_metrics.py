@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from ddptune import metrics, model as model_lib
+from ddptune import metrics, model as model_lib, runlog
 
 
 def test_sample_flops_follow_the_written_formula():
@@ -73,7 +73,7 @@ def test_split_tells_one_slower_gpu_from_a_different_one_each_step():
 def test_metrics_file_drops_steps_that_a_resume_redoes(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 6)))
-    w = metrics.JsonlWriter(path, keep_until_step=3)
+    w = runlog.JsonlWriter(path, keep_until_step=3)
     w.write({"step": 4, "loss": 0.5})
     w.close()
     assert [json.loads(l)["step"] for l in path.read_text().splitlines()] == [1, 2, 3, 4]

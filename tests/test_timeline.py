@@ -1,10 +1,15 @@
-"""timeline: each process's GPU time per step, from torch.profiler's Chrome traces."""
+"""benchmarks/timeline.py: each process's GPU time per step, from torch.profiler's Chrome traces."""
+import importlib.util
 import json
 
 import pytest
 
-from conftest import gpu_trace
-from ddptune import metrics, timeline
+from conftest import ROOT, gpu_trace
+from ddptune import metrics
+
+_spec = importlib.util.spec_from_file_location("timeline", ROOT / "benchmarks" / "timeline.py")
+timeline = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(timeline)
 
 
 def test_each_step_is_the_work_its_launches_queued_split_into_own_work_collectives_alone_and_idle():

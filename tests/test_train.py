@@ -1,7 +1,10 @@
 """The training command: real gloo processes (spawned in-process, or through torchrun and accelerate)."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
+import os
 import shutil
 
 import pytest
@@ -11,7 +14,7 @@ from safetensors.torch import load_file
 
 import multiproc
 from conftest import ROOT, check, ddptune, metrics
-from ddptune import checks, config, model as model_lib, train
+from ddptune import batches, checks, config, model as model_lib, train
 from ddptune.config import ConfigError
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -21,22 +24,37 @@ def losses(run_dir) -> list[float]:
     return [r["loss"] for r in metrics(run_dir) if "loss" in r]
 
 
+@contextlib.contextmanager
+def forced(overrides: list[str]):
+    """The overrides without `env:NAME=VALUE` entries, those set in the environment meanwhile (a run's
+    DDPTUNE_SPEED: what a benchmark forces the speed decider to choose)."""
+    env = dict(o[4:].split("=", 1) for o in overrides if o.startswith("env:"))
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield [o for o in overrides if not o.startswith("env:")]
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
 def train_tiny(overrides: list[str], resume: bool = False) -> dict:
     """One process's part of `ddptune train configs/tiny.yaml OVERRIDES` (run by multiproc.run)."""
-    summary, _ = train.run(config.load(TINY, overrides), resume=resume)
+    with forced(overrides) as rest:
+        summary, _ = train.run(config.load(TINY, rest), resume=resume)
     return summary
 
 
 def test_cli_two_processes_end_to_end(tmp_path):
     out = tmp_path / "run"
-    proc = check(ddptune("train", TINY, f"output_dir={out}", "--nproc", "2", "train.profile_steps=2", "train.profile_after=3"))
+    proc = check(ddptune("train", TINY, f"output_dir={out}", "--nproc", "2", "train.profile_steps=2"))
 
     for name in ("config.yaml", "metrics.jsonl", "ranks.jsonl", "summary.json", "adapter/adapter_model.safetensors",
                  "adapter/adapter_config.json", "adapter/tokenizer.json", "adapter/ddptune.yaml", "profile.txt"):
         assert (out / name).is_file(), name
-    for trace in ("trace.json", "trace-rank1.json"):  # every process's timeline, each with its profiled steps (4 and 5)
+    for trace in ("trace.json", "trace-rank1.json"):  # every process's timeline, each with its profiled steps (3 and 4)
         steps = {e["name"] for e in json.loads((out / trace).read_text())["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")}
-        assert steps == {"ProfilerStep#3", "ProfilerStep#4"}, (trace, steps)
+        assert steps == {"ProfilerStep#2", "ProfilerStep#3"}, (trace, steps)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["global_batch"] == 8 and summary["per_process"] == 4
     assert len(set(summary["replica_fingerprints"])) == 1  # both replicas hold the same weights
@@ -95,7 +113,7 @@ def accumulation_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("accumulation")
     one = lambda p: [f"output_dir={root / f'one-{p}'}", "train.grad_accum=2", *ACCUMULATION, f"train.packing={p}"]  # noqa: E731
     two = lambda p: [f"output_dir={root / f'two-{p}'}", "train.grad_accum=1", *ACCUMULATION, f"train.packing={p}",  # noqa: E731
-                     *(["train.ddp_bucket_mb=0.00048828125"] if p == "true" else [])]
+                     *(["env:DDPTUNE_SPEED=bucket_mb=0.00048828125"] if p == "true" else [])]
     golden = multiproc.run(train_all, 1, [[f"output_dir={root / 'golden'}", "train.max_steps=4", "data.val=null"],
                                           one("false"), one("true")])[0][0]
     multiproc.run(train_all, 2, [two("false"), two("true")])
@@ -125,7 +143,7 @@ def test_two_processes_take_the_same_steps_as_one_with_accumulation(accumulation
     summary = json.loads((two / "summary.json").read_text())
     fps = summary["replica_fingerprints"]
     assert len(fps) == 2 and fps[0] == fps[1]
-    # torch's default buckets hold all of LoRA's gradients at once; train.ddp_bucket_mb below the
+    # torch's default buckets hold all of LoRA's gradients at once; a bucket (forced) below the
     # smallest tensor gives each its own all-reduce, and the same losses
     assert summary["grad_buckets"] == (len(wa) if packing else 1) and len(wa) > 1
     # padded shares hold equal sample counts (micro-batches line up); packed ones need not
@@ -258,14 +276,15 @@ def test_accelerate_launch_with_the_shipped_config(tmp_path):
 def test_gradient_checkpointing_works_under_ddp(method, tmp_path):
     """Non-reentrant checkpointing under DDP (reentrant fails with "marked ready twice"); the
     recomputation replays dropout exactly, so the losses equal a run without it. QLoRA runs on
-    bitsandbytes' CPU 4-bit kernels here. train.dequantize_base keeps the NF4-rounded base as plain
-    weights: the same losses and the same adapter as dequantizing in every pass."""
+    bitsandbytes' CPU 4-bit kernels here. A dequantized base (the speed decider's choice where it fits,
+    forced here) keeps the NF4-rounded base as plain weights: the same losses and the same adapter as
+    dequantizing in every pass."""
     args = [f"train.method={method}", "train.max_steps=3", "lora.dropout=0.1", "data.val=null"]
     on, off, kept = tmp_path / "on", tmp_path / "off", tmp_path / "kept"
     (summary, _, dequantized), _ = multiproc.run(train_all, 2, [
         [f"output_dir={on}", "train.gradient_checkpointing=true", *args],
         [f"output_dir={off}", "train.gradient_checkpointing=false", *args],
-        [f"output_dir={kept}", "train.gradient_checkpointing=true", "train.dequantize_base=true", *args]])
+        [f"output_dir={kept}", "train.gradient_checkpointing=true", "env:DDPTUNE_SPEED=dequantize=true", *args]])
     assert summary["gradient_checkpointing"] is True and summary["method"] == method
     assert summary["base_4bit"] is True and dequantized["base_4bit"] is False
     assert len(set(summary["replica_fingerprints"])) == 1
@@ -282,7 +301,7 @@ def test_packing_gives_the_padded_losses_without_padding(tmp_path):
     padded, packed, fixed = tmp_path / "padded", tmp_path / "packed", tmp_path / "fixed"
     multiproc.run(train_all, 2, [[f"output_dir={padded}", "train.packing=false", *args],
                                  [f"output_dir={packed}", "train.packing=true", *args],
-                                 [f"output_dir={fixed}", "train.packing=true", "train.cuda_graph_lengths=2", *args]],
+                                 [f"output_dir={fixed}", "train.packing=true", *args]],
                   {2})  # the third run pads its rows
     assert losses(packed) == pytest.approx(losses(padded), abs=1e-5)
     assert losses(fixed) == pytest.approx(losses(packed), abs=1e-5)
@@ -293,19 +312,20 @@ def test_packing_gives_the_padded_losses_without_padding(tmp_path):
     assert all(r["padded_tokens"] == r["tokens"] for r in b)
     assert all(r["padded_tokens"] > r["tokens"] for r in a)
     # for graphs: one row per process, each padded to one of the run's 2 lengths (multiples of GRAPH_PAD)
-    assert all(r["padded_tokens"] % train.GRAPH_PAD == 0 and r["padded_tokens"] > r["tokens"] for r in c)
+    assert all(r["padded_tokens"] % batches.GRAPH_PAD == 0 and r["padded_tokens"] > r["tokens"] for r in c)
     assert len({r["padded_tokens"] for r in c}) > 1  # the steps' rows do not all take the longest length
 
 
 def train_tiny_padded(overrides: list[str]) -> dict:
-    """As train_tiny, with every packed row padded as train.cuda_graphs pads it: on CPU the graphs
-    themselves are off, but the padded length, the pad samples and their accounting are the same."""
+    """As train_tiny, with every packed row padded to one of 2 lengths as CUDA graphs pad them: on CPU
+    the graphs themselves are off, but the padded lengths, the pad samples and their accounting are the same."""
     r = train.setup(config.load(TINY, overrides))
+    r.speed = dataclasses.replace(r.speed, lengths=2)
     train.prepare_graphs(r)
     try:
         return train.finish(r, *train.fit(r))[0]
     finally:
-        train.stop_trackers(r)
+        r.trackers.close()
 
 
 def test_compiled_layers_give_the_eager_losses_and_still_evaluate(tmp_path):
@@ -325,5 +345,5 @@ def test_compiled_layers_give_the_eager_losses_and_still_evaluate(tmp_path):
 
 def test_profile_window_that_does_not_fit_is_refused(tmp_path):
     cfg = config.load(TINY, [f"output_dir={tmp_path / 'run'}", "train.max_steps=3", "train.profile_steps=2"])
-    with pytest.raises(ConfigError, match="train.profile_steps: 2 steps after 2 warm-up steps need train.max_steps >= 4"):
+    with pytest.raises(ConfigError, match="train.profile_steps: 2 steps after the first 2 need train.max_steps >= 4"):
         checks.validate(cfg, 1)

@@ -50,7 +50,7 @@ def split_tensors(obj, prefix: str, tensors: dict):
 
 def numbers(obj):
     """`obj` with one-element tensors as plain numbers: the learning rates of a capturable optimizer
-    and its schedule (train.cuda_graph_scope=step keeps them on the GPU) are stored as the numbers
+    and its schedule (a step recorded as CUDA graphs keeps them on the GPU) are stored as the numbers
     they are, so that a run with either kind of optimizer resumes them."""
     if torch.is_tensor(obj) and obj.numel() == 1:
         return obj.item()
@@ -259,3 +259,15 @@ def load(path: Path, model, optimizer, scheduler, process_index: int) -> dict:
     # then differ from the unbroken run's, which the shares' new split already implies.
     set_rng_state(rngs[process_index % len(rngs)])
     return state
+
+
+def newest_step(folder: Path) -> int:
+    """The step of the newest checkpoint that has a readable state (what --resume will continue from)."""
+    for path in reversed(list_checkpoints(folder)):
+        try:
+            step = json.loads((path / "state.json").read_text()).get("step")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(step, int):
+            return step
+    return 0

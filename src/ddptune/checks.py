@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
-from ddptune import checkpoint, config as config_lib, data as data_lib, model as model_lib, rundir
-from ddptune.config import BatchPlan, Config, ConfigError
+from ddptune import batchplan, checkpoint, config as config_lib, data as data_lib, model as model_lib, rundir, speed
+from ddptune.batchplan import BatchPlan
+from ddptune.config import Config, ConfigError
 
 
 def validate(cfg: Config, world_size: int, resume: bool = False, overwrite: bool = False,
@@ -34,6 +32,10 @@ def validate(cfg: Config, world_size: int, resume: bool = False, overwrite: bool
             problems.append(f"train.log_with: {cfg.train.log_with} is not installed (pip install {cfg.train.log_with}) "
                             "or use train.log_with=none")
     problems += model_problems(cfg)
+    try:
+        speed.forced()  # what a benchmark forces through DDPTUNE_SPEED
+    except ConfigError as e:
+        problems += e.problems
     n_train = None
     if not problems:
         problems += jsonl_problems(cfg.data)
@@ -44,7 +46,7 @@ def validate(cfg: Config, world_size: int, resume: bool = False, overwrite: bool
         problems += output_problems(cfg, resume, world_size, overwrite)
     plan = None
     try:
-        plan = config_lib.batch_plan(cfg.train, world_size)
+        plan = batchplan.batch_plan(cfg.train, world_size)
     except ConfigError as e:
         problems += e.problems
     if plan and n_train is not None and not problems:
@@ -66,19 +68,19 @@ def memory_problems(cfg: Config, world_size: int, gpu_gib: float) -> list[str]:
     """`ddptune plan`'s verdict for GPUs of `gpu_gib` GiB, as one line naming the way out when the run
     will not fit; none when it fits as configured, when checkpointing is `auto` and turning it on is
     enough (build_model does), or when train.memory_check is off. Reads the model's config only; a hub model's that cannot be fetched is not checked."""
-    from ddptune import plan as plan_lib
+    from ddptune import memory
 
     if not cfg.train.memory_check:
         return []
     try:
-        shape = plan_lib.model_shape(cfg)
+        shape = memory.model_shape(cfg)
     except Exception:  # noqa: BLE001 - no config to size the model by: the load will say what is wrong
         return []
-    if cfg.train.strategy == "fsdp" and (load := plan_lib.load_gib(shape, cfg.train.method)) > gpu_gib:
+    if cfg.train.strategy == "fsdp" and (load := memory.load_gib(shape, cfg.train.method)) > gpu_gib:
         return [f"memory: train.strategy=fsdp: each process loads the whole model onto its GPU before sharding it, "
                 f"{load:.1f} GiB for {cfg.train.method} fine-tuning of {cfg.model.source}, more than {gpu_gib:.1f} GiB "
                 "(loading on the meta device is not supported yet: use GPUs with more memory, or train.method=lora)"]
-    p = plan_lib.plan(cfg, shape, world_size, gpu_gib)
+    p = memory.plan(cfg, shape, world_size, gpu_gib)
     need, chosen = p["options"][0]["total"], next((o for o in p["options"] if o["fits"]), None)
     shards = world_size if cfg.train.strategy == "fsdp" else 1
     if p["options"][0]["fits"] or (cfg.train.gradient_checkpointing == "auto" and chosen is not None
@@ -161,57 +163,23 @@ def jsonl_problems(d: config_lib.DataConfig) -> list[str]:
     return problems
 
 
-def folder_problems(where: str, folder: Path) -> list[str]:
-    """`folder` is, or can be made, a writable folder (nothing is created but a probe, removed at once)."""
-    if folder.exists() and not folder.is_dir():
-        return [f"{where}: {folder} is a file, not a folder (choose a folder path)"]
-    parent = folder
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        return [f"{where}: {folder} cannot be made: {parent} is a file (choose a folder path)"]
-    try:
-        os.rmdir(tempfile.mkdtemp(dir=parent, prefix=".ddptune-probe-"))
-    except OSError as e:
-        return [f"{where}: {parent} is not writable ({e.strerror}; choose a folder you can write to)"]
-    return []
-
-
-def launch_problems(nnodes: int, node_rank: int, master: str | None, max_restarts: int) -> list[str]:
-    """The multi-node and restart flags of `ddptune train`."""
-    if nnodes < 1:
-        return [f"--nnodes: must be at least 1 (got {nnodes})"]
-    if not 0 <= node_rank < nnodes:
-        return [f"--node-rank: must be in 0..{nnodes - 1} (got {node_rank}; node 0 is the one that writes output_dir)"]
-    if max_restarts < 0:
-        return [f"--max-restarts: must be 0 or more (got {max_restarts})"]
-    if nnodes > 1 and master is None:
-        return [f"--master: needed with --nnodes {nnodes} (HOST:PORT of node 0, e.g. --master 10.0.0.1:29500, "
-                "the same on every node)"]
-    if master is not None:
-        host, _, port = master.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            return [f"--master: {master!r} is not HOST:PORT (e.g. 10.0.0.1:29500)"]
-        if nnodes == 1:
-            return ["--master: only with --nnodes 2 or more (one machine finds a free port itself)"]
-    return []
-
-
-def numa_problems(mode: str | None, launches: bool) -> list[str]:
-    """`--numa-binding`: torchrun binds the processes it starts, on a GPU machine, through numactl."""
-    import torch
-
-    if mode is None:
-        return []
-    if not launches:
-        return ["--numa-binding: only with --nproc N (it binds the processes ddptune starts through torchrun; "
-                "under your own launcher use its flag, e.g. torchrun --numa-binding)"]
-    if not torch.cuda.is_available():
-        return ["--numa-binding: binds each process to CPUs near its GPU, and this machine has no CUDA GPU (leave it out)"]
-    if shutil.which("numactl") is None:
-        return ["--numa-binding: torch's binding runs the numactl program, which is not installed "
-                "(apt install numactl), or leave it out"]
-    return []
+def resume_mode(cfg: Config, resume: str | None, overwrite: bool) -> tuple[bool, bool]:
+    """(resume, overwrite) for `--resume` (yes), `--resume auto` and neither. auto starts the run when
+    output_dir holds none, continues it from its newest checkpoint when it holds an unfinished one,
+    and starts it again when that one saved no checkpoint yet (its own files cleared, nothing else):
+    what a job a scheduler requeued after preempting it needs."""
+    if resume is None:
+        return False, overwrite
+    if resume == "yes":
+        return True, overwrite
+    if overwrite:
+        raise ConfigError(["--resume auto: cannot be combined with --overwrite (auto continues a run or starts it)"])
+    out = Path(cfg.output_dir)
+    if not rundir.entries(out) or not rundir.is_run(out):
+        return False, False  # a new run (and output_problems refuses a folder of someone else's files)
+    if (out / "summary.json").is_file() and model_lib.trained_weights_dir(out, cfg.train.method).is_dir():
+        return True, False  # complete: output_problems says so
+    return (True, False) if has_checkpoint(out) else (False, True)
 
 
 def has_checkpoint(output_dir: str | Path) -> bool:
@@ -226,14 +194,14 @@ def clear_run_folder(out: str | Path) -> None:
 
 def output_problems(cfg: Config, resume: bool, world_size: int | None = None, overwrite: bool = False) -> list[str]:
     out = Path(cfg.output_dir)
-    if problems := folder_problems("output_dir", out):
+    if problems := rundir.folder_problems("output_dir", out):
         return problems
     if resume and overwrite:
         return ["--overwrite: cannot be combined with --resume (continue the run, or start it again, not both)"]
     if not resume:
         return fresh_start_problems(out, overwrite)
-    if (out / "summary.json").is_file():
-        return [f"output_dir: the run in {out} is complete (it wrote summary.json): nothing to resume "
+    if (out / "summary.json").is_file() and model_lib.trained_weights_dir(out, cfg.train.method).is_dir():
+        return [f"output_dir: the run in {out} is complete (it wrote summary.json and its weights): nothing to resume "
                 "(raise train.max_steps into a new output_dir to train on)"]
     if not (out / "checkpoints").is_dir():
         return [f"output_dir: --resume found no checkpoints in {out} (train with train.save_every or train.save_every_minutes > 0 first)"]
@@ -255,7 +223,7 @@ def output_problems(cfg: Config, resume: bool, world_size: int | None = None, ov
     same_batch = False  # whether the new process count and batch keys give the run's global batch
     if world_size is not None and "global_batch" in state:
         try:
-            same_batch = config_lib.batch_plan(cfg.train, world_size).global_batch == state["global_batch"]
+            same_batch = batchplan.batch_plan(cfg.train, world_size).global_batch == state["global_batch"]
         except ConfigError:
             pass  # the batch keys' own problem is reported by validate
     if world_size is not None and state.get("world_size", world_size) != world_size and not same_batch:

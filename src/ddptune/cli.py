@@ -3,7 +3,7 @@
     ddptune train CONFIG.yaml [key=value ...] [--nproc N] [--resume]
     ddptune eval RUN_DIR|CONFIG.yaml [key=value ...] [--nproc N] [--base]
     ddptune compare RUN_DIR ... [--json PATH]
-    ddptune scale CONFIG.yaml --nproc 1,2,4 [--mode same-per-device|same-global]
+    ddptune scale CONFIG.yaml --nproc 1,2,4 [--mode same-per-device|same-global|both]
     ddptune plan CONFIG.yaml [key=value ...] [--gpus N] [--gpu-memory GiB] [--json PATH]
     ddptune export RUN_DIR OUT [--merge] [--dtype auto|bf16|fp32]
     ddptune predict RUN_DIR [FILE.jsonl|-] [key=value ...] [--out FILE] [--nproc N]
@@ -11,7 +11,8 @@
 
 With --nproc the command re-runs itself in N processes through torchrun (a free port on this
 host); under `accelerate launch` or `torchrun` leave --nproc out: the launcher has set the group.
-A bad config fails here, before any process starts, with one line naming each field and its fix.
+A bad config fails here, before any process starts, with one line naming each field and its fix;
+torch and transformers are imported only once a command needs them, so a refusal is quick.
 A training run holds a lock on its output_dir until it ends (lock.py): a second run or --resume
 into the same folder is refused with one line.
 """
@@ -22,7 +23,7 @@ import contextlib
 import os
 import sys
 
-from ddptune import checks, config as config_lib, dist, lock, report, timeline
+from ddptune import config as config_lib, launch
 from ddptune.config import ConfigError
 
 
@@ -36,31 +37,32 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{command + ': ' if command else ''}{message} (see {self.prog} --help)")
 
 
-NUMA_HELP = ("with --nproc on GPUs: torchrun binds each process's threads to CPUs near its GPU (exclusive: a share of "
-             "the cores no other process uses; needs numactl)")
-
-
-def _parser() -> argparse.ArgumentParser:
+def _parser(with_reference: bool = False) -> argparse.ArgumentParser:
     p = _Parser(prog="ddptune", description="Data-parallel LoRA/QLoRA/full fine-tuning for dialogue summarization.")
     p.add_argument("-V", "--version", action="store_true", help="print ddptune's version and exit")  # (answered in _main)
     sub = p.add_subparsers(dest="command", required=True)
+    epilog = None
+    if with_reference:  # `train --help` lists every config key
+        from ddptune import configref
+
+        epilog = "config keys (override any with section.key=value):\n" + configref.reference_text()
     t = sub.add_parser("train", help="fine-tune as a YAML config says", formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog="config keys (override any with section.key=value):\n" + config_lib.reference_text())
+                       epilog=epilog)
     t.add_argument("config")
     t.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.lr=1e-4")
     t.add_argument("--nproc", type=int, default=None, help="start N processes (one per GPU; CPU processes without GPUs)")
-    t.add_argument("--resume", action="store_true", help="continue the run in output_dir from its newest checkpoint")
+    t.add_argument("--resume", default=None, choices=["yes", "auto"], metavar="[auto]",
+                   help="continue the run in output_dir from its newest checkpoint; --resume auto: start it when "
+                        "output_dir holds no run, continue it when it holds an unfinished one (for requeued jobs)")
     t.add_argument("--gpu-memory", type=float, default=None, metavar="GiB",
                    help="refuse to start when `ddptune plan` says the run will not fit GPUs of this size (on CUDA the check "
                         "always runs, against the GPU's free memory)")
-    t.add_argument("--overwrite", action="store_true", help="delete what output_dir holds and start again (never the default)")
+    t.add_argument("--overwrite", action="store_true", help="delete a ddptune run's files in output_dir and start again")
     t.add_argument("--nnodes", type=int, default=1, help="machines in the job (run the same command on each, with its --node-rank)")
     t.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1; node 0 writes output_dir")
     t.add_argument("--master", default=None, metavar="HOST:PORT", help="node 0's address and a free port, reachable from every node")
     t.add_argument("--max-restarts", type=int, default=0,
                    help="restart the workers up to K times after one fails; they resume from the newest checkpoint")
-    t.add_argument("--numa-binding", choices=dist.NUMA_BINDINGS, default=None,
-                   help=NUMA_HELP)
     e = sub.add_parser("eval", help="generate summaries and score ROUGE")
     e.add_argument("target", help="a run folder (from train) or a YAML config")
     e.add_argument("overrides", nargs="*")
@@ -81,17 +83,6 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int, default=None, help="measured steps of the largest batch (default 30)")
     s.add_argument("--warmup", type=int, default=None, help="steps of the largest batch before the measured window (default 3)")
     s.add_argument("--bandwidth-sizes", default="1MB,4MB,16MB,64MB,256MB,1GB", help="all-reduce sizes to time, or none (no predictions)")
-    s.add_argument("--numa-binding", choices=dist.NUMA_BINDINGS, default=None, help=NUMA_HELP)
-    s.add_argument("--alone", action="store_true",
-                   help="same-global: also train one process alone at each count's per-process share, to tell the "
-                        "smaller batch's cost from data parallelism's (one more 1-process run per count)")
-    s.add_argument("--alone-only", action="store_true",
-                   help="same-global, on one GPU: run n = 1 and the --alone runs only, for the ceiling each count "
-                        "could reach at this global batch before any more GPUs are used")
-    s.add_argument("--timeline-steps", type=int, default=None, metavar="K",
-                   help="profile K steps after each run's measured window and split its steps from every process's "
-                        "GPU timeline (GPUs only; default: %d where the whole step is recorded as CUDA graphs, else 0)"
-                        % timeline.STEPS)
     m = sub.add_parser("plan", help="predict peak memory per GPU before loading anything, and how to run it")
     m.add_argument("config")
     m.add_argument("overrides", nargs="*")
@@ -124,12 +115,17 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `ddptune env | head`: the reader has gone, so there is no one left to tell
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at exit, when Python flushes
         code = 1
-    dist.teardown()  # a finished command leaves its process group (NCCL warns at exit otherwise)
+    if "ddptune.dist" in sys.modules:  # a finished command leaves its process group (NCCL warns at exit otherwise)
+        sys.modules["ddptune.dist"].teardown()
     return code
 
 
+COMMANDS = {"eval": ("evaluate", "main"), "compare": ("evaluate", "compare_command"), "scale": ("scale", "main"),
+            "export": ("export", "main"), "predict": ("predict", "main"), "plan": ("plan", "main")}
+
+
 def _main(argv: list[str] | None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = _resume_flag(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["--version"], ["-V"]):
         import importlib.metadata
 
@@ -139,7 +135,7 @@ def _main(argv: list[str] | None) -> int:
         from ddptune import env
 
         return env.main(argv[1:])
-    parser = _parser()
+    parser = _parser(with_reference=argv[:1] == ["train"] and ("-h" in argv or "--help" in argv))
     try:
         args, extra = parser.parse_known_args(argv)
         # key=value overrides may also follow the flags (argparse stops collecting them at a flag);
@@ -155,31 +151,27 @@ def _main(argv: list[str] | None) -> int:
     try:
         if args.command == "train":
             return _train(args)
-        if args.command == "eval":
-            from ddptune import evaluate
+        import importlib
 
-            return evaluate.main(args)
-        if args.command == "compare":
-            from ddptune import evaluate
-
-            return evaluate.compare_main(args.runs, args.json, args.plot)
-        if args.command == "scale":
-            from ddptune import scale
-
-            return scale.main(args)
-        if args.command == "export":
-            from ddptune import export
-
-            return export.main(args)
-        if args.command == "predict":
-            from ddptune import predict
-
-            return predict.main(args)
-        if args.command == "plan":
-            return _plan(args)
+        module, function = COMMANDS[args.command]
+        return getattr(importlib.import_module(f"ddptune.{module}"), function)(args)
     except ConfigError as e:
         return _refuse(e)
-    return 1
+
+
+def _resume_flag(argv: list[str]) -> list[str]:
+    """`--resume` alone means `--resume=yes`; `--resume auto` is `--resume=auto` (what follows a bare
+    --resume is an override or the next flag, never its value)."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--resume":
+            auto = argv[i + 1:i + 2] == ["auto"]
+            out.append("--resume=auto" if auto else "--resume=yes")
+            i += 2 if auto else 1
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
 
 
 def _refuse(e: Exception) -> int:
@@ -192,94 +184,76 @@ def _refuse(e: Exception) -> int:
     launcher exits 1. With --nproc, ddptune's launcher prints only a line that rank 0 did not (one a
     single other process met, or any line on another node) and exits 2."""
     line = f"ddptune: {e}"
-    if dist.is_main_process():
+    if launch.is_main_process():
         print(line, file=sys.stderr)
-    dist.tell_launcher(line)
+    launch.tell_launcher(line)
     return 2
 
 
 def _train(args) -> int:
     cfg = config_lib.load(args.config, args.overrides)
-    if dist.in_launched_process():
-        if dist.validated_by_parent():  # a worker of --nproc: the parent validated and holds the lock
-            if dist.is_main_process():
+    nproc = 1 if args.nproc is None else args.nproc
+    problems = config_lib.check_values(cfg)  # what needs nothing but the config: answered before torch is imported
+    if not launch.in_launched_process():
+        if nproc < 1:
+            problems.append(f"--nproc: must be at least 1 (got {nproc})")
+        problems += launch.launch_problems(args.nnodes, args.node_rank, args.master, args.max_restarts)
+    if problems:
+        raise ConfigError(problems)
+    from ddptune import checks, lock
+
+    resume, args.overwrite = checks.resume_mode(cfg, args.resume, args.overwrite)
+    if launch.in_launched_process():
+        if launch.validated_by_parent():  # a worker of --nproc: the parent validated and holds the lock
+            if launch.is_main_process():
                 lock.join(cfg.output_dir)  # the lock stays live while this worker writes, whatever befalls the parent
             # restarted by torchrun (--max-restarts) after a worker failed: continue from the newest checkpoint
             restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-            return _run(cfg, args.resume or (restarted and checks.has_checkpoint(cfg.output_dir)))
-        if problems := checks.numa_problems(args.numa_binding, launches=False):
-            raise ConfigError(problems)
-        # under torchrun or accelerate launch: rank 0 locks output_dir, then validates (in train.run)
-        with lock.acquire(cfg.output_dir) if dist.is_main_process() else contextlib.nullcontext():
-            if args.overwrite and dist.is_main_process():  # the others wait at validation meanwhile
-                if problems := checks.output_problems(cfg, args.resume, None, overwrite=True):
+            return _run(cfg, resume or (restarted and checks.has_checkpoint(cfg.output_dir)))
+        # under torchrun or accelerate launch: rank 0 locks output_dir, then validates (in train.setup)
+        with lock.acquire(cfg.output_dir) if launch.is_main_process() else contextlib.nullcontext():
+            if args.overwrite and launch.is_main_process():  # the others wait at validation meanwhile
+                if problems := checks.output_problems(cfg, resume, None, overwrite=True):
                     raise ConfigError(problems)
                 checks.clear_run_folder(cfg.output_dir)
-            return _run(cfg, args.resume)
-    nproc = 1 if args.nproc is None else args.nproc
-    if nproc < 1:
-        raise ConfigError([f"--nproc: must be at least 1 (got {nproc})"])
+            return _run(cfg, resume)
     launches = not (args.nproc is None and args.nnodes == 1 and not args.max_restarts)
-    if problems := (checks.launch_problems(args.nnodes, args.node_rank, args.master, args.max_restarts)
-                    or checks.numa_problems(args.numa_binding, launches)):
-        raise ConfigError(problems)
     first = args.node_rank == 0  # node 0 holds rank 0, which writes: it alone checks and locks output_dir
     nproc_total = nproc * args.nnodes
     # once per node, here, before any process starts
-    checks.validate(cfg, nproc_total, resume=args.resume, overwrite=args.overwrite, output=first)
+    checks.validate(cfg, nproc_total, resume=resume, overwrite=args.overwrite, output=first)
     if args.gpu_memory is not None and (problems := checks.memory_problems(cfg, nproc_total, args.gpu_memory)):
         raise ConfigError(problems)  # on CUDA train.setup checks the GPU's own free memory
     # held until the run ends; a second run or --resume is refused
     with lock.acquire(cfg.output_dir) if first else contextlib.nullcontext():
         if args.overwrite and first:
             checks.clear_run_folder(cfg.output_dir)
-        if first and (problems := checks.output_problems(cfg, args.resume, nproc_total)):  # a run that ended since
+        if first and (problems := checks.output_problems(cfg, resume, nproc_total)):  # a run that ended since
             raise ConfigError(problems)
         if not launches:
             with _validated():
-                return _run(cfg, args.resume)
-        child = ["train", args.config, *args.overrides] + (["--resume"] if args.resume else [])
-        return dist.torchrun(nproc, ["ddptune", *child], nnodes=args.nnodes, node_rank=args.node_rank,
-                             master=args.master, max_restarts=args.max_restarts, numa_binding=args.numa_binding)
-
-
-def _plan(args) -> int:
-    """`ddptune plan`: the memory table and recommendation (plan.py), from the model's config alone."""
-    from ddptune import evaluate, plan
-
-    cfg = config_lib.load(args.config, args.overrides)
-    problems = config_lib.check_values(cfg)
-    if args.gpus < 1 or (args.gpu_memory is not None and args.gpu_memory <= 0):
-        problems.append("--gpus and --gpu-memory: must be positive")
-    if problems := problems + evaluate.report_file_problems("--json", args.json, "plan.json"):
-        raise ConfigError(problems)
-    try:
-        shape = plan.model_shape(cfg)
-    except Exception as e:  # noqa: BLE001 - no config.json, an unreadable GGUF header, an unknown architecture
-        raise ConfigError([f"model.source: the model's config cannot be read ({type(e).__name__}: {' '.join(str(e).split())[:200]})"])
-    result = plan.plan(cfg, shape, args.gpus, args.gpu_memory or plan.local_gpu_gib() or plan.DEFAULT_GPU_GIB)
-    print(plan.table(result))
-    if args.json:
-        report.write_json(args.json, result)
-    return 0
+                return _run(cfg, resume)
+        child = ["train", args.config, *args.overrides] + (["--resume"] if resume else [])
+        return launch.torchrun(nproc, ["ddptune", *child], nnodes=args.nnodes, node_rank=args.node_rank,
+                               master=args.master, max_restarts=args.max_restarts)
 
 
 @contextlib.contextmanager
 def _validated():
     """train.run in this process skips the validation just done (as --nproc's children do)."""
-    saved = os.environ.get(dist.VALIDATED)
-    os.environ[dist.VALIDATED] = "1"
+    saved = os.environ.get(launch.VALIDATED)
+    os.environ[launch.VALIDATED] = "1"
     try:
         yield
     finally:
         if saved is None:
-            os.environ.pop(dist.VALIDATED, None)
+            os.environ.pop(launch.VALIDATED, None)
         else:
-            os.environ[dist.VALIDATED] = saved
+            os.environ[launch.VALIDATED] = saved
 
 
 def _run(cfg, resume: bool) -> int:
-    from ddptune import train
+    from ddptune import dist, train
 
     try:
         train.run(cfg, resume=resume)

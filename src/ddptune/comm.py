@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddptune import dist as ddp_dist, report
+from ddptune import dist as ddp_dist, launch, report
 
 MiB = 2**20
 DEFAULT_SIZES = [s * MiB for s in (1, 4, 16, 64, 256, 1024)]
@@ -167,7 +167,7 @@ def measure_bandwidth(nproc: int, sizes: Sequence[int | str] = tuple(DEFAULT_SIZ
         out = Path(tmp) / "bandwidth.json"
         args = ["ddptune.comm", "--sizes", ",".join(str(parse_size(s)) for s in sizes),
                 "--iters", str(iters), "--warmup", str(warmup), "--out", str(out), *(["--quiet"] if quiet else [])]
-        rc = ddp_dist.torchrun(nproc, args, env=env)
+        rc = launch.torchrun(nproc, args, env=env)
         if rc != 0 or not out.exists():
             raise RuntimeError(f"all-reduce benchmark over {nproc} processes failed (exit code {rc}, "
                                f"{'no' if not out.exists() else 'a'} result file); see its output above")

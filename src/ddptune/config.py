@@ -1,17 +1,15 @@
 """The typed run configuration: dataclasses mirrored one-to-one by the YAML files in configs/.
 
 `load(path, overrides)` reads a YAML file, applies `section.key=value` overrides and returns a
-`Config`; `check_values` finds bad values and `batch_plan` does the batch arithmetic. Every problem
+`Config`; `check_values` finds bad values (batchplan.py does the batch arithmetic). Every problem
 found is collected and raised together as one `ConfigError`, whose message is a single line naming
-each field and its fix. Each field's docstring is its documentation: `reference()` turns them into
+each field and its fix. Each field's docstring is its documentation: configref.py turns them into
 the README's table and `ddptune train --help`. This module imports nothing of ddptune and touches
 no files but the config itself (the checks that read data files or models are in `checks.py`).
 """
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
 import math
 import os
 import types
@@ -53,10 +51,9 @@ class ModelConfig:
     trust_remote_code: bool = False
     """Run code shipped with a hub model. Off unless you trust the repository."""
     attn_implementation: AttnImplementation = "varlen"
-    """Attention kernel. varlen (ddptune's): packed samples through torch's FlashAttention varlen kernel
-    on CUDA, one SDPA call per sample on CPU, padded batches and generation through SDPA. sdpa, eager,
-    flash_attention_2/3 (need the flash-attn package), flex_attention: transformers' own. Packing needs
-    varlen or flash_attention_2/3."""
+    """Attention kernel. varlen (ddptune's): packed samples through FlashAttention's varlen kernel on
+    CUDA, per-sample SDPA on CPU. sdpa, eager, flash_attention_2/3, flex_attention: transformers' own.
+    Packing needs varlen or flash_attention_2/3."""
 
 
 @dataclass
@@ -95,34 +92,10 @@ class DataConfig:
 class TrainConfig:
     method: Literal["lora", "qlora", "full"] = "lora"
     """lora: frozen base + adapters; qlora: 4-bit NF4 base + adapters; full: every weight."""
-    dequantize_base: bool = False
-    """qlora: quantize the base to NF4 as it loads, then keep it dequantized in the compute dtype (bf16
-    on GPU) for the whole run instead of dequantizing every 4-bit weight in each pass (three passes a
-    step with gradient checkpointing, whatever the batch). The adapters train against the same
-    NF4-rounded weights (same losses; the adapter saved is a QLoRA one); the base takes 2 bytes a
-    weight instead of about 0.5 (8B: 9.5 GiB more), so `ddptune plan` says whether it fits. Measured
-    on an H200 (8B, 16 samples a step, one GPU): about 10% faster a step without train.cuda_graphs;
-    with them 15% slower (the compiled backward recomputes plain matmuls but keeps bitsandbytes' 4-bit
-    ones). Its step's fixed part is smaller: at 2 GPUs and the same global batch it kept 92.2% per GPU
-    against the 4-bit base's 87.9%, though its step stayed slower (0.207 against 0.188 s): BENCHMARKS.md."""
     strategy: Literal["ddp", "fsdp"] = "ddp"
-    """ddp: every process holds the whole model, gradients are all-reduced. fsdp: PyTorch's FSDP2
-    (fully_shard, through accelerate) shards weights, gradients and optimizer states over the
-    processes, one unit per decoder layer: each forward and backward all-gathers a layer's weights,
-    and gradients are reduce-scattered. For a model whose training state does not fit one GPU;
-    lora and full (not qlora). Same steps and losses as ddp; checkpoints are one file set per process."""
-    ddp_bucket_mb: Optional[float] = None
-    """ddp: the most MiB of gradients all-reduced together (torch's bucket_cap_mb). null: torch's
-    default, buckets of 25 MiB after a first of 1 MiB, each all-reduced as soon as its gradients are
-    ready, while the backward goes on. A size at least that of the trainable gradients (LoRA r=16 on
-    8B: 160 MiB in fp32) makes one all-reduce after the whole backward: the all-reduce is then exposed,
-    but none of NCCL's kernels run beside the backward's. On 2 H200s (8B QLoRA, 8 samples per GPU)
-    the all-reduce kernels started early, waited there for the other GPU, and the backward's kernels
-    beside them ran slower: up to 5.4 ms a step of 207. There, 256 (one bucket) made the step 1.5 %
-    faster (0.2036 s against 0.2067, same call) and same-global efficiency 95.0 %; at 16 samples per
-    GPU (same-per-device, CUDA graphs, 4 lengths) it kept 98.7-98.9 % against 97.9 % (BENCHMARKS.md). On
-    a slower link (PCIe) the exposed all-reduce costs more: measure with `ddptune scale` before keeping
-    it. summary.json records the buckets of the last step (grad_buckets)."""
+    """ddp: every process holds the whole model, gradients are all-reduced. fsdp: FSDP2 shards weights,
+    gradients and optimizer states over the processes, one unit per decoder layer, for a model whose
+    training state does not fit one GPU (lora and full). Same steps and losses as ddp."""
     micro_batch_size: int = 4
     """Samples per process per forward with padded batches. With packing it only counts samples:
     micro_batch_size x grad_accum samples per process per optimizer step."""
@@ -145,83 +118,46 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping (the norm is still logged)."""
     optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = "adamw"
-    """adamw: torch's fused AdamW (fp32 states). adamw_8bit, paged_adamw_8bit: bitsandbytes' 8-bit states,
-    for full fine-tuning of large models; they synchronize the GPU after every parameter's update."""
+    """adamw: torch's fused AdamW (fp32 states). adamw_8bit, paged_adamw_8bit: bitsandbytes' 8-bit
+    states, for full fine-tuning of large models (slower: they synchronize the GPU per parameter)."""
     gradient_checkpointing: bool | Literal["auto"] = "auto"
-    """Recompute activations in backward (non-reentrant): less memory, about 30% more compute.
-    auto: on only when the activations would not fit in the GPU's free memory (off on CPU)."""
+    """Recompute activations in the backward (non-reentrant): less memory, one more forward of compute.
+    auto: on only where the run would not fit the GPU without it (off on CPU)."""
+    cuda_graphs: bool | Literal["auto"] = "auto"
+    """Replay recorded CUDA graphs (the whole step with adamw, each layer otherwise) instead of launching
+    each kernel. auto: where the estimated time saved over the run outweighs recording (GPUs only)."""
     packing: bool = True
-    """Concatenate each process's samples of a step into rows without any padding; every sample
-    keeps its own positions and attends only to itself (the attention kernel gets the boundaries).
-    Same samples, same loss, no padding. false: padded micro-batches of micro_batch_size."""
+    """Concatenate each process's samples of a step into rows without padding; each sample attends only
+    to itself. Same loss, no padding. false: padded micro-batches of micro_batch_size."""
     tokens_per_forward: int = 8192
     """With packing: tokens per forward/backward pass at most (one packed row); bounds activation memory."""
     compile: bool | Literal["auto"] = "auto"
-    """Compile each decoder layer with torch.compile (one graph shared by all layers, dynamic
-    lengths): far fewer kernel launches and fused element-wise work, same math. Costs one to two
-    minutes of compiling in the first step. auto: on CUDA, off on CPU (slow to compile there)."""
-    cuda_graphs: bool = False
-    """With packing and compiled layers on a GPU: replay each decoder layer's kernels as a CUDA
-    graph (torch.compile's reduce-overhead mode), one launch per layer instead of dozens, for steps
-    whose time goes to the host issuing kernels (small models, small shares). Every packed row is
-    padded (with samples of its own, outside the loss) to one of train.cuda_graph_lengths lengths,
-    so a few shapes repeat: the GPU computes the padding too, and the recorded graphs keep their own
-    GPU memory. The output head's summary positions are padded too, to a multiple of 64: each new row
-    count there cost the GPU 3.5-5.7 ms of idle while the host prepared it (8B on an H200), and with
-    it same-global efficiency at 2 GPUs went from 93.3 % to 95.0 % (same machine). DDP only."""
-    cuda_graph_scope: Literal["auto", "layers", "step"] = "auto"
-    """With train.cuda_graphs, what one graph holds. auto: step with train.optimizer=adamw, else
-    layers (no measured run was slower with step than with layers). layers: each decoder layer's forward and its
-    backward (torch.compile's reduce-overhead mode); the host still launches the layers, the output
-    head, DDP's all-reduce and the optimizer one by one. step: the whole optimizer step, two graphs
-    replayed per step: the forwards and backwards with DDP's all-reduce in them, then clipping, the
-    loss's sum over processes, the update (a fused, capturable AdamW whose learning rate lives on the
-    GPU) and zeroing. Every shape of the run's steps (each packed row's padded length and target
-    count) is recorded before the first step. For models whose step is the host launching thousands
-    of small kernels: on H200s a SmolLM2-135M-shape LoRA step of 16 samples took 27 ms against 38 ms
-    with layer graphs, and 2 GPUs ran it 1.375x as fast as one against 1.126x; the 8B QLoRA job's
-    steps were within 0.5 % of layer graphs (BENCHMARKS.md). Needs train.optimizer=adamw; the
-    all-reduce's wait is inside the graph, so each step's time counts it as compute."""
-    cuda_graph_lengths: int = 1
-    """With train.cuda_graphs: how many lengths packed rows are padded to, chosen before the first
-    step as the multiples of 256 tokens that leave the least padding over the run's rows. 1: every
-    row padded to the run's longest (SAMSum: 27% of the computed tokens are padding). More: less
-    padding (SAMSum: 7-8% at 4), for one more compile and recording each, and their memory. Every
-    length is compiled and recorded before the first step (counted in the load time: 60 s for 4
-    lengths of the 8B job on an H200), so no step in the run pays for it. On an H200 (8B QLoRA,
-    dequantized base, 16 samples a step) 4 made the step 19-21% faster (0.307-0.315 s against 0.388)
-    and no step after the first took over 3x the median (BENCHMARKS.md)."""
+    """Compile each decoder layer with torch.compile (one graph shared by all layers): fewer kernel
+    launches, same math, a minute or two of compiling. auto: on CUDA, off on CPU."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """auto: bf16 compute on GPU, fp32 on CPU."""
     seed: int = 0
     """Seeds the data order, the adapters' initialisation and dropout."""
     timeout_minutes: float = 10.0
-    """How long a process may wait for the others at one collective once training has started
-    (gradient all-reduce, checkpoint save, evaluation); a process that hangs or dies then ends the run
-    with an error instead of a silent stall. Raise it if one process legitimately works alone longer."""
+    """How long a process may wait for the others at one collective once training has started; a
+    process that hangs or dies then ends the run with an error instead of a silent stall."""
     memory_check: bool = True
-    """Stop before loading when `ddptune plan` predicts the run will not fit the GPU; false: try
-    anyway (the plan is an estimate: from 4 % under to 8 % over the peaks measured so far)."""
+    """Stop before loading when `ddptune plan` predicts the run will not fit the GPU; false: try anyway."""
     save_every: int = 0
     """Write a resumable checkpoint every N optimizer steps; 0: only the final adapter."""
     save_every_minutes: float = 10.0
-    """Also write one when this many minutes have passed since the last (0: off), and always when
-    SIGINT or SIGTERM stops the run: an interrupted run can be continued with --resume."""
+    """Also write one when this many minutes have passed since the last (0: off), and always when SIGINT
+    or SIGTERM stops the run, so an interrupted run continues with --resume."""
     keep_checkpoints: int = 2
     """How many of the newest checkpoints to keep."""
     val_every: int = 0
     """Validation loss every N optimizer steps (needs data.val); 0: only at the end."""
     profile_steps: int = 0
-    """Profile N optimizer steps after the first profile_after with torch.profiler; rank 0 writes the
-    busiest operations to output_dir/profile.txt and a timeline to output_dir/trace.json, every
-    other process its timeline to output_dir/trace-rankK.json. 0: off."""
-    profile_after: int = 2
-    """Optimizer steps before the profiled ones (at least 1: the profiler warms up in the last of
-    them); 2 skips the first step's compilation and allocator warm-up."""
+    """Profile N optimizer steps after the first two with torch.profiler: output_dir/profile.txt and a
+    timeline per process (trace.json, trace-rankK.json). 0: off."""
     log_with: Literal["none", "tensorboard", "wandb", "mlflow"] = "none"
-    """Also send metrics.jsonl's rows (rank 0's, through accelerate's trackers) to TensorBoard
-    (output_dir/tensorboard: `tensorboard --logdir runs`), Weights & Biases or MLflow (project or
-    experiment `ddptune`, run named after output_dir; needs `pip install wandb` or `mlflow`)."""
+    """Also send metrics.jsonl's rows to TensorBoard (output_dir/tensorboard), Weights & Biases or
+    MLflow (project `ddptune`, run named after output_dir; pip install wandb or mlflow)."""
 
 
 @dataclass
@@ -247,6 +183,12 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     output_dir: str = "runs/run"
     """Where metrics, checkpoints and the adapter go; must be empty unless resuming."""
+
+
+# Keys ddptune now decides itself (speed.py), each refused with one line that says so.
+RETIRED = {"train.dequantize_base", "train.cuda_graph_scope", "train.cuda_graph_lengths", "train.ddp_bucket_mb",
+           "train.profile_after"}
+PROFILE_AFTER = 2  # steps before the profiled ones (train.profile_steps): the first step compiles
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,10 +263,12 @@ def _build(cls: type, data: Any, where: str, problems: list[str]) -> Any:
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     for key in data:
-        if key not in known:
-            problems.append(
-                f"{where + '.' if where else ''}{key}: unknown key (known: {', '.join(sorted(known))})"
-            )
+        path = f"{where + '.' if where else ''}{key}"
+        if path in RETIRED:
+            problems.append(f"{path}: ddptune now decides this itself for each run (the run's banner says what it "
+                            "chose and why): remove the key")
+        elif key not in known:
+            problems.append(f"{path}: unknown key (known: {', '.join(sorted(known))})")
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name in data:
@@ -481,26 +425,13 @@ def check_values(cfg: Config) -> list[str]:
         problems.append(f"train.seed: {t.seed} is outside 0..{2**32 - 1} (numpy and torch seeds are 32-bit)")
     if t.packing and t.tokens_per_forward < d.max_length:
         problems.append(f"train.tokens_per_forward: {t.tokens_per_forward} is shorter than data.max_length {d.max_length} (raise it)")
-    if not 1 <= t.cuda_graph_lengths <= 8:
-        problems.append(f"train.cuda_graph_lengths: {t.cuda_graph_lengths} is outside 1..8 (each length is a compile and a recording)")
-    if t.cuda_graphs and (not t.packing or t.compile is False or t.strategy == "fsdp"):
+    if t.cuda_graphs is True and (not t.packing or t.compile is False or t.strategy == "fsdp"):
         problems.append("train.cuda_graphs: needs train.packing=true, train.compile not false and train.strategy=ddp "
                         "(graphs replay the compiled layers at a few padded lengths; FSDP gathers weights around each layer), "
-                        "or set train.cuda_graphs=false")
+                        "or set train.cuda_graphs=auto")
     if t.packing and cfg.model.attn_implementation not in PACKED_ATTENTION:
         problems.append(f"train.packing: needs model.attn_implementation in {list(PACKED_ATTENTION)} "
                         f"({cfg.model.attn_implementation} would attend across the whole packed row): use varlen, or set train.packing=false")
-    if t.ddp_bucket_mb is not None and not (math.isfinite(t.ddp_bucket_mb) and t.ddp_bucket_mb > 0):
-        problems.append("train.ddp_bucket_mb: must be a positive number of MiB, or null for torch's default")
-    if t.ddp_bucket_mb is not None and t.strategy == "fsdp":
-        problems.append("train.ddp_bucket_mb: only for train.strategy=ddp (FSDP reduce-scatters each layer's "
-                        "gradients on its own); set it to null")
-    if t.cuda_graph_scope == "step" and (not t.cuda_graphs or t.optimizer != "adamw"):  # auto falls back, step is asked for
-        problems.append("train.cuda_graph_scope: step needs train.cuda_graphs=true and train.optimizer=adamw (the update "
-                        "is recorded too, and only torch's fused AdamW can be), or set train.cuda_graph_scope=layers")
-    if t.dequantize_base and t.method != "qlora":
-        problems.append(f"train.dequantize_base: only for train.method=qlora (a {t.method} base is not quantized); "
-                        "set train.dequantize_base=false")
     if t.strategy == "fsdp" and t.method == "qlora":
         problems.append("train.strategy: fsdp covers lora and full, not qlora (its 4-bit weights are stored as "
                         "uint8, which FSDP cannot shard): use train.strategy=ddp, or train.method=lora")
@@ -529,132 +460,7 @@ def check_values(cfg: Config) -> list[str]:
             parse_rows(spec)
         except ValueError:
             problems.append(f"{where}: {spec!r} is not a row slice (write START:STOP, e.g. \"0:700\")")
-    if t.profile_steps and t.profile_after < 1:
-        problems.append(f"train.profile_after: must be at least 1 (got {t.profile_after}): the profiler warms up in that step")
-    elif t.profile_steps and t.max_steps is not None and t.max_steps < t.profile_after + t.profile_steps:
-        problems.append(f"train.profile_steps: {t.profile_steps} steps after {t.profile_after} warm-up steps need "
-                        f"train.max_steps >= {t.profile_after + t.profile_steps} (got {t.max_steps}; profile fewer steps or train longer)")
+    if t.profile_steps and t.max_steps is not None and t.max_steps < PROFILE_AFTER + t.profile_steps:
+        problems.append(f"train.profile_steps: {t.profile_steps} steps after the first {PROFILE_AFTER} need "
+                        f"train.max_steps >= {PROFILE_AFTER + t.profile_steps} (got {t.max_steps}; profile fewer steps or train longer)")
     return problems
-
-
-# ---------------------------------------------------------------------------------------------
-# Batch arithmetic: the one place where samples, processes, forwards and accumulation meet.
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    """What one optimizer step computes. Every process takes `per_process` samples of the step's
-    global batch. Padded: they run as `grad_accum` forwards of `micro_batch_size` samples. Packed:
-    they are concatenated without padding into forwards of at most `tokens_per_forward` tokens
-    (usually one), so micro-batches do not exist and accumulation is just "more samples"."""
-    world_size: int
-    per_process: int
-    micro_batch_size: int | None = None  # padded only
-    tokens_per_forward: int | None = None  # packed only
-
-    @property
-    def global_batch(self) -> int:
-        """Samples per optimizer step over all processes."""
-        return self.per_process * self.world_size
-
-    @property
-    def grad_accum(self) -> int | None:
-        """Padded: forwards per process per optimizer step; packed: None (set by tokens)."""
-        return self.per_process // self.micro_batch_size if self.micro_batch_size else None
-
-    def describe(self) -> str:
-        if self.micro_batch_size:
-            return (f"batch: {self.micro_batch_size} per forward x {self.world_size} processes x "
-                    f"{self.grad_accum} accumulation = {self.global_batch} samples per optimizer step (padded)")
-        return (f"batch: {self.global_batch} samples per optimizer step = {self.per_process} per process x "
-                f"{self.world_size} processes, packed without padding into forwards of at most "
-                f"{self.tokens_per_forward} tokens")
-
-
-def graph_scope(t: TrainConfig) -> str:
-    """What one CUDA graph holds with train.cuda_graphs: "step" or "layers" (auto resolved)."""
-    if t.cuda_graph_scope != "auto":
-        return t.cuda_graph_scope
-    return "step" if t.optimizer == "adamw" else "layers"
-
-
-def records_whole_step(t: TrainConfig) -> bool:
-    """Whether a GPU run replays each optimizer step as recorded CUDA graphs (scope step, or auto with AdamW)."""
-    return t.cuda_graphs and graph_scope(t) == "step" and t.compile is not False
-
-
-def batch_plan(t: TrainConfig, world_size: int) -> BatchPlan:
-    """The step's arithmetic for `world_size` processes; raises ConfigError if it does not divide."""
-    per_forward = None if t.packing else t.micro_batch_size
-    if t.effective_batch_size is not None:
-        unit = (per_forward or 1) * world_size
-        if t.effective_batch_size % unit:
-            what = (f"micro_batch_size x processes = {t.micro_batch_size} x {world_size} = {unit}" if per_forward
-                    else f"the process count {world_size}")
-            raise ConfigError([f"train.effective_batch_size: {t.effective_batch_size} is not a multiple of {what} "
-                               f"(pick a multiple of {unit})"])
-        per_process = t.effective_batch_size // world_size
-    else:
-        per_process = t.micro_batch_size * (t.grad_accum or 1)
-    return BatchPlan(world_size, per_process, per_forward, t.tokens_per_forward if t.packing else None)
-
-
-def batch_notes(t: TrainConfig) -> list[str]:
-    """One line for each batch key that does not mean, in this config, what its name says."""
-    if t.packing and (t.grad_accum or 1) > 1:
-        return [f"train.grad_accum={t.grad_accum} with packing only sets the samples per process "
-                f"(micro_batch_size x grad_accum = {t.micro_batch_size * t.grad_accum}); each process packs them "
-                f"into forwards of at most train.tokens_per_forward={t.tokens_per_forward} tokens"]
-    return []
-
-
-# ---------------------------------------------------------------------------------------------
-# The reference: each field's docstring, for the README table and `ddptune train --help`.
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """{field name: docstring} of a config dataclass, read from its source (a string right after
-    the field, as litgpt and jsonargparse read them)."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:] + [None]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) \
-                and isinstance(nxt.value.value, str):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
-
-def reference() -> list[dict]:
-    """Every leaf key: {"key", "default", "doc"}, in the order of the dataclasses."""
-    rows = []
-    for section in dataclasses.fields(Config):
-        cls = section.type if isinstance(section.type, type) else typing.get_type_hints(Config)[section.name]
-        if not dataclasses.is_dataclass(cls):
-            rows.append({"key": section.name, "default": section.default, "doc": field_docs(Config).get(section.name, "")})
-            continue
-        docs, defaults = field_docs(cls), cls()
-        for f in dataclasses.fields(cls):
-            rows.append({"key": f"{section.name}.{f.name}", "default": getattr(defaults, f.name), "doc": docs.get(f.name, "")})
-    return rows
-
-
-def _yaml_value(value: Any) -> str:
-    return yaml.safe_dump(value, default_flow_style=True, width=1000).strip().removesuffix("\n...").removesuffix("...").strip()
-
-
-def reference_markdown() -> str:
-    """The README's config table, generated from the docstrings (a test keeps the README in step)."""
-    lines = ["| key | default | meaning |", "| --- | --- | --- |"]
-    for r in reference():
-        lines.append(f"| `{r['key']}` | `{_yaml_value(r['default'])}` | {r['doc'].replace('|', chr(92) + '|')} |")
-    return "\n".join(lines) + "\n"
-
-
-def reference_text() -> str:
-    """The same reference as plain text, for `ddptune train --help`."""
-    return "\n".join(f"  {r['key']}={_yaml_value(r['default'])}\n      {r['doc']}" for r in reference())
-
-
-if __name__ == "__main__":  # python -m ddptune.config: the README's config table
-    print(reference_markdown(), end="")

@@ -1,8 +1,7 @@
 """Processes: the one place that knows about ranks, launchers and process groups.
 
-- `torchrun(nproc, args)`: `--nproc N` re-runs a command in N processes through torch's own launcher
-  (`torch.distributed.run --standalone`, a free rendezvous port on this host). Under `accelerate
-  launch` or `torchrun` the launcher has set RANK, LOCAL_RANK and WORLD_SIZE; nothing is re-run.
+- Under `accelerate launch`, `torchrun` or `--nproc` (launch.py) the launcher has set RANK,
+  LOCAL_RANK and WORLD_SIZE; without one, a process is a group of one.
 - `setup(precision, strategy)`: joins the process group the launcher described (a group of one
   without a launcher) through an Accelerator, which also sets this process's CUDA device before any
   CUDA work; with strategy fsdp the Accelerator shards the model with FSDP2 in `prepare`.
@@ -17,8 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import warnings
@@ -30,142 +27,34 @@ from accelerate import Accelerator, FullyShardedDataParallelPlugin
 from accelerate.state import AcceleratorState, GradientState, PartialState
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, broadcast_object_list, gather_object
 
-VALIDATED = "DDPTUNE_VALIDATED"  # set by `torchrun` below: the parent process has validated the config
+from ddptune.launch import (VALIDATED, default_threads, in_launched_process, is_main_process,  # noqa: F401
+                            tell_launcher, validated_by_parent)
+
 # what setup() wrote into os.environ, for teardown(): name -> (value before, or None; value written, or None)
 _env_written: dict[str, tuple[str | None, str | None]] = {}
 _made_state = False  # setup() made accelerate's process-wide state: teardown() clears it
 
 
-def in_launched_process() -> bool:
-    """True inside a process started by torchrun or accelerate launch."""
-    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def is_main_process() -> bool:
-    """True in the process that talks to the user (rank 0, or no launcher); needs no process group."""
-    return os.environ.get("RANK", "0") == "0"
-
-
-def validated_by_parent() -> bool:
-    return os.environ.get(VALIDATED) == "1"
-
-
-try:  # torchrun's modes for `--numa-binding` (torch >= 2.9; an older torch offers none)
-    from torch.numa.binding import AffinityMode
-
-    NUMA_BINDINGS = tuple(m.value for m in AffinityMode)
-except ImportError:
-    NUMA_BINDINGS = ()
-
-
-def default_threads(nproc: int, cuda: bool | None = None) -> int:
-    """OpenMP threads for each of `nproc` processes on this host: OMP_NUM_THREADS when set, else 1
-    on GPUs and cores // nproc on CPUs.
-
-    A GPU process does no CPU math worth a thread pool, and its workers spin after each parallel
-    region: on 2 H200s (32 cores) the 8B QLoRA step at 2 processes took 0.397 s median with 1
-    thread each and 0.411 s with 16 (1 process alone: 0.402 s; BENCHMARKS.md, 2026-11-30). torchrun
-    also gives 1 thread when it is the launcher, and `setup` gives it to an in-process GPU run. On CPUs
-    the threads do the training: share the cores.
-    """
-    if os.environ.get("OMP_NUM_THREADS"):
-        return int(os.environ["OMP_NUM_THREADS"])
-    if torch.cuda.is_available() if cuda is None else cuda:
-        return 1
-    return max(1, (os.cpu_count() or 1) // nproc)
-
-
-def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = None,
-             nnodes: int = 1, node_rank: int = 0, master: str | None = None, max_restarts: int = 0,
-             numa_binding: str | None = None) -> int:
-    """Run `python -m <module_args...>` in `nproc` processes on this host; return the exit code.
-
-    One machine: torchrun's standalone rendezvous on a free local port. Several (`nnodes`, the same
-    command on each with its `node_rank`): torchrun's static rendezvous at `master` (HOST:PORT of
-    node 0), so global rank 0, the one that writes, is on node 0. `max_restarts`: torchrun restarts
-    every worker after one fails, up to that many times (they resume from the newest checkpoint).
-    `numa_binding` (one of NUMA_BINDINGS, GPUs only): torchrun's own binding of each worker's threads
-    to CPUs near its GPU (`exclusive`: a share of the GPU's NUMA node that no other worker uses).
-
-    `module_args` starts with the module name, e.g. ["ddptune", "train", "cfg.yaml"]. Each child gets
-    `default_threads(nproc)` OpenMP threads unless OMP_NUM_THREADS is set (in `env` or here).
-
-    Signals: torchrun runs in a session of its own, so a Ctrl-C at the terminal reaches this process
-    only, and SIGINT or SIGTERM sent to this process is passed to every worker exactly once (each
-    then finishes its step, saves and stops; torchrun's own handling would SIGKILL them 30 s later).
-    If this process dies even by SIGKILL, the kernel sends torchrun SIGTERM, which it passes on.
-    """
-    if nnodes == 1:
-        rendezvous = ["--standalone"]
-    else:
-        host, _, port = master.rpartition(":")
-        rendezvous = [f"--nnodes={nnodes}", f"--node_rank={node_rank}", f"--master_addr={host}", f"--master_port={port}"]
-    binding = [f"--numa-binding={numa_binding}"] if numa_binding else []
-    cmd = [sys.executable, "-m", "ddptune.launcher", *rendezvous, f"--nproc_per_node={nproc}",
-           f"--max_restarts={max_restarts}", *binding, "-m", *module_args]
-    child_env = dict(os.environ if env is None else env)
-    child_env.setdefault("OMP_NUM_THREADS", str(default_threads(nproc)))
-    child_env[VALIDATED] = "1"
-    if max_restarts:
-        # torchrun (torch 2.13) shares one TCP store across rendezvous rounds without a per-round
-        # prefix: restarted workers read the dead round's gloo/NCCL addresses and cannot connect.
-        # A store per round (torch's documented opt-out) gives them fresh ones.
-        child_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    proc = subprocess.Popen(cmd, env=child_env, start_new_session=True, preexec_fn=_term_when_parent_dies)
-
-    def forward(signum, _frame) -> None:
-        import psutil
-
-        try:
-            workers = psutil.Process(proc.pid).children(recursive=True)
-        except psutil.Error:
-            workers = []
-        for w in workers or [proc]:
-            try:
-                w.send_signal(signum)
-            except psutil.Error:
-                pass
-
-    old = {}
-    if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
-        old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return proc.wait()
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
-
-
-def _term_when_parent_dies() -> None:
-    """In the child before exec (Linux): SIGTERM when the parent dies, however it died."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def setup(precision: str = "auto", strategy: str = "ddp", log_with: str = "none", logging_dir=None,
-          bucket_mb: float | None = None) -> Accelerator:
+def setup(precision: str = "auto", strategy: str = "ddp", log_with: str = "none", logging_dir=None) -> Accelerator:
     """This process's Accelerator: the process group (NCCL on GPUs, gloo on CPU), its device, bf16
     autocast when `precision` resolves to bf16, and a quiet console on every process but rank 0.
     With strategy fsdp, `accelerator.prepare(model, optimizer)` shards them (`fsdp_plugin`).
     `log_with` (tensorboard, wandb, mlflow; none: no tracker): accelerate's tracker, which
-    `init_trackers` starts on the main process only, TensorBoard's in `logging_dir`. `bucket_mb`:
-    DDP's gradient bucket size in MiB (None: torch's default).
+    `init_trackers` starts on the main process only, TensorBoard's in `logging_dir`.
     What it writes into os.environ (a launcher's variables for a group of one, accelerate's
     ACCELERATE_USE_FSDP) and accelerate's process-wide state, if it made it, `teardown` undoes."""
     global _made_state
     before = dict(os.environ)
     _made_state = _made_state or not PartialState._shared_state
     try:
-        return _setup(precision, strategy, log_with, logging_dir, bucket_mb)
+        return _setup(precision, strategy, log_with, logging_dir)
     finally:  # also after a failure: teardown then restores what was written before it
         for name in before.keys() | os.environ.keys():
             if before.get(name) != os.environ.get(name):
                 _env_written[name] = (_env_written.get(name, (before.get(name),))[0], os.environ.get(name))
 
 
-def _setup(precision: str, strategy: str, log_with: str, logging_dir, bucket_mb: float | None) -> Accelerator:
+def _setup(precision: str, strategy: str, log_with: str, logging_dir) -> Accelerator:
     cuda = torch.cuda.is_available()
     if cuda:
         # cuDNN's attention spends ~25 ms of CPU per call building a plan for every new sequence
@@ -179,8 +68,7 @@ def _setup(precision: str, strategy: str, log_with: str, logging_dir, bucket_mb:
     # (torch 2.13 renames the switch forward_sync_buffers, which accelerate does not pass yet.)
     warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
     # Gradients as views of the all-reduce buckets: no copy of every gradient into its bucket.
-    ddp = DistributedDataParallelKwargs(broadcast_buffers=False, gradient_as_bucket_view=True,
-                                        **({"bucket_cap_mb": bucket_mb} if bucket_mb else {}))
+    ddp = DistributedDataParallelKwargs(broadcast_buffers=False, gradient_as_bucket_view=True)
     plugin = fsdp_plugin(bf16) if strategy == "fsdp" else None
     if plugin is not None and not in_launched_process():
         # FSDP shards over a process group, also over a group of one: form it as a launcher would
@@ -214,6 +102,19 @@ def _setup(precision: str, strategy: str, log_with: str, logging_dir, bucket_mb:
     return accelerator
 
 
+def set_bucket_mb(accelerator: Accelerator, mb: float | None) -> None:
+    """DDP's gradient bucket size in MiB for the wrapper `accelerator.prepare` builds next (None:
+    torch's default, 25 MiB after a first bucket of 1 MiB)."""
+    handler = accelerator.ddp_handler
+    if handler is not None:
+        handler.bucket_cap_mb = mb if mb else 25
+
+
+def one_machine() -> bool:
+    """Whether every process of the group runs on this machine (torchrun's LOCAL_WORLD_SIZE)."""
+    return os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")) == os.environ.get("WORLD_SIZE", "1")
+
+
 def teardown() -> None:
     """Leave the process group at the end of a command, as every process of a finished job must:
     NCCL warns at exit ("destroy_process_group() was not called") and may leak its resources
@@ -237,26 +138,6 @@ def teardown() -> None:
         else:
             os.environ[name] = old
     _env_written.clear()
-
-
-def tell_launcher(line: str) -> None:
-    """Leave `line`, why this worker fails, where torchrun looks for it: the error file it names in
-    TORCHELASTIC_ERROR_FILE (torchrun's own `@record` writes a traceback there). `accelerate launch`
-    runs torchrun's agent too. Its closing ChildFailedError report then shows `line` as the failed
-    rank's "traceback" rather than a pointer to its docs, so the reason is also at the end of the
-    output. A no-op without such a launcher."""
-    import json
-
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    # the layout torchrun's @record writes, with the line where it puts the traceback
-    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
-    try:
-        with open(path, "w") as f:
-            json.dump(data, f)
-    except OSError:
-        pass  # the line is on stderr already
 
 
 def fsdp_plugin(bf16: bool) -> FullyShardedDataParallelPlugin:
@@ -481,7 +362,7 @@ def time_gradient_sync(model, clock: StepClock) -> None:
     is ready when this process's backward has computed everything), then all-reduce it as DDP
     does by default (sum / world size). With one process there is nothing to reduce: the bucket
     is returned as it is. A no-op for a model that DDP does not wrap. While a CUDA graph records the
-    step (train.cuda_graph_scope=step) there is no mark: the graph's replay is timed as a whole."""
+    step there is no mark: the graph's replay is timed as a whole."""
     ddp = ddp_wrapper(model)
     if ddp is None:
         return

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ddptune import checkpoint, checks, data, model as model_lib
+from ddptune import checkpoint, checks, data, model as model_lib, rundir
 from ddptune.config import Config, ConfigError
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -40,7 +40,7 @@ def main(args) -> int:
     """`ddptune export RUN OUT [--merge] [--dtype auto|bf16|fp32]`."""
     run_dir, out = Path(args.run), Path(args.out)
     cfg = checks.trained_run(run_dir, "export")
-    problems = checks.folder_problems("OUT", out)
+    problems = rundir.folder_problems("OUT", out)
     if not problems and out.is_dir() and any(out.iterdir()):
         problems.append(f"OUT: {out} already holds files (choose a new or empty folder; nothing was overwritten)")
     full = cfg.train.method == "full"
@@ -221,6 +221,6 @@ def _tokenizer(weights: Path):
 
 
 def _stop_ids(tokenizer, cfg: Config) -> list[int]:
-    from ddptune import evaluate
+    from ddptune import generation
 
-    return evaluate.stop_ids(tokenizer, cfg.data)
+    return generation.stop_ids(tokenizer, cfg.data)

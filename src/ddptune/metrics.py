@@ -13,19 +13,18 @@ So sample_flops = w·(N·n + H·t) + 6·A·n + 3·4·h·L·n(n+1)/2, with w = 4 
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 WARMUP_STEPS = 2  # steps left out of steady-state speed figures (compilation, allocator, kernel selection)
-# bf16 dense matrix rate measured on the H200s this project benchmarks on (see BENCHMARKS.md);
-# override with DDPTUNE_PEAK_TFLOPS for other GPUs.
-MEASURED_PEAK_TFLOPS = {"NVIDIA H200": 780.0, "NVIDIA H100 80GB HBM3": 780.0}
+# MFU's denominator: the datasheet's dense bf16 rate (TFLOP/s); DDPTUNE_PEAK_TFLOPS overrides it.
+DATASHEET_TFLOPS = {"NVIDIA H200": 989.0, "NVIDIA H100 80GB HBM3": 989.0, "NVIDIA A100-SXM4-80GB": 312.0}
+# the bf16 matrix rate measured on random data (8192^3 GEMMs): what the speed decider's model scales
+MEASURED_TFLOPS = {"NVIDIA H200": 750.0, "NVIDIA H100 80GB HBM3": 750.0}
 
 
 def per_weight_flops(method: str, checkpointing: bool = False) -> int:
@@ -59,6 +58,12 @@ class FlopModel:
         hidden = cfg.num_attention_heads * getattr(cfg, "head_dim", None) if getattr(cfg, "head_dim", None) else cfg.hidden_size
         return cls(n_matrix, n_head, n_adapter, cfg.num_hidden_layers, hidden, method)
 
+    @classmethod
+    def of_shape(cls, shape, method: str, lora_r: int, lora_targets: list[str]) -> "FlopModel":
+        """The same counts from a memory.Shape (a Llama-style decoder), before any weight is loaded."""
+        adapter = 0 if method == "full" else shape.lora_params(lora_r, lora_targets)
+        return cls(shape.matrix_params, shape.vocab * shape.hidden, adapter, shape.layers, shape.attn_width, method)
+
     def sample(self, tokens: int, targets: int) -> float:
         """Model FLOPs of training on one sample (the module docstring's formula)."""
         w = per_weight_flops(self.method)
@@ -67,12 +72,20 @@ class FlopModel:
 
 
 def peak_tflops(device: torch.device) -> float | None:
-    """The GPU's bf16 matrix rate in TFLOP/s (None on CPU: MFU is a GPU figure)."""
+    """MFU's denominator: the GPU's datasheet dense bf16 rate in TFLOP/s (None on CPU and for a GPU
+    not in DATASHEET_TFLOPS: MFU is then not reported)."""
     if os.environ.get("DDPTUNE_PEAK_TFLOPS"):
         return float(os.environ["DDPTUNE_PEAK_TFLOPS"])
     if device.type != "cuda":
         return None
-    return MEASURED_PEAK_TFLOPS.get(torch.cuda.get_device_name(device))
+    return DATASHEET_TFLOPS.get(torch.cuda.get_device_name(device))
+
+
+def matrix_tflops(device: torch.device) -> float | None:
+    """The GPU's measured bf16 matrix rate (MEASURED_TFLOPS), else its datasheet rate; None on CPU."""
+    if device.type != "cuda":
+        return None
+    return MEASURED_TFLOPS.get(torch.cuda.get_device_name(device)) or DATASHEET_TFLOPS.get(torch.cuda.get_device_name(device))
 
 
 def peak_memory_gib(device: torch.device) -> float | None:
@@ -183,31 +196,3 @@ def summarize_steps(history: list[dict], warmup: int, world: int) -> dict:
     return {"warmup_steps_excluded": len(history) - len(kept), "median_step_time_s": times[len(times) // 2],
             "tokens_per_s_per_gpu": sum(r["tokens"] for r in kept) / seconds / world if seconds else 0.0,
             "mfu": statistics.fmean(mfus) if mfus else None}
-
-
-def _step(line: str) -> int | None:
-    """The step of a metrics.jsonl line; None for a line a kill cut short."""
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
-class JsonlWriter:
-    """Append one JSON object per line; flushed at once so a crash loses nothing written."""
-
-    def __init__(self, path: Path, keep_until_step: int | None = None):
-        self.path = Path(path)
-        if keep_until_step is not None and self.path.exists():  # resume: drop steps to be redone, and a torn last line
-            lines = [l for l in self.path.read_text().splitlines() if (_step(l) or keep_until_step + 1) <= keep_until_step]
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text("".join(l + "\n" for l in lines))
-            os.replace(tmp, self.path)
-        self.f = open(self.path, "a")
-
-    def write(self, row: dict) -> None:
-        self.f.write(json.dumps(row) + "\n")
-        self.f.flush()
-
-    def close(self) -> None:
-        self.f.close()

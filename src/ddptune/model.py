@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import hashlib
 import importlib.util
-import inspect
 import logging
 import os
 import shutil
@@ -21,10 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
+from ddptune.attention import register_attention
 from ddptune.config import LoraConfig, ModelConfig
 
 
@@ -155,81 +153,6 @@ def load_tokenizer(m: ModelConfig):
 
 
 # ---------------------------------------------------------------------------------------------
-# Attention for packed samples
-
-
-def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                     cu_seq_lens_q=None, max_length_q=None, **kwargs):
-    """`attn_implementation="varlen"`: causal attention within each packed sample and never across.
-
-    A packed forward is one row of concatenated samples (batch size 1) with the sample boundaries
-    in `cu_seq_lens_q` (cumulative lengths, int32). On CUDA, torch's FlashAttention varlen kernel
-    computes only each sample's own causal triangle: no mask tensor, no padding, no work on pairs
-    of samples. Elsewhere (CPU), each sample runs through SDPA on its own (same math). Without
-    boundaries (generation, padded batches) this is plain SDPA with transformers' mask.
-    """
-    if cu_seq_lens_q is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    if query.size(0) != 1:
-        raise ValueError("varlen attention takes one packed row per forward")
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (tokens, heads, head_dim)
-    # The flash kernel takes bf16/fp16 only. Full fine-tuning keeps fp32 weights under bf16 autocast,
-    # and rotary embeddings (fp32, like the residual stream) turn q and k back to fp32: cast them
-    # to autocast's dtype, as autocast would for an op it knew. fp32 without autocast takes SDPA.
-    half = torch.get_autocast_dtype("cuda") if q.is_cuda and torch.is_autocast_enabled("cuda") else q.dtype
-    if _flash_varlen is not None and q.is_cuda and half in (torch.bfloat16, torch.float16):
-        out = _flash_varlen(q.to(half), k.to(half), v.to(half), cu_seq_lens_q, max_length_q, scaling)
-    else:
-        bounds = cu_seq_lens_q.tolist()
-        out = torch.cat([
-            torch.nn.functional.scaled_dot_product_attention(
-                q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
-                is_causal=True, scale=scaling, enable_gqa=True).transpose(0, 1)
-            for a, b in zip(bounds[:-1], bounds[1:]) if b > a  # empty samples pad the boundaries
-        ])
-    return out.unsqueeze(0), None
-
-
-def _make_flash_varlen():
-    """torch.nn.attention.varlen.varlen_attn (torch >= 2.9), adapted to its signature in the
-    installed torch: causal is `is_causal=True` in early versions, `window_size=(-1, 0)` later;
-    grouped-query attention needs `enable_gqa` where it exists, else repeated key/value heads."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    params = inspect.signature(varlen_attn).parameters
-    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-    gqa = "enable_gqa" in params
-
-    def run(q, k, v, cu, max_len, scale):
-        extra = dict(causal, scale=scale)
-        if q.size(1) != k.size(1):
-            if gqa:
-                extra["enable_gqa"] = True
-            else:
-                k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
-        return varlen_attn(q, k, v, cu, cu, max_len, max_len, **extra)
-
-    return run
-
-
-def _varlen_mask(*args, attention_mask=None, **kwargs):
-    """Padded batches (evaluation, generation) get SDPA's mask; a packed row needs none: its
-    boundaries travel as cu_seq_lens (building a tokens x tokens block mask would be waste)."""
-    return None if attention_mask is None else sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
-
-
-_flash_varlen = _make_flash_varlen()
-
-
-def register_attention() -> None:
-    """Make `attn_implementation="varlen"` known to transformers (idempotent)."""
-    AttentionInterface.register("varlen", varlen_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register("varlen", _varlen_mask)
-
-
-# ---------------------------------------------------------------------------------------------
 # Models
 
 
@@ -349,23 +272,18 @@ def compile_layers(model, cuda_graphs: bool = False, static: bool = False) -> No
         layer.compile(dynamic=not (cuda_graphs or static), mode="reduce-overhead" if cuda_graphs else None)
 
 
+def uncompile_layers(model) -> None:
+    """Undo compile_layers: the layers run eagerly again (after a failed compile)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for layer in base.get_decoder().layers:
+        layer._compiled_call_impl = None
+
+
 def _checkpointed(forward):
     @functools.wraps(forward)
     def run(*args, **kwargs):
         return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
     return run
-
-
-def use_checkpointing(setting: bool | str, added_bytes: float, device: torch.device) -> bool:
-    """Resolve gradient_checkpointing: auto turns it on only when what training adds to the loaded
-    model without it (`added_bytes`: activations, gradients, optimizer states, from plan.estimate)
-    would not fit in 90% of the GPU memory still free (the rest: the allocator's slack). Never on CPU."""
-    if setting != "auto":
-        return bool(setting)
-    if device.type != "cuda":
-        return False
-    free, _ = torch.cuda.mem_get_info(device)
-    return added_bytes > 0.9 * free
 
 
 def add_adapters(model, method: str, lora: LoraConfig, gradient_checkpointing: bool):
@@ -406,7 +324,7 @@ class CausalLMLoss(torch.nn.Module):
 
     It runs the decoder, then applies the output head only at the positions that predict a target
     (summary tokens), given as `target_index` into the flattened (rows x tokens) positions with their
-    `targets` (`data.targets_of`, computed on the host: finding them here would be a GPU sync).
+    `targets` (`batches.targets_of`, computed on the host: finding them here would be a GPU sync).
     The logits of prompt positions would be thrown away, and for a 128k vocabulary they are the
     largest tensor of the step. This module is what DDP wraps; the model inside is what gets saved
     and evaluated. Assumes a plain linear head (Llama, Qwen, Mistral, SmolLM...); models with logit
@@ -458,21 +376,13 @@ def _is_4bit(p: torch.Tensor) -> bool:
 
 
 def holds_4bit(model) -> bool:
-    """Whether any of the model's weights are stored in 4 bits (QLoRA, not dequantize_base)."""
+    """Whether any of the model's weights are stored in 4 bits (QLoRA, not a dequantized base)."""
     return any(_is_4bit(p) for p in model.parameters())
 
 
 def trainable_state(model) -> dict[str, torch.Tensor]:
     """The trained weights by name (what a checkpoint must hold)."""
     return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def fingerprint(tokenizer) -> str:
-    """A short hash of the tokenizer's vocabulary and template, for caching tokenized data."""
-    h = hashlib.sha256()
-    h.update(repr(sorted(tokenizer.get_vocab().items())).encode())
-    h.update(str(getattr(tokenizer, "chat_template", None)).encode())
-    return h.hexdigest()[:16]
 
 
 def trained_weights_dir(run_dir: Path, method: str) -> Path:
@@ -510,3 +420,13 @@ def save_trained(model, folder: Path, state_dict: dict | None = None) -> None:
     if hasattr(model, "peft_config"):
         kwargs["save_embedding_layers"] = False
     model.save_pretrained(folder, **kwargs)
+
+
+def weights_fingerprint(model) -> str:
+    """A hash of this process's trained weights: all processes' are equal when the replicas took
+    identical steps (checked at the end of every run)."""
+    h = hashlib.sha256()
+    for name, p in sorted(trainable_state(model).items()):
+        h.update(name.encode())
+        h.update(p.float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]

@@ -4,7 +4,7 @@ summaries of new dialogues with a finished run's model. No references, no ROUGE:
 Each input line is a JSON object holding the dialogue in the run's `data.dialogue_column`
 (`dialogue` unless the run set another); `-` reads the lines from stdin. Prompts are built as in
 training (the run's config.yaml: data.instruction, data.max_length — a longer dialogue is cut at its
-end — through data.prompt_pieces); generation is `ddptune eval`'s (evaluate.generate_all: greedy,
+end — through data.prompt_pieces); generation is `ddptune eval`'s (generation.generate_all: greedy,
 batched by eval.batch_size, at most eval.max_new_tokens, shared out over the processes). Rank 0
 writes one JSON line per input row, in input order: the row's own fields plus `prediction`, to
 --out or to stdout. Messages go to stderr, so stdout holds only the JSON lines.
@@ -17,11 +17,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ddptune import checks, dist, evaluate, model as model_lib, report
+from ddptune import checks, dist, generation, launch, model as model_lib, report, rundir
 from ddptune.config import ConfigError
 
 
-def main(args) -> int:
+def checked(args) -> tuple:
+    """(the run's config, the input, --out, the overrides), once every problem with them is refused."""
     run_dir = Path(args.run)
     sources = [a for a in args.overrides if "=" not in a]
     overrides = [a for a in args.overrides if "=" in a]
@@ -45,7 +46,7 @@ def main(args) -> int:
         elif out.exists():
             problems.append(f"--out: {out} already exists (choose a new file; nothing was overwritten)")
         else:
-            problems += checks.folder_problems("--out", out.parent)
+            problems += rundir.folder_problems("--out", out.parent)
     if source == "-" and dist.in_launched_process() and not dist.validated_by_parent():
         problems.append("--input: - (stdin) cannot be shared by processes a launcher started (give a .jsonl file, or use --nproc)")
     try:
@@ -56,6 +57,12 @@ def main(args) -> int:
         problems += checks.model_problems(cfg)
     if problems:
         raise ConfigError(problems)
+    return cfg, source, out, overrides
+
+
+def main(args) -> int:
+    run_dir = Path(args.run)
+    cfg, source, out, overrides = checked(args)
     column = cfg.data.dialogue_column
     rows = read_rows(source, column)
 
@@ -67,7 +74,7 @@ def main(args) -> int:
                 f.writelines(json.dumps(r) + "\n" for r in rows)
         try:
             child = ["predict", str(run_dir), "--input", path, *overrides] + (["--out", str(out)] if out else [])
-            return dist.torchrun(args.nproc, ["ddptune", *child])
+            return launch.torchrun(args.nproc, ["ddptune", *child])
         finally:
             if source == "-":
                 os.unlink(path)
@@ -82,8 +89,8 @@ def main(args) -> int:
     with accelerator.main_process_first():
         net = model_lib.load_trained(run_dir, cfg.model, t.method, accelerator.device, t.precision, t.seed)
     # no reference: the dialogue is cut (if too long) as for an empty summary
-    prompts = evaluate.prompt_ids([{"dialogue": r[column], "summary": ""} for r in rows], tokenizer, cfg.data)
-    texts, gen_s = evaluate.generate_all(net, tokenizer, prompts, cfg, accelerator)
+    prompts = generation.prompt_ids([{"dialogue": r[column], "summary": ""} for r in rows], tokenizer, cfg.data)
+    texts, gen_s = generation.generate_all(net, tokenizer, prompts, cfg, accelerator)
     if accelerator.is_main_process:
         lines = "".join(json.dumps({**r, "prediction": p}, ensure_ascii=False) + "\n" for r, p in zip(rows, texts))
         if out is None:

@@ -133,9 +133,8 @@ def plot_scaling(path: str | os.PathLike[str], groups: dict[str, Sequence[dict[s
     (ideal y = x; dashed "predicted_speedup" where present) and (b) each count's step time
     stacked from its parts (`PARTS`; a part that is None, e.g. lost in noise, draws as 0).
 
-    Row keys: "nproc", "speedup" (None: not published), and the PARTS keys; "predicted_speedup",
-    "ceiling" (an efficiency: scale --alone), "per_process" (a marker at each count's ideal step) and
-    "alone_compute_s" (a marker on the count's bar) optional.
+    Row keys: "nproc", "speedup" (None: not published), and the PARTS keys; "predicted_speedup" and
+    "per_process" (a marker at each count's ideal step) optional.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg: no display needed
     from matplotlib.figure import Figure
@@ -149,10 +148,8 @@ def plot_scaling(path: str | os.PathLike[str], groups: dict[str, Sequence[dict[s
         top = max(ns + [1])
         ax1.plot([1, top], [1, top], color="grey", linestyle=":", label="ideal (y = x)")
         for key, style, name in (("speedup", dict(marker="o"), "measured"),
-                                 ("predicted_speedup", dict(linestyle="--", marker="x"), "predicted"),
-                                 ("ceiling", dict(linestyle="none", marker="_", markersize=18, color="black"),
-                                  "ceiling: one GPU alone at each share")):
-            points = [(n, r[key] * (n if key == "ceiling" else 1)) for n, r in zip(ns, data) if r.get(key) is not None]
+                                 ("predicted_speedup", dict(linestyle="--", marker="x"), "predicted")):
+            points = [(n, r[key]) for n, r in zip(ns, data) if r.get(key) is not None]
             if points:
                 ax1.plot(*zip(*points), label=name, **style)
         ax1.set_xlabel("processes (GPUs)")
@@ -175,11 +172,6 @@ def plot_scaling(path: str | os.PathLike[str], groups: dict[str, Sequence[dict[s
             xs, ys = zip(*ideal)
             ax2.hlines(ys, [x - 0.4 for x in xs], [x + 0.4 for x in xs], colors="black", linestyles="--", linewidth=1.5,
                        zorder=3, label="ideal step: n = 1's for as many samples per process")
-        alone = [(x, r["alone_compute_s"]) for x, r in zip(pos, data) if r.get("alone_compute_s") is not None]
-        if alone:  # scale --alone: one process's compute at the same share, beside the count's compute
-            xs, ys = zip(*alone)
-            ax2.hlines(ys, [x - 0.25 for x in xs], [x + 0.25 for x in xs], colors="black", linewidth=3, zorder=3,
-                       label="compute of one process alone at the same share")
         ax2.set_xticks(pos, [str(n) for n in ns])
         ax2.set_xlabel("processes (GPUs)")
         ax2.set_ylabel("step time (s)")

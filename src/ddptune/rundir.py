@@ -1,11 +1,15 @@
-"""What a run folder holds: the marker a run writes first, the names of everything ddptune writes
-there, and whether a folder is a run at all. `--overwrite` deletes a run's own files and nothing else.
+"""Folders ddptune writes: what a run folder holds, and whether a folder or report file can be written.
+
+A run writes its marker first; RUN_ENTRIES names everything it writes there; `is_run` tells a run
+folder from any other, and `--overwrite` deletes a run's own files and nothing else.
 """
 from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -75,3 +79,30 @@ def clear(folder: Path) -> None:
             shutil.rmtree(p)
         else:
             p.unlink()
+
+
+def folder_problems(where: str, folder: Path) -> list[str]:
+    """`folder` is, or can be made, a writable folder (nothing is created but a probe, removed at once)."""
+    if folder.exists() and not folder.is_dir():
+        return [f"{where}: {folder} is a file, not a folder (choose a folder path)"]
+    parent = folder
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return [f"{where}: {folder} cannot be made: {parent} is a file (choose a folder path)"]
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=parent, prefix=".ddptune-probe-"))
+    except OSError as e:
+        return [f"{where}: {parent} is not writable ({e.strerror}; choose a folder you can write to)"]
+    return []
+
+
+def report_file_problems(flag: str, value: str | None, example: str) -> list[str]:
+    """A report file's path (`compare --json/--plot`, `plan --json`) can be written: not a folder,
+    its folder is or can be made (report.write_* make it). An existing file is replaced whole."""
+    if not value:
+        return []
+    target = Path(value)
+    if target.is_dir():
+        return [f"{flag}: {target} is a folder (give a file path, e.g. {target / example})"]
+    return folder_problems(flag, target.parent)

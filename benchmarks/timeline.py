@@ -1,4 +1,4 @@
-"""Each process's GPU time per step, read from its torch.profiler timeline.
+"""Each process's GPU time per step, read from its torch.profiler timeline (a lab tool, not part of ddptune).
 
 With the whole step recorded as CUDA graphs (train.cuda_graph_scope=step) no timing event can be
 placed between a process's last backward kernel and its gradient all-reduce, so its host clock
@@ -31,7 +31,6 @@ import json
 import re
 from pathlib import Path
 
-STEPS = 8  # steps `ddptune scale` profiles after each run's window when it reads timelines (enough to name a slow GPU)
 DEVICE_WORK = {"kernel", "gpu_memcpy", "gpu_memset"}
 LAUNCHES = {"cuda_runtime", "cuda_driver"}
 STEP = re.compile(r"ProfilerStep#(\d+)$")

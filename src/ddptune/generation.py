@@ -1,0 +1,161 @@
+"""Generation and scoring: prompts, batched greedy generation over the processes, and ROUGE.
+
+Generation is greedy, batched, with the KV cache and left padding. The evaluation rows are cut
+into fixed batches (sorted by prompt length) before they are shared out, so every batch holds
+the same rows whatever the process count; each process runs the same number of generate calls
+(the last ones repeat a batch when the count does not divide); rank 0 gathers the texts in
+order, drops the repeats and scores once with `rouge-score`. 1 and N processes give the same
+predictions and the same ROUGE.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+from tqdm.auto import tqdm
+
+from ddptune import config as config_lib, data, report
+from ddptune.config import Config
+
+ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoring
+
+
+def sentences(text: str) -> str:
+    """One sentence per line, as ROUGE-Lsum expects (a rule-based split: no downloads)."""
+    parts = re.split(r"(?<=[.!?])\s+", text.strip())
+    return "\n".join(p for p in parts if p)
+
+
+def rouge(predictions: list[str], references: list[str]) -> dict[str, float]:
+    """Mean ROUGE-1/2/L/Lsum F1 × 100 over the pairs, Porter stemming on."""
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(list(ROUGE_KEYS), use_stemmer=True)
+    totals = dict.fromkeys(ROUGE_KEYS, 0.0)
+    for pred, ref in zip(predictions, references, strict=True):
+        scores = scorer.score(sentences(ref), sentences(pred))
+        for k in ROUGE_KEYS:
+            totals[k] += scores[k].fmeasure
+    n = max(len(predictions), 1)
+    return {k: 100.0 * v / n for k, v in totals.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation
+
+
+def prompt_ids(rows: list[dict], tokenizer, d: config_lib.DataConfig) -> list[list[int]]:
+    pieces = data.prompt_pieces(tokenizer, d.instruction)
+    out = []
+    for r in rows:
+        ex = data.tokenize_example(tokenizer, pieces, r["dialogue"], r["summary"], d.max_length)
+        out.append(ex["input_ids"][: ex["prompt_len"]])
+    return out
+
+
+def stop_ids(tokenizer, d: config_lib.DataConfig) -> list[int]:
+    """End-of-sequence ids: the tokenizer's eos and the chat template's end-of-turn token."""
+    ids = {tokenizer.eos_token_id}
+    end = data.prompt_pieces(tokenizer, d.instruction)[2]
+    end_ids = tokenizer(end.strip(), add_special_tokens=False)["input_ids"] if end.strip() else []
+    if len(end_ids) == 1:
+        ids.add(end_ids[0])
+    return sorted(i for i in ids if i is not None)
+
+
+def fixed_batches(prompts: list[list[int]], batch_size: int) -> list[list[int]]:
+    """Row indices in batches of similar prompt length; the same for any process count."""
+    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: list[list[int]], batch: list[int], max_new_tokens: int, eos: list[int], device) -> list[str]:
+    width = max(len(prompts[i]) for i in batch)
+    pad = tokenizer.pad_token_id
+    ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, i in enumerate(batch):  # left padding: every prompt ends where generation starts
+        ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
+        mask[row, width - len(prompts[i]):] = 1
+    out = model.generate(
+        input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+        do_sample=False, num_beams=1, use_cache=True, eos_token_id=eos, pad_token_id=pad,
+    )
+    return [tokenizer.decode(seq[width:], skip_special_tokens=True).strip() for seq in out]
+
+
+def generate_all(net, tokenizer, prompts: list[list[int]], cfg: Config, accelerator: Accelerator,
+                 desc: str = "generate") -> tuple[list[str] | None, float]:
+    """Greedy texts for every prompt, the work shared out over the processes (every process calls
+    this): on rank 0 the texts in prompt order, None on the others; and the generation seconds.
+    Rank 0 shows a bar over its generate calls (every process makes as many)."""
+    was_training = net.training
+    net.eval()
+    batches = fixed_batches(prompts, cfg.eval.batch_size)
+    world, rank = accelerator.num_processes, accelerator.process_index
+    calls = math.ceil(len(batches) / world)  # the same on every process
+    mine = [batches[min(j * world + rank, len(batches) - 1)] for j in range(calls)]
+    eos = stop_ids(tokenizer, cfg.data)
+    accelerator.wait_for_everyone()
+    t0 = time.perf_counter()
+    done = []
+    # generation runs the layers eagerly: compiled training graphs (train.compile) do not fit a KV cache
+    with accelerator.autocast(), torch.compiler.set_stance("force_eager"):
+        for batch in tqdm(mine, desc=desc, unit="batch", disable=not accelerator.is_main_process, leave=False,
+                          dynamic_ncols=True):
+            texts = generate(net, tokenizer, prompts, batch, cfg.eval.max_new_tokens, eos, accelerator.device)
+            done += list(zip(batch, texts))
+    if accelerator.device.type == "cuda":
+        torch.cuda.synchronize()
+    gen_s = time.perf_counter() - t0
+    everything = gather_object(done)
+    net.train(was_training)
+    if not accelerator.is_main_process:
+        return None, gen_s
+    preds = dict(everything)  # repeats of the last batch collapse onto the same row index
+    return [preds[i] for i in range(len(prompts))], gen_s
+
+
+def evaluate(model, tokenizer, rows: list[dict], cfg: Config, accelerator: Accelerator, out_dir: Path, label: str) -> dict:
+    """Generate for `rows` on every process, score on rank 0, write predictions and metrics there."""
+    net = accelerator.unwrap_model(model)
+    world = accelerator.num_processes
+    predictions, gen_s = generate_all(net, tokenizer, prompt_ids(rows, tokenizer, cfg.data), cfg, accelerator,
+                                      f"generate ({label.split(' (')[0]})")
+    if not accelerator.is_main_process:
+        return {}
+    scores = rouge(predictions, [r["summary"] for r in rows])
+    result = {
+        "label": label, **scores, "n": len(rows), "world_size": world,
+        "generation_time_s": gen_s, "samples_per_s": len(rows) / gen_s if gen_s else None,
+        "max_new_tokens": cfg.eval.max_new_tokens, "batch_size": cfg.eval.batch_size,
+        "mean_prediction_words": sum(len(p.split()) for p in predictions) / max(len(predictions), 1),
+        "model": cfg.model.source,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"id": r["id"], "dialogue": r["dialogue"], "reference": r["summary"], "prediction": p})
+             for r, p in zip(rows, predictions)]
+    report.write_text(out_dir / "predictions.jsonl", "\n".join(lines) + "\n")
+    report.write_json(out_dir / "metrics.json", result)
+    accelerator.print(
+        f"ddptune: {label}: ROUGE-1 {scores['rouge1']:.2f}  ROUGE-2 {scores['rouge2']:.2f}  "
+        f"ROUGE-L {scores['rougeL']:.2f}  ROUGE-Lsum {scores['rougeLsum']:.2f}  "
+        f"({len(rows)} samples, {gen_s:.1f}s generation) -> {out_dir}"
+    )
+    return result
+
+
+def eval_rows(cfg: Config) -> list[dict]:
+    rows = data.load_split(cfg.data.val, cfg.data.val_rows, cfg.data)
+    return rows[: cfg.eval.max_samples] if cfg.eval.max_samples else rows

@@ -1,0 +1,184 @@
+"""CUDA graphs: the padded lengths, the compile-and-record warm-up, and whole steps recorded.
+
+Graphs replay fixed shapes, so every packed row is padded to one of a few lengths chosen before the
+first step (`lengths`): those that leave the least padding over the rows this run will see. Before
+the first step every layer is compiled (and, for layer graphs, recorded) at every length
+(`warm_layers`), so no step pays for a new shape. With the whole step recorded (`StepGraphs`), each
+step shape this process will meet is recorded too: the forwards and backwards (step.forward_backward,
+DDP's all-reduce inside the last), and one graph for all shapes of step.clip_and_update. Nothing of
+the warm-up stays: no gradient is all-reduced, gradients are zeroed after, and the random state is
+put back. Recording can fail (an operation that cannot be captured): `Unrecordable` says why, and
+the whole step falls back to compiled layers launched one by one.
+"""
+from __future__ import annotations
+
+import dataclasses
+from contextlib import contextmanager
+
+import torch
+from accelerate.utils import AutocastKwargs
+
+from ddptune import batches, dist, step as step_lib
+from ddptune.batches import Stream
+
+DDP_WARMUP = 11  # eager DDP steps before a capture (PyTorch's notes on DDP under whole-network capture)
+
+
+class Unrecordable(RuntimeError):
+    """Recording the whole step failed."""
+
+
+def prepare(parts: step_lib.Parts, loss_model, stream: Stream, first: int, last: int, speed, process: int, pad_id: int,
+            side, clock: dist.StepClock) -> tuple[Stream, "StepGraphs | None", str]:
+    """For the run's steps [first, last): the stream with its padded lengths (those that leave the
+    least padding over every packed row of those steps, of every process: each records them all),
+    gradients allocated once outside the graphs' memory (every replay writes them), every layer
+    compiled at every length, and with the whole step recorded every step shape this process will
+    meet; and what was done, in words."""
+    rows = [g for s in range(first, last) for forwards in stream.share(s).forwards for g in forwards]
+    stream = stream.with_lengths(batches.pad_lengths([batches.tokens_of(g) for g in rows], speed.lengths, batches.GRAPH_PAD))
+    for p in parts.params:
+        p.grad = torch.zeros_like(p)
+    warm_layers(parts, loss_model, stream, rows, pad_id)
+    shapes = {}  # shape of this process's step -> its rows in one step of that shape
+    for k in range(first, last) if speed.graphs == "step" else []:
+        mine = stream.share(k).forwards[process]
+        shapes.setdefault(stream.shape(mine), mine)
+    engine, recorded = None, "compiled and recorded"
+    try:
+        engine = StepGraphs(parts, stream, shapes, pad_id, side, clock) if shapes else None  # none: no step left
+        recorded = f"{len(engine.graphs)} step shapes recorded whole" if engine else recorded
+    except Unrecordable as e:  # the layers are compiled and warm at every length: they are launched one by one
+        recorded = f"compiled; {e}: the layers are launched one by one instead"
+    tokens = sum(map(batches.tokens_of, rows))
+    padded = sum(stream.padded_length(batches.tokens_of(g)) for g in rows)
+    return stream, engine, (f"packed rows padded to {', '.join(map(str, stream.graph_lengths))} tokens "
+                            f"({1 - tokens / max(padded, 1):.0%} of the computed tokens are padding), {recorded}")
+
+
+@contextmanager
+def on_stream(stream):
+    """Work issued inside runs on `stream`, after what the current stream has queued, and the current
+    stream waits for it afterwards. None: nothing changes."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        yield
+    torch.cuda.current_stream(stream.device).wait_stream(stream)
+
+
+def warm_layers(parts: step_lib.Parts, loss_model, stream: Stream, rows: list[list[dict]], pad_id: int) -> None:
+    """Compile (and with layer graphs record) the layers at every padded length, twice each (a new
+    shape's first call warms up, the second records), each with one packed row of the run; then the
+    output head (not in a graph) forward and backward at each padded target count of the run."""
+    acc = parts.accelerator
+    by_length = {stream.padded_length(batches.tokens_of(g)): g for g in rows}
+    parts.model.train()  # a model from from_pretrained is in eval mode, and dynamo guards on it
+    devices = [acc.device] if acc.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), acc.no_sync(parts.model):
+        for _, group in sorted(by_length.items()):
+            for _ in range(2):
+                batch = step_lib.to_device(stream.collate(group, pad_id), acc.device)
+                torch.compiler.cudagraph_mark_step_begin()
+                with parts.autocast():
+                    loss = parts.model(**batch, num_items=1)
+                acc.backward(loss * 0)
+        head = loss_model.head.weight
+        for n in sorted({batches.padded_targets(g) for g in rows}):  # the head's matrix products at each count
+            hidden = torch.zeros(n, head.shape[1], device=head.device, dtype=head.dtype, requires_grad=True)
+            with parts.autocast():
+                loss = loss_model.head_loss(hidden, torch.zeros(n, dtype=torch.long, device=head.device))
+            torch.autograd.grad(loss, hidden)
+    torch._foreach_zero_([p.grad for p in parts.params if p.grad is not None])
+
+
+class StepGraphs:
+    """This process's optimizer steps as two recorded CUDA graphs each: for every step shape the
+    forwards and backwards, and one graph for all shapes of clipping and the update. Their inputs
+    live at fixed addresses; a step copies its rows there and replays both. The recordings share
+    one memory pool (they never run at once; what outlives a replay is allocated outside it).
+
+    Recorded in this order (PyTorch's notes on whole-network capture): every layer compiled at
+    every length (warm_layers), DDP_WARMUP forwards and backwards through DDP whose all-reduces sum
+    zeros, the optimizer's state created by an update that moves nothing, then the recordings.
+    Processes record different shapes at their own pace: a recording runs nothing."""
+
+    def __init__(self, parts: step_lib.Parts, stream: Stream, shapes: dict[tuple, list[list[dict]]], pad_id: int,
+                 side: torch.cuda.Stream, clock: dist.StepClock):
+        device = parts.accelerator.device
+        # without autocast's cache, which would outlive a recording
+        autocast = lambda: parts.accelerator.autocast(autocast_handler=AutocastKwargs(cache_enabled=False))  # noqa: E731
+        self.parts = dataclasses.replace(parts, autocast=autocast, keep_grads=True)
+        self.stream, self.pad_id, self.side, self.pool = stream, pad_id, side, torch.cuda.graph_pool_handle()
+        self.num_items = torch.ones((), device=device)   # summary tokens of the global batch
+        self.loss_sum = torch.zeros((), device=device)   # this process's loss, out of the backward graphs
+        self.inputs: dict[tuple, list[dict]] = {}
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.buckets: dict[tuple, int] = {}  # DDP's gradient buckets in each shape's backward (its hook runs while recording)
+        self.warm_ddp(next(iter(shapes.values()))[0])
+        self.start_optimizer(device)
+        for shape, forwards in shapes.items():
+            inputs = [step_lib.to_device(stream.collate(g, pad_id), device) for g in forwards]
+            clock.buckets = 0
+            self.graphs[shape] = self.record(lambda: step_lib.forward_backward(
+                self.parts, [(b, True) for b in inputs], self.num_items, self.loss_sum))
+            self.inputs[shape], self.buckets[shape] = inputs, clock.buckets
+        self.figures = None
+        self.update = self.record(self._update)
+
+    def _update(self) -> None:
+        self.figures = step_lib.clip_and_update(self.parts, self.loss_sum)
+
+    def record(self, work) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.side):
+                work()
+        except RuntimeError as e:
+            raise Unrecordable(f"recording the step failed ({dist.first_line(e)})") from e
+        return graph
+
+    def warm_ddp(self, group: list[dict]) -> None:
+        """DDP_WARMUP forwards and backwards of one row through DDP, every process as many: the
+        all-reduces sum zeros (DDP settles its buckets), the gradients are zeroed after."""
+        batch = step_lib.to_device(self.stream.collate(group, self.pad_id), self.parts.accelerator.device)
+        for _ in range(DDP_WARMUP):
+            with self.parts.autocast():
+                loss = self.parts.model(**batch, num_items=1)
+            self.parts.accelerator.backward(loss * 0)
+        torch._foreach_zero_([p.grad for p in self.parts.params])
+
+    def start_optimizer(self, device: torch.device) -> None:
+        """The fused AdamW creates its state in its first update: one at learning rate 0 with zero
+        gradients (it moves no weight), then its step counts back to 0. A resumed run has its state.
+        Its learning rate becomes a tensor on the GPU (a resumed one may have come back as a number)."""
+        optimizer = self.parts.optimizer
+        for group in optimizer.param_groups:
+            if not (torch.is_tensor(group["lr"]) and group["lr"].device == device):
+                group["lr"] = torch.tensor(float(group["lr"]), device=device)
+        if optimizer.state:
+            return
+        rates = [group["lr"].clone() for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["lr"].zero_()
+        optimizer.step()
+        for group, lr in zip(optimizer.param_groups, rates):
+            group["lr"].copy_(lr)
+        for state in optimizer.state.values():
+            state["step"].zero_()
+
+    def replay(self, forwards: list[list[dict]], targets: int, clock: dist.StepClock) -> torch.Tensor:
+        """One optimizer step on these rows: copy them to the inputs of their shape and replay."""
+        shape = self.stream.shape(forwards)
+        for inputs, group in zip(self.inputs[shape], forwards):
+            for name, t in self.stream.collate(group, self.pad_id).items():
+                if torch.is_tensor(t):
+                    inputs[name].copy_(t.pin_memory(), non_blocking=True)
+        self.num_items.fill_(targets)
+        self.graphs[shape].replay()
+        clock.mark("synced")
+        self.update.replay()
+        clock.buckets = self.buckets[shape]
+        return self.figures

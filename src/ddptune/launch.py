@@ -1,0 +1,208 @@
+"""Starting N processes: `--nproc N` re-runs a command through torch's own launcher, and passes signals on.
+
+`torchrun(nproc, args)` runs `python -m ddptune.launch TORCHRUN_ARGS... -m ddptune ...`, which is
+torch's launcher (`torch.distributed.run`, what `torchrun` runs) without its tracebacks: when a
+worker fails, the worker has already told the user why in one line; torchrun would add 30-40 lines
+of its own (ChildFailedError, SignalException) around it. `main` exits with the first failed
+worker's exit code instead (2: bad input, 130/143: stopped by SIGINT/SIGTERM after a checkpoint,
+1: anything else), prints a worker's one line that rank 0 has not printed (a process's own bad
+input, or every line on a node without rank 0), names a worker that a signal killed, and keeps the
+elastic agent's warnings out of the console.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+VALIDATED = "DDPTUNE_VALIDATED"  # set by `torchrun` below: the parent process has validated the config
+
+
+def in_launched_process() -> bool:
+    """True inside a process started by torchrun or accelerate launch."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def is_main_process() -> bool:
+    """True in the process that talks to the user (rank 0, or no launcher); needs no process group."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def validated_by_parent() -> bool:
+    return os.environ.get(VALIDATED) == "1"
+
+
+def tell_launcher(line: str) -> None:
+    """Leave `line`, why this worker fails, where torchrun looks for it: the error file it names in
+    TORCHELASTIC_ERROR_FILE (torchrun's own `@record` writes a traceback there). `accelerate launch`
+    runs torchrun's agent too. Its closing ChildFailedError report then shows `line` as the failed
+    rank's "traceback" rather than a pointer to its docs, so the reason is also at the end of the
+    output. A no-op without such a launcher."""
+    import json
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    # the layout torchrun's @record writes, with the line where it puts the traceback
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass  # the line is on stderr already
+
+
+def launch_problems(nnodes: int, node_rank: int, master: str | None, max_restarts: int) -> list[str]:
+    """The multi-node and restart flags of `ddptune train`."""
+    if nnodes < 1:
+        return [f"--nnodes: must be at least 1 (got {nnodes})"]
+    if not 0 <= node_rank < nnodes:
+        return [f"--node-rank: must be in 0..{nnodes - 1} (got {node_rank}; node 0 is the one that writes output_dir)"]
+    if max_restarts < 0:
+        return [f"--max-restarts: must be 0 or more (got {max_restarts})"]
+    if nnodes > 1 and master is None:
+        return [f"--master: needed with --nnodes {nnodes} (HOST:PORT of node 0, e.g. --master 10.0.0.1:29500, "
+                "the same on every node)"]
+    if master is not None:
+        host, _, port = master.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            return [f"--master: {master!r} is not HOST:PORT (e.g. 10.0.0.1:29500)"]
+        if nnodes == 1:
+            return ["--master: only with --nnodes 2 or more (one machine finds a free port itself)"]
+    return []
+
+
+def default_threads(nproc: int, cuda: bool | None = None) -> int:
+    """OpenMP threads for each of `nproc` processes on this host: OMP_NUM_THREADS when set, else 1
+    on GPUs and cores // nproc on CPUs.
+
+    A GPU process does no CPU math worth a thread pool, and its workers spin after each parallel
+    region: on 2 H200s (32 cores) the 8B QLoRA step at 2 processes took 0.397 s median with 1
+    thread each and 0.411 s with 16 (1 process alone: 0.402 s; BENCHMARKS.md, 2026-11-30). torchrun
+    also gives 1 thread when it is the launcher, and `setup` gives it to an in-process GPU run. On CPUs
+    the threads do the training: share the cores.
+    """
+    if os.environ.get("OMP_NUM_THREADS"):
+        return int(os.environ["OMP_NUM_THREADS"])
+    if _cuda() if cuda is None else cuda:
+        return 1
+    return max(1, (os.cpu_count() or 1) // nproc)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = None,
+             nnodes: int = 1, node_rank: int = 0, master: str | None = None, max_restarts: int = 0) -> int:
+    """Run `python -m <module_args...>` in `nproc` processes on this host; return the exit code.
+
+    One machine: torchrun's standalone rendezvous on a free local port. Several (`nnodes`, the same
+    command on each with its `node_rank`): torchrun's static rendezvous at `master` (HOST:PORT of
+    node 0), so global rank 0, the one that writes, is on node 0. `max_restarts`: torchrun restarts
+    every worker after one fails, up to that many times (they resume from the newest checkpoint).
+
+    `module_args` starts with the module name, e.g. ["ddptune", "train", "cfg.yaml"]. Each child gets
+    `default_threads(nproc)` OpenMP threads unless OMP_NUM_THREADS is set (in `env` or here).
+
+    Signals: torchrun runs in a session of its own, so a Ctrl-C at the terminal reaches this process
+    only, and SIGINT or SIGTERM sent to this process is passed to every worker exactly once (each
+    then finishes its step, saves and stops; torchrun's own handling would SIGKILL them 30 s later).
+    If this process dies even by SIGKILL, the kernel sends torchrun SIGTERM, which it passes on.
+    """
+    if nnodes == 1:
+        rendezvous = ["--standalone"]
+    else:
+        host, _, port = master.rpartition(":")
+        rendezvous = [f"--nnodes={nnodes}", f"--node_rank={node_rank}", f"--master_addr={host}", f"--master_port={port}"]
+    cmd = [sys.executable, "-m", "ddptune.launch", *rendezvous, f"--nproc_per_node={nproc}",
+           f"--max_restarts={max_restarts}", "-m", *module_args]
+    child_env = dict(os.environ if env is None else env)
+    child_env.setdefault("OMP_NUM_THREADS", str(default_threads(nproc)))
+    child_env[VALIDATED] = "1"
+    if max_restarts:
+        # torchrun (torch 2.13) shares one TCP store across rendezvous rounds without a per-round
+        # prefix: restarted workers read the dead round's gloo/NCCL addresses and cannot connect.
+        # A store per round (torch's documented opt-out) gives them fresh ones.
+        child_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    proc = subprocess.Popen(cmd, env=child_env, start_new_session=True, preexec_fn=_term_when_parent_dies)
+
+    def forward(signum, _frame) -> None:
+        import psutil
+
+        try:
+            workers = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.Error:
+            workers = []
+        for w in workers or [proc]:
+            try:
+                w.send_signal(signum)
+            except psutil.Error:
+                pass
+
+    old = {}
+    if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+        old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return proc.wait()
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def _term_when_parent_dies() -> None:
+    """In the child before exec (Linux): SIGTERM when the parent dies, however it died."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def main(argv: list[str]) -> int:
+    os.environ.setdefault("LOGLEVEL", "CRITICAL")  # the elastic agent's own logger (workers inherit it, harmlessly)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # "Sending process ... SIGTERM", "failed (exitcode: 2)"
+
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        for line in untold(e.failures) + killed(rank, failure):
+            print(line, file=sys.stderr)
+        code = failure.exitcode
+        return code if 0 < code < 256 else 128 - code if code < 0 else 1  # a worker killed by signal N: 128 + N
+    except SignalException as e:  # torchrun itself was signalled (e.g. its parent died): workers got it too
+        return 128 + int(e.sigval)
+    return 0
+
+
+def untold(failures: dict) -> list[str]:
+    """The lines failed workers left in their error files (dist.tell_launcher) that rank 0 has not
+    printed itself, each once: rank 0 prints its own; another rank's differs only when that process
+    alone met it, and on another node than rank 0's every line is untold."""
+    lines = {rank: f.message.get("message") if isinstance(f.message, dict) else None for rank, f in failures.items()}
+    told = lines.get(0)
+    return list(dict.fromkeys(line for rank, line in sorted(lines.items()) if line and line != told))
+
+
+def killed(rank: int, failure) -> list[str]:
+    """A line when the first worker to fail was killed by a signal (SIGKILL from the kernel's
+    out-of-memory killer or a user, SIGSEGV from a crash): such a worker says nothing itself, and
+    torchrun may stop the others before they notice that it is gone."""
+    if failure.exitcode >= 0:
+        return []
+    return [f"ddptune: rank {rank} was killed by {failure.signal_name()} and the job stopped (the kernel's "
+            "out-of-memory killer sends SIGKILL: see dmesg); continue from the newest checkpoint with --resume"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,338 @@
+"""Peak memory per GPU, predicted from the model's shape before anything is loaded.
+
+Used by `ddptune plan`, the memory check before a run, and the speed decider's choices.
+
+Six terms, in bytes per GPU (`estimate`):
+- weights: NF4 with double quantization for QLoRA's decoder matrices (`NF4_BYTES` a weight: 4 bits
+  plus an 8-bit absmax per 64 weights plus an fp32 absmax per 256 of those); embeddings, norms and
+  head stay bf16 in LoRA and QLoRA (`model.add_adapters`); bf16 everything in LoRA (and in QLoRA with
+  a dequantized base: the NF4-rounded weights kept in bf16, the 4-bit ones still allocated); full fine-tuning
+  keeps fp32 master weights, and autocast's bf16 copies of the matrices live until backward uses them:
+  all of them without checkpointing, the head's and one layer's (the one recomputing) with it.
+- adapters: LoRA's r·(d_in + d_out) per adapted projection, in fp32 (peft upcasts them).
+- gradients: fp32, one per trained weight (DDP's buckets are views of them), twice over in a DDP group
+  of 2 or more (measured; the reducer's buckets, rebuilt after the first step, are the likely holder).
+- optimizer: fused AdamW 8 bytes a trained weight (two fp32 states); 8-bit AdamW 2 bytes (paged:
+  the same bytes, which may spill to host memory under pressure).
+- activations: what one forward of `tokens` tokens keeps for its backward (`activation_bytes`),
+  the output head at the `targets` positions only, and the backward's working set.
+- graphs: with CUDA graphs, the recorded graphs' memory pool: `GRAPH_POOL` of the activations a
+  forward would keep without checkpointing, and `GRAPH_POOL_CHECKPOINTED` more with checkpointing
+  (the recorded recomputation keeps its buffers). Measured on an H200, 8B QLoRA, 4 lengths: +1.2 GiB
+  on 34.9 without checkpointing, +10.8 GiB on 8.2 with it.
+Then the CUDA context and the caching allocator's slack (`CUDA_CONTEXT_GIB`, `ALLOCATOR_SLACK`),
+which torch's max_memory_allocated does not count but the GPU must hold.
+
+Full sharding (FSDP) divides weights, gradients and optimizer states by the GPU count and adds
+the gathered layers in flight and the root unit (embeddings and head), gathered through each step.
+The constants were calibrated against the peaks measured on an H200 (BENCHMARKS.md, "plan against
+measured peaks"; tests/test_plan.py keeps them within 15 %).
+Pure functions of a config and a shape: nothing here loads weights or knows about processes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from ddptune.batchplan import batch_plan
+from ddptune.config import Config, ConfigError
+
+GIB = 2**30
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit code + 8-bit absmax per 64 + fp32 absmax per 256 blocks
+CUDA_CONTEXT_GIB = 0.75   # CUDA context, cuBLAS and NCCL workspaces: outside torch's allocator
+ALLOCATOR_SLACK = 0.08    # reserved but not allocated (the recipe's run: 13.71 GiB reserved for 12.63 allocated)
+# How far the prediction has been from measured peaks (BENCHMARKS.md, "Plan against measured peaks"): from 4 %
+# under to 8 % over, LoRA, QLoRA and full fine-tunes (1B and 8B, DDP and FSDP). A verdict closer than these to
+# the GPU's memory is said to be one a run must settle.
+PLAN_OVER, PLAN_UNDER = 0.08, 0.04
+COMPILED_ACTIVATIONS = 0.85  # compiled decoder layers keep this share of the eager layers' saved tensors
+GRAPH_POOL, GRAPH_POOL_CHECKPOINTED = 0.05, 0.35  # the graphs' pool, as shares of the uncheckpointed activations
+CHECKPOINT_WORKING = 1.0  # layers' worth of saved tensors alive at once while checkpointed layers recompute
+TARGET_SHARE = 0.25       # without data, summaries are assumed at most this share of a forward's tokens
+DEFAULT_GPU_GIB = 139.8   # one H200 as torch reports it (used when there is no GPU here and no --gpu-memory)
+MAX_GPUS = 1024
+
+# The projections of a Llama-style decoder layer: name -> (d_in, d_out) as functions of the shape.
+PROJECTIONS = {
+    "q_proj": lambda s: (s.hidden, s.attn_width), "k_proj": lambda s: (s.hidden, s.kv_width),
+    "v_proj": lambda s: (s.hidden, s.kv_width), "o_proj": lambda s: (s.attn_width, s.hidden),
+    "gate_proj": lambda s: (s.hidden, s.intermediate), "up_proj": lambda s: (s.hidden, s.intermediate),
+    "down_proj": lambda s: (s.intermediate, s.hidden),
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What memory depends on in a Llama-style decoder (Llama, Mistral, Qwen, SmolLM...)."""
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+
+    @property
+    def attn_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        """Weights of one decoder layer's projections."""
+        return sum(a * b for a, b in (f(self) for f in PROJECTIONS.values()))
+
+    @property
+    def matrix_params(self) -> int:
+        return self.layers * self.layer_params
+
+    @property
+    def other_params(self) -> int:
+        """Embeddings, head (unless tied) and norms: never quantized."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + (2 * self.layers + 1) * self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.matrix_params + self.other_params
+
+    def lora_params(self, r: int, targets: list[str]) -> int:
+        names = PROJECTIONS if targets == ["all-linear"] else [n for n in PROJECTIONS if n in targets]
+        return self.layers * sum(r * sum(PROJECTIONS[n](self)) for n in names)
+
+
+def shape_of(hf_config) -> Shape:
+    """The Shape of a transformers config (its text part, for multimodal ones)."""
+    c = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    return Shape(c.num_hidden_layers, c.hidden_size, getattr(c, "intermediate_size", None) or 4 * c.hidden_size, heads,
+                 getattr(c, "num_key_value_heads", None) or heads, head_dim, c.vocab_size,
+                 bool(getattr(c, "tie_word_embeddings", False)))
+
+
+def model_shape(cfg: Config) -> Shape:
+    """The model's Shape from its config alone: a preset, config.json, a GGUF header, or the hub's
+    config.json (only that file is fetched). No weights are read."""
+    from ddptune import model as model_lib
+
+    src = model_lib.resolve_source(cfg.model)
+    if src.kind == "preset":
+        return shape_of(model_lib.preset_config(src.path, "sdpa"))
+    from transformers import AutoConfig
+
+    return shape_of(AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file, revision=cfg.model.revision,
+                                               trust_remote_code=cfg.model.trust_remote_code))
+
+
+# ---------------------------------------------------------------------------------------------
+# The estimate
+
+
+@dataclass(frozen=True)
+class Job:
+    """What one GPU runs: the method, optimizer, checkpointing and the largest forward."""
+    method: str                   # lora | qlora | full
+    optimizer: str                # adamw | adamw_8bit | paged_adamw_8bit
+    checkpointing: bool
+    tokens: int                   # tokens in the largest forward (packed row, or micro-batch x padded length)
+    targets: int                  # loss targets (summary tokens) in that forward: the head runs there only
+    compiled: bool = True
+    lora_r: int = 16
+    lora_targets: tuple[str, ...] = ("all-linear",)
+    lora_dropout: float = 0.05
+    shards: int = 1               # FSDP full shard over this many GPUs; 1: every GPU holds everything (DDP)
+    processes: int = 1            # processes in the group (DDP's reducer exists from 2)
+    dequantized: bool = False     # qlora: the base kept in bf16 after quantizing (the speed decider's choice)
+    graphs: bool = False          # CUDA graphs recorded (layers or the whole step)
+
+
+def layer_activation_bytes(s: Shape, job: Job) -> float:
+    """Bytes one token leaves saved for backward in one decoder layer (bf16 compute, eager layers):
+    each RMSNorm its fp32 input (4h), attention its q, k, v and output (4a + 4kv), SwiGLU the gate and
+    up outputs and the SiLU (6i). A frozen projection keeps no input (its weight needs no gradient);
+    a trained one does (full: 2h for q, k and v, 2h for gate and up, 2i for down; o's input is attention's
+    output). Each LoRA-adapted projection keeps its dropout mask and a bf16 copy of its input (3·d_in,
+    2·d_in without dropout). Compiled layers keep `COMPILED_ACTIVATIONS` of that."""
+    h, a, kv, i = s.hidden, s.attn_width, s.kv_width, s.intermediate
+    per = 2 * 4 * h + 4 * a + 4 * kv + 6 * i
+    if job.method == "full":
+        per += 4 * h + 2 * i
+    else:
+        names = PROJECTIONS if list(job.lora_targets) == ["all-linear"] else [n for n in PROJECTIONS if n in job.lora_targets]
+        per += (3 if job.lora_dropout > 0 else 2) * sum(PROJECTIONS[n](s)[0] for n in names)
+    return per * (COMPILED_ACTIVATIONS if job.compiled else 1.0)
+
+
+def activation_bytes(s: Shape, job: Job) -> float:
+    """Peak activation memory of one forward and its backward: the saved tensors of every layer
+    or, with checkpointing, each layer's input (2h a token) plus the layer being recomputed and its
+    backward's working set (`CHECKPOINT_WORKING` layers' worth); the output head's fp32
+    log-probabilities and their gradients at the loss targets (10 bytes a vocabulary entry), and the
+    final hidden states and their gradient."""
+    per_layer = job.tokens * layer_activation_bytes(s, job)
+    if job.checkpointing:
+        saved = job.tokens * s.layers * 2 * s.hidden + CHECKPOINT_WORKING * per_layer
+    else:
+        saved = s.layers * per_layer
+    head = job.targets * s.vocab * 10 + job.tokens * s.hidden * 4
+    return saved + head
+
+
+def estimate(s: Shape, job: Job) -> dict:
+    """Bytes per GPU of each term, `allocated` (what torch.cuda.max_memory_allocated would read)
+    and `total` (with the CUDA context and the allocator's slack: what the GPU must hold)."""
+    n = job.shards
+    trained = s.params if job.method == "full" else s.lora_params(job.lora_r, list(job.lora_targets))
+    if job.method == "qlora" and not job.dequantized:
+        weights = s.matrix_params * NF4_BYTES + s.other_params * 2
+        weights += 2 * max(a * b for a, b in (f(s) for f in PROJECTIONS.values()))  # one matrix dequantized at a time
+    elif job.method in ("lora", "qlora"):  # qlora dequantized: bf16 weights as LoRA's
+        weights = s.params * 2 / n
+        if job.method == "qlora":  # and the 4-bit weights stay allocated beside them (8B on an H200: +13.0 GiB, not +9.5)
+            weights += s.matrix_params * NF4_BYTES
+    elif n == 1:  # fp32 master weights; autocast's bf16 copies are saved for backward: every matrix's, or
+        # with checkpointing only the head's and the recomputing layer's (8B on one H200: 119.8 GiB
+        # measured, 119.6 of it weights, gradients and AdamW; every copy would have added 15 GiB)
+        copies = s.layer_params + s.vocab * s.hidden if job.checkpointing else s.matrix_params + s.vocab * s.hidden
+        weights = s.params * 4 + copies * 2
+    else:  # fp32 shards; FSDP computes on gathered bf16 weights, which it frees after each layer
+        weights = s.params * 4 / n
+    if n > 1:  # FSDP: a layer's gathered bf16 weights and the next one's (prefetched), and the root unit
+        # (embeddings, head, final norm), which stays gathered from its forward to its backward
+        weights += 2 * 2 * s.layer_params + s.other_params * 2
+    adapters = 0.0 if job.method == "full" else trained * 4 / n
+    gradients = trained * 4 / n
+    if n == 1 and job.processes > 1:  # DDP: 1B full at 2 processes peaked 3.5 GiB above 1 process; the
+        gradients *= 2                # reducer's buckets, rebuilt after the first step, are the likely holder
+    optimizer = trained * (8 if job.optimizer == "adamw" else 2) / n
+    activations = activation_bytes(s, job)
+    graphs = 0.0
+    if job.graphs:
+        eager = activation_bytes(s, dataclasses.replace(job, checkpointing=False))
+        graphs = eager * (GRAPH_POOL + (GRAPH_POOL_CHECKPOINTED if job.checkpointing else 0.0))
+    allocated = weights + adapters + gradients + optimizer + activations + graphs
+    total = allocated * (1 + ALLOCATOR_SLACK) + CUDA_CONTEXT_GIB * GIB
+    return {"weights": weights, "adapters": adapters, "gradients": gradients, "optimizer": optimizer,
+            "activations": activations, "graphs": graphs, "overhead": total - allocated, "allocated": allocated,
+            "total": total}
+
+
+# ---------------------------------------------------------------------------------------------
+# From a config: the largest forward, and the recommendation
+
+
+def forward_tokens(cfg: Config, world: int = 1) -> int:
+    """Tokens of the largest forward the config allows: a packed row (at most tokens_per_forward,
+    and at most the process's samples at max_length), or a padded micro-batch at max_length."""
+    t, plan = cfg.train, batch_plan(cfg.train, world)
+    if t.packing:
+        return min(t.tokens_per_forward, plan.per_process * cfg.data.max_length)
+    return t.micro_batch_size * cfg.data.max_length
+
+
+def job_of(cfg: Config, world: int = 1, checkpointing: bool | None = None, shards: int = 1,
+           tokens: int | None = None, targets: int | None = None, compiled: bool | None = None) -> Job:
+    """The Job a config runs on a GPU (checkpointing None: as configured, `auto` counted as off)."""
+    t = cfg.train
+    tokens = forward_tokens(cfg, world) if tokens is None else tokens
+    return Job(t.method, t.optimizer, t.gradient_checkpointing is True if checkpointing is None else checkpointing,
+               tokens, math.ceil(tokens * TARGET_SHARE) if targets is None else targets,
+               t.compile is not False if compiled is None else compiled,
+               cfg.lora.r, tuple(cfg.lora.target_modules), cfg.lora.dropout, shards, world,
+               dequantized=False, graphs=t.cuda_graphs is True)
+
+
+def plan(cfg: Config, shape: Shape, gpus: int = 1, gpu_gib: float = DEFAULT_GPU_GIB) -> dict:
+    """Predict each way of running `cfg` on GPUs of `gpu_gib` and recommend the first that fits:
+    DDP as configured; DDP with gradient checkpointing; FSDP (full shard) over `gpus`; else it does
+    not fit, with the smallest GPU count that would (FSDP with checkpointing), or none when one
+    forward's activations alone exceed a GPU."""
+    budget = gpu_gib * GIB
+    world = gpus
+    try:
+        batch_plan(cfg.train, world)
+    except ConfigError:  # the batch does not divide over `gpus`: size the forward for one process
+        world = 1
+    gc_set = cfg.train.gradient_checkpointing
+    options = []
+
+    def option(name: str, checkpointing: bool, shards: int) -> dict:
+        est = estimate(shape, job_of(cfg, world, checkpointing=checkpointing, shards=shards))
+        row = {"option": name, "gradient_checkpointing": checkpointing, "shards": shards,
+               **{k: v / GIB for k, v in est.items()}, "fits": est["total"] <= budget}
+        options.append(row)
+        return row
+
+    fsdp_set = cfg.train.strategy == "fsdp"
+    can_shard = cfg.train.method != "qlora"  # train.strategy=fsdp covers lora and full; 4-bit weights stay whole
+    as_is = option(f"FSDP over {gpus} GPUs as configured" if fsdp_set else "DDP as configured", gc_set is True,
+                   gpus if fsdp_set else 1)
+    chosen = as_is if as_is["fits"] else None
+    if not chosen and gc_set is not True:
+        row = option(f"FSDP over {gpus} GPUs with gradient checkpointing" if fsdp_set else "DDP with gradient checkpointing",
+                     True, gpus if fsdp_set else 1)
+        chosen = row if row["fits"] else None
+    if not chosen and gpus > 1 and not fsdp_set and can_shard:
+        for gc in ((False, True) if gc_set is not True else (True,)):
+            row = option(f"FSDP over {gpus} GPUs" + (" with gradient checkpointing" if gc else ""), gc, gpus)
+            if row["fits"]:
+                chosen = row
+                break
+    needed = needed_gc = None
+    if not chosen and can_shard:  # the smallest GPU count that would hold it, without checkpointing if that is enough
+        for n in range(max(gpus, 1) + 1, MAX_GPUS + 1):
+            fits = [gc for gc in (False, True) if estimate(shape, job_of(cfg, 1, checkpointing=gc, shards=n))["total"] <= budget]
+            if fits:
+                needed, needed_gc = n, fits[0]
+                break
+    verdict, action = recommendation(cfg, gpus, gpu_gib, chosen, as_is, needed, needed_gc, can_shard)
+    if not chosen and needed:
+        option(f"FSDP over {needed} GPUs{' with gradient checkpointing' if needed_gc else ''}", needed_gc, needed)
+    # QLoRA that fits: whether its base would fit dequantized too (the speed decider keeps it so where it does)
+    faster = chosen and cfg.train.method == "qlora" and estimate(
+        shape, dataclasses.replace(job_of(cfg, world, checkpointing=chosen["gradient_checkpointing"]), dequantized=True))["total"]
+    faster = faster / GIB if faster and faster <= budget else None
+    job = job_of(cfg, world)
+    return {"model": cfg.model.source, "method": cfg.train.method, "optimizer": cfg.train.optimizer,
+            "gpus": gpus, "gpu_memory_gib": gpu_gib, "tokens_per_forward": job.tokens, "targets_assumed": job.targets,
+            "compiled": job.compiled, "params": shape.params, "trained_params": shape.params if cfg.train.method == "full"
+            else shape.lora_params(cfg.lora.r, list(cfg.lora.target_modules)),
+            "shape": dataclasses.asdict(shape), "options": options, "verdict": verdict, "recommendation": action,
+            "margin": options[0]["total"] / gpu_gib - 1,  # as configured: over (+) or under (-) the GPU's memory
+            "fsdp_gpus_needed": needed, "cuda_graphs": cfg.train.cuda_graphs, "dequantized_base_gib": faster,
+            "constants": {"cuda_context_gib": CUDA_CONTEXT_GIB, "allocator_slack": ALLOCATOR_SLACK,
+                          "compiled_activations": COMPILED_ACTIVATIONS, "target_share": TARGET_SHARE}}
+
+
+def recommendation(cfg: Config, gpus: int, gpu_gib: float, chosen: dict | None, as_is: dict, needed: int | None,
+                   needed_gc: bool | None, can_shard: bool) -> tuple[str, str]:
+    """(verdict, the way to run it in words) for the option `plan` chose, or for none."""
+    fsdp_set, gc_set = cfg.train.strategy == "fsdp", cfg.train.gradient_checkpointing
+    if chosen is as_is:
+        verdict = "fsdp" if fsdp_set else "ddp"
+        action = ("FSDP as configured" if fsdp_set else "DDP as is") + (" (gradient checkpointing stays off)" if gc_set == "auto" else "")
+    elif chosen and not fsdp_set and chosen["shards"] == 1:
+        verdict, action = "ddp_checkpointing", "DDP with gradient checkpointing (train.gradient_checkpointing=true)"
+    elif chosen:
+        verdict, action = "fsdp", (f"FSDP (full shard) over {gpus} GPUs" +
+                                   (" with gradient checkpointing" if chosen["gradient_checkpointing"] else ""))
+    else:
+        verdict = "does_not_fit"
+        with_gc = " with gradient checkpointing" if needed_gc else ""
+        action = f"does not fit on {gpus} GPU{'s' if gpus > 1 else ''} of {gpu_gib:g} GiB: " + (
+            f"FSDP (full shard) over {needed} GPUs{with_gc} would fit" if needed else
+            "QLoRA keeps the whole 4-bit model on every GPU (train.strategy=fsdp covers lora and full): lower "
+            "train.tokens_per_forward or micro_batch_size, or shard with train.method=lora" if not can_shard else
+            "no GPU count fits: one forward's activations exceed a GPU (lower train.tokens_per_forward or micro_batch_size)")
+    return verdict, action
+
+
+def load_gib(s: Shape, method: str) -> float:
+    """GiB one process holds on its GPU while it loads the whole model (before FSDP shards it):
+    fp32 weights for full fine-tuning, bf16 otherwise, and the CUDA context."""
+    return s.params * (4 if method == "full" else 2) / GIB + CUDA_CONTEXT_GIB

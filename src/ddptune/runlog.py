@@ -1,0 +1,213 @@
+"""The run log: metrics.jsonl, ranks.jsonl, summary.json, trackers, progress and closing lines.
+
+Rank 0 writes; every function here is called by the process that writes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from ddptune import config as config_lib, dist, metrics, model
+
+
+def _step(line: str) -> int | None:
+    """The step of a metrics.jsonl line; None for a line a kill cut short."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+class JsonlWriter:
+    """Append one JSON object per line; flushed at once so a crash loses nothing written."""
+
+    def __init__(self, path: Path, keep_until_step: int | None = None):
+        self.path = Path(path)
+        if keep_until_step is not None and self.path.exists():  # resume: drop steps to be redone, and a torn last line
+            lines = [l for l in self.path.read_text().splitlines() if (_step(l) or keep_until_step + 1) <= keep_until_step]
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text("".join(l + "\n" for l in lines))
+            os.replace(tmp, self.path)
+        self.f = open(self.path, "a")
+
+    def write(self, row: dict) -> None:
+        self.f.write(json.dumps(row) + "\n")
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """`obj` as JSON in `path`, written beside it, synced and renamed: a kill leaves the old file or the new."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def step_rows(out: Path) -> list[dict]:
+    """The run's step lines in metrics.jsonl: a resumed run's figures count the steps before it too."""
+    path = out / "metrics.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    return [row for row in lines if "loss" in row and "step_time_s" in row]
+
+
+def write_ranks(out: Path, rows: list[dict]) -> None:
+    (out / "ranks.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+class Trackers:
+    """train.log_with: accelerate's tracker on the main process, with the resolved config as its
+    hyperparameters. TensorBoard writes output_dir/tensorboard/; W&B and MLflow log to project /
+    experiment `ddptune`, the run named after output_dir. Closed also after an error (not with
+    accelerator.end_training, which would also destroy the process group)."""
+
+    def __init__(self, accelerator, cfg, out: Path):
+        self.accelerator, self.on = accelerator, cfg.train.log_with != "none"
+        if not self.on:
+            return
+        flat = {}
+        for key, value in config_lib.flatten(config_lib.to_dict(cfg)).items():
+            # hyperparameters must be numbers, strings or booleans (TensorBoard's add_hparams)
+            flat[key] = value if isinstance(value, (int, float, str, bool)) else str(value)
+        name = out.resolve().name
+        init = {"wandb": {"name": name}, "mlflow": {"run_name": name}}
+        log_with = cfg.train.log_with
+        accelerator.init_trackers("tensorboard" if log_with == "tensorboard" else "ddptune", config=flat, init_kwargs=init)
+
+    def log(self, row: dict) -> None:
+        """One metrics.jsonl row's numbers, at its step (accelerate logs on the main process only)."""
+        if self.on:
+            values = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            self.accelerator.log(values, step=row["step"])
+
+    def close(self) -> None:
+        for tracker in self.accelerator.trackers:
+            tracker.finish()
+        self.accelerator.trackers.clear()
+
+
+class Progress:
+    """What the loop shows and writes as it goes: the bar and, on the main process, metrics.jsonl
+    and the trackers (a resumed run first drops the lines of the steps it will redo)."""
+
+    def __init__(self, out: Path, main: bool, start: int, total: int, trackers: Trackers):
+        self.log = JsonlWriter(out / "metrics.jsonl", keep_until_step=start) if main else None
+        self.trackers = trackers
+        self.bar = tqdm(total=total, initial=start, desc="train", disable=not main, dynamic_ncols=True)
+
+    def step(self, row: dict) -> None:
+        if self.log:
+            self.log.write(row)
+            self.trackers.log(row)
+        self.bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", lr=f"{row['lr']:.2e}")
+        self.bar.update(1)
+
+    def line(self, row: dict, text: str | None = None) -> None:
+        """A row that is not a step's (a validation loss, a straggler), and a line above the bar."""
+        if self.log:
+            self.log.write(row)
+            self.trackers.log(row)
+            if text:
+                self.bar.write(text)
+
+    def close(self) -> None:
+        self.bar.close()  # whatever is printed next starts on a line of its own
+        if self.log:
+            self.log.close()
+
+
+def summary(r, history: list[dict], ranks: list[dict], val_loss, peaks: list, fingerprints, final: Path) -> dict:
+    """summary.json: the run's figures (`r`: train.Run), its speed choices and where its output is."""
+    cfg, acc = r.cfg, r.accelerator
+    trainable, total = model.count_params(r.model)
+    warm = min(metrics.WARMUP_STEPS, max(len(history) - 1, 0))
+    return {
+        "steps": r.total_steps, "world_size": acc.num_processes, "global_batch": r.plan.global_batch,
+        "per_process": r.plan.per_process, "grad_accum": r.plan.grad_accum, "micro_batch_size": r.plan.micro_batch_size,
+        "packing": cfg.train.packing, "final_loss": history[-1]["loss"] if history else None, "val_loss": val_loss,
+        "load_time_s": r.times["load_s"], "train_time_s": sum(row["step_time_s"] for row in history),
+        **metrics.summarize_steps(history, warm, acc.num_processes), "mfu_denominator_tflops": metrics.peak_tflops(acc.device),
+        "eval_time_s": r.times["eval_s"], "wall_time_s": time.perf_counter() - r.times["started"],
+        "time_split": metrics.split(ranks[min(warm, max(len(ranks) - 1, 0)):]),
+        "peak_mem_gib": max(peaks) if None not in peaks else None, "peak_mem_gib_per_process": peaks,
+        "train_rows": len(r.train_set), "steps_per_epoch": len(r.train_set) / r.plan.global_batch,
+        "method": cfg.train.method, "strategy": cfg.train.strategy, "mixed_precision": acc.mixed_precision,
+        # the gradient all-reduces of the last step (DDP's buckets); null: none (one process, or FSDP)
+        "grad_buckets": r.clock.buckets if dist.ddp_wrapper(r.parts.model) and acc.num_processes > 1 else None,
+        "speed": r.speed.as_dict(), "gradient_checkpointing": r.speed.checkpointing, "compiled": r.speed.compiled,
+        "cuda_graphs": r.speed.graphs, "base_4bit": model.holds_4bit(r.model),
+        "trainable_params": trainable, "total_params": total,
+        "output": str(final), "replica_fingerprints": fingerprints,
+    }
+
+
+def closing_lines(out: Path, summary: dict, final: Path, method: str, times: dict, has_val: bool,
+                  eval_enabled: bool) -> list[str]:
+    """What the end of a run prints: its wall time and where it went, its figures, where each
+    output is, and one command to try next."""
+    wall, load, train_s, eval_s = summary["wall_time_s"], times["load_s"], summary["train_time_s"], times["eval_s"]
+    lines = [f"ddptune: done in {_duration(wall)}: load {load:.1f}s, train {train_s:.1f}s, eval {eval_s:.1f}s "
+             f"(validation and generation), other {max(wall - load - train_s - eval_s, 0):.1f}s (setup, checks, saving)",
+             "ddptune: final loss " + ("n/a (no step left to run)" if summary["final_loss"] is None else f"{summary['final_loss']:.4f}")
+             + (f", val loss {summary['val_loss']:.4f}" if has_val else "")
+             + f", {summary['tokens_per_s_per_gpu']:.0f} tokens/s per process"
+             + (f", ROUGE-1 {summary['rouge']['rouge1']:.1f}" if "rouge" in summary else "")]
+    wrote = [("metrics.jsonl", "a line per step"), ("summary.json", "the run's figures"),
+             (final.name + "/", "the trained " + ("model" if method == "full" else "adapter")),
+             ("eval/", "fine-tuned predictions and ROUGE"), ("eval-base/", "zero-shot predictions and ROUGE"),
+             ("tensorboard/", "tensorboard --logdir " + str(out)), ("checkpoints/", "resumable with --resume")]
+    lines.append(f"ddptune: wrote {out}/: " + ", ".join(f"{name} ({what})" for name, what in wrote if (out / name).exists()))
+    if eval_enabled or not has_val:
+        lines.append(f"ddptune: next: summarize a dialogue with it: echo '{{\"dialogue\": \"Ann: lunch at 1?\\nBo: sure\"}}' "
+                     f"| ddptune predict {out} -")
+    else:
+        lines.append(f"ddptune: next: score it with ROUGE: ddptune eval {out}")
+    return lines
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.1f}s" if seconds < 60 else f"{int(seconds // 60)} min {seconds % 60:.0f} s"
+
+
+def trace_path(folder: Path, rank: int) -> Path:
+    """Where process `rank` of a run writes its timeline (train.profile_steps)."""
+    return folder / ("trace.json" if rank == 0 else f"trace-rank{rank}.json")
+
+
+class _NoProfiler:
+    def step(self) -> None:
+        pass
+
+
+def profiling(out: Path, steps: int, rank: int, cuda: bool):
+    """torch.profiler over train.profile_steps steps after the first PROFILE_AFTER, or nothing."""
+    import torch
+
+    n = steps
+    if not n:
+        return nullcontext(_NoProfiler())
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+
+    def write(prof) -> None:  # every process its timeline: a step waits for the slowest, often not rank 0
+        if rank == 0:
+            device = "self_device_time_total" if cuda else "cpu_time_total"
+            tables = [prof.key_averages().table(sort_by=key, row_limit=30) for key in ("self_cpu_time_total", device)]
+            (out / "profile.txt").write_text("\n\n".join(tables))
+        out.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace_path(out, rank)))
+
+    schedule = torch.profiler.schedule(wait=config_lib.PROFILE_AFTER - 1, warmup=1, active=n, repeat=1)
+    return torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=write)

@@ -1,0 +1,70 @@
+"""Saving and restoring a run over its processes: checkpoints, the final weights, resume.
+
+Rank 0 writes checkpoints (sharded, every process its own part first); the final weights are gathered
+whole onto rank 0 when sharded; resume takes the newest checkpoint that reads back whole and fits
+the run (checkpoint.py holds the files' format).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ddptune import checkpoint, config as config_lib, dist, model as model_lib
+from ddptune.config import ConfigError
+
+
+def resume_from(r) -> int:
+    """Restore the newest checkpoint that reads back whole and fits the run (an older one, with a
+    warning, when the newest is damaged); return its step. Any process count may resume it with the
+    run's global batch."""
+    acc, problems = r.accelerator, []
+    for path in reversed(checkpoint.list_checkpoints(r.out / "checkpoints")):
+        try:
+            state, error = checkpoint.load(path, r.model, r.optimizer, r.scheduler, acc.process_index), None
+        except ValueError as e:
+            state, error = None, str(e)
+        # All processes move on together: FSDP's parts are read one per process, so one damaged part
+        # fails on its process only, and the others must not resume from a later step than it.
+        if errors := list(dict.fromkeys(e for e in dist.gather(error) if e)):
+            problems += errors
+            acc.print(f"ddptune: warning: {errors[0]}; trying the one before")
+            continue
+        if state.get("global_batch", r.plan.global_batch) != r.plan.global_batch or (
+                "global_batch" not in state and state["world_size"] != acc.num_processes):
+            raise ConfigError([f"--resume: {path} was written by {state['world_size']} processes with "
+                               f"{state.get('global_batch', '?')} samples per optimizer step: set train.effective_batch_size to "
+                               f"that, or resume with --nproc {state['world_size']}"])
+        return state["step"]
+    raise ConfigError([f"--resume: no checkpoint in {r.out / 'checkpoints'} can be read back"] + problems)
+
+
+def save_checkpoint(r, step: int) -> None:
+    """Rank 0 writes the checkpoint; sharded (FSDP), every process first writes its own part of the
+    weights and optimizer states into the folder rank 0 made, which rank 0 then completes."""
+    acc, folder = r.accelerator, r.out / "checkpoints"
+    rngs = dist.gather(checkpoint.rng_state())  # every process's RNG, in rank order
+    extra = {"world_size": acc.num_processes, "global_batch": r.plan.global_batch}
+    weights, optimizer, tmp = model_lib.trainable_state(r.model), r.optimizer, None
+    if dist.sharded(r.loss_model):
+        tmp = dist.on_main(acc, lambda: checkpoint.atomic_dir(checkpoint.path_of(folder, step)))
+        checkpoint.save_shard(tmp, acc.process_index, weights, optimizer)
+        acc.wait_for_everyone()
+        weights, optimizer, extra["shards"] = None, None, acc.num_processes
+    if acc.is_main_process:
+        checkpoint.save(folder, step, weights, optimizer, r.scheduler, rngs, extra, tmp)
+        checkpoint.prune(folder, r.cfg.train.keep_checkpoints)
+    acc.wait_for_everyone()
+
+
+def save_final(r, final: Path) -> None:
+    """The adapter (PEFT format) or full model, with tokenizer and resolved config, renamed into place.
+    Sharded (FSDP), the trained weights are first gathered whole onto rank 0: one plain file set."""
+    state = None
+    if dist.sharded(r.loss_model):
+        state = dist.gathered_state_dict(r.model, trainable_only=r.cfg.train.method != "full")
+    if r.accelerator.is_main_process:
+        tmp = checkpoint.atomic_dir(final)
+        model_lib.save_trained(r.model, tmp, state)
+        r.tokenizer.save_pretrained(tmp)
+        (tmp / "ddptune.yaml").write_text(config_lib.dump(r.cfg))
+        checkpoint.commit(tmp, final)
+    r.accelerator.wait_for_everyone()

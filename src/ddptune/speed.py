@@ -1,0 +1,344 @@
+"""The speed decider: the one place that decides how a run goes fast on its device.
+
+From the config, the device, the model's shape, the process count, the free memory and the run's
+own steps (`Work`: their rows and tokens, known before the first step), `decide` chooses
+- compiled decoder layers (train.compile: auto is on with CUDA, off on CPU, where compiling costs
+  more than a short run saves);
+- CUDA graphs: off, each layer recorded (8-bit optimizers, which cannot be recorded), or the whole
+  step (fused AdamW), and how many padded lengths packed rows go to (train.cuda_graphs);
+- gradient checkpointing (train.gradient_checkpointing);
+- a QLoRA base kept dequantized in bf16 instead of dequantized in every pass;
+- DDP's gradient buckets.
+Every combination the config allows is costed, memory by `memory.estimate` and time by the model
+below over the run's remaining steps, set-up included; the fastest one whose memory fits the free
+GPU memory with `MARGIN` to spare wins. Nothing else in ddptune makes these choices. Each choice
+comes with its reason (the run's banner, summary.json's `speed`).
+
+The time model, per process and step (constants measured on an H200, 16-core host, torch 2.11):
+- GPU: FLOPs / (`RATE_SHARE` x the GPU's matrix rate), but never under one kernel's latency
+  (`KERNEL_S`) times the step's kernels (`KERNELS_PER_LAYER` a layer and forward); a 4-bit base
+  adds its dequantization, `DEQUANT_BYTES_S` a pass (two passes, three with checkpointing).
+  8B QLoRA, 16 SAMSum samples: 0.209 s measured with a dequantized base (the model: 0.21 s).
+- host, without graphs: `HOST_S_PER_LAYER` a compiled layer and forward, and for a 4-bit base
+  `HOST_S_PER_4BIT_MATMUL` for each of bitsandbytes' matmul calls (295 µs measured a call).
+  SmolLM2-135M shape: 0.152 s measured, 0.15 s modelled; 8B 4-bit: 0.279 s measured, 0.29 s.
+- a step is the larger of the two. With the whole step recorded the host issues nothing, so a
+  step is the GPU's time over the padded rows (SmolLM2 shape: 26-27 ms measured); layer graphs
+  leave `HOST_S_PER_LAYER_GRAPHED` a layer.
+- set-up: each padded length beyond the first is one more compile (`COMPILE_S`) and every length
+  a recording (`RECORD_S`), plus DDP's warm-up steps; a run too short to pay that back, such as the
+  CPU demo or a 15-step run, records nothing.
+Gradient checkpointing costs one more forward (FLOPs, launches and dequantization), so it is
+chosen only where the run would not fit without it. A dequantized base costs 2 bytes a weight
+instead of about 0.5; with checkpointing and graphs it measured 15 % slower a step, so it is not
+combined with both. One DDP bucket (all-reduced after the backward) measured 1.5 % faster a step
+on two NVLink H200s; elsewhere (PCIe, several machines) torch's overlapping buckets stay.
+
+`DDPTUNE_SPEED` forces choices for a benchmark (`graphs=off|layers|step,lengths=N,checkpointing=
+true|false,dequantize=true|false,bucket_mb=N,compile=true|false`); summary.json records what it forced.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import os
+from dataclasses import dataclass, field
+
+from ddptune import batches, memory
+from ddptune.config import Config, ConfigError
+from ddptune.graphs import DDP_WARMUP
+
+MARGIN = 0.10                 # free memory kept spare: the plan has been up to 8 % under measured peaks
+RATE_SHARE = 0.58             # of the matrix rate a fine-tuning step's GEMMs reach (8B: 455 of 780 TFLOP/s)
+FALLBACK_TFLOPS = 300.0       # a GPU whose matrix rate is not known
+KERNEL_S = 5.5e-6             # a small kernel's time on the GPU, launch to launch
+KERNELS_PER_LAYER = 157       # kernels of one decoder layer's forward and backward (LoRA, compiled)
+DEQUANT_BYTES_S = 2.2e12      # bytes a second the 4-bit dequantization writes and reads (2.5 a weight)
+HOST_S_PER_LAYER = 5.0e-3     # host time to issue one compiled layer's forward and backward
+HOST_S_PER_LAYER_GRAPHED = 0.5e-3
+HOST_S_PER_4BIT_MATMUL = 0.3e-3
+COMPILE_S = 15.0              # one more static-shape compile of the layers
+RECORD_S = 2.0                # one length's recording
+GRAPH_COUNTS = (1, 2, 4)      # padded lengths tried
+FORCE_ENV = "DDPTUNE_SPEED"
+FORCE_KEYS = {"graphs": ("off", "layers", "step"), "lengths": int, "checkpointing": bool, "dequantize": bool,
+              "bucket_mb": float, "compile": bool}
+
+
+@dataclass(frozen=True)
+class Work:
+    """What the run's remaining steps compute on one process: each step's packed rows' tokens and
+    targets (the busiest process's), from the same split the steps will use."""
+    steps: int
+    rows: list[tuple[int, int]]    # (tokens, targets) of every packed row of every step and process
+    forwards: float                # forwards a step, per process
+    tokens: float                  # real tokens a step, per process
+    targets: float                 # loss targets a step, per process
+
+    @classmethod
+    def of(cls, stream: batches.Stream, first: int, last: int) -> "Work":
+        rows, forwards = [], 0
+        for s in range(first, last):
+            share = stream.share(s)
+            forwards += max(len(f) for f in share.forwards)
+            rows += [(batches.tokens_of(g), batches.target_tokens(g)) for f in share.forwards for g in f]
+        steps, parts = max(last - first, 1), stream.parts
+        return cls(last - first, rows, forwards / steps, sum(t for t, _ in rows) / steps / parts,
+                   sum(t for _, t in rows) / steps / parts)
+
+
+@dataclass(frozen=True)
+class Speed:
+    """The choices, each with its reason."""
+    compiled: bool
+    graphs: str                    # off | layers | step
+    lengths: int                   # padded lengths with graphs, else 0
+    checkpointing: bool
+    dequantize: bool
+    bucket_mb: float | None        # None: torch's default
+    reasons: dict[str, str] = field(default_factory=dict)
+    forced: dict = field(default_factory=dict)
+    estimate: dict = field(default_factory=dict)
+
+    def lines(self) -> list[str]:
+        return [f"{name}: {reason}" for name, reason in self.reasons.items()]
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Option:
+    checkpointing: bool
+    dequantize: bool
+    graphs: str
+    lengths: int
+
+
+def forced() -> dict:
+    """The choices DDPTUNE_SPEED forces (benchmarks only); ConfigError for a malformed value."""
+    text = os.environ.get(FORCE_ENV, "").strip()
+    out = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, _, raw = item.partition("=")
+        kind = FORCE_KEYS.get(key)
+        value = _value(kind, raw)
+        if kind is None or value is None:
+            known = ", ".join(f"{k}={'|'.join(v) if isinstance(v, tuple) else v.__name__}" for k, v in FORCE_KEYS.items())
+            raise ConfigError([f"{FORCE_ENV}: {item[:80]!r} is not one of {known} (or unset it)"])
+        out[key] = value
+    return out
+
+
+def _value(kind, raw: str):
+    if isinstance(kind, tuple):
+        return raw if raw in kind else None
+    if kind is bool:
+        return {"true": True, "false": False}.get(raw.lower())
+    try:
+        value = kind(raw)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) and value > 0 else None
+
+
+# ---------------------------------------------------------------------------------------------
+# The decision
+
+
+def decide(cfg: Config, cuda: bool, shape: memory.Shape, world: int, free_gib: float | None, work: Work,
+           matrix_tflops: float | None = None, link: str = "", one_machine: bool = True) -> Speed:
+    """The fastest allowed combination that fits `free_gib` (None: no fixed budget, CPU), with reasons."""
+    t, force = cfg.train, forced()
+    compiled = force.get("compile", t.compile is True or (t.compile == "auto" and cuda))
+    options = candidates(cfg, cuda, compiled, force)
+    rate = (matrix_tflops or FALLBACK_TFLOPS) * 1e12 * RATE_SHARE
+    costed = [(o, memory_gib(cfg, shape, world, o, work, compiled), *time_s(cfg, shape, o, work, rate)) for o in options]
+    budget = None if free_gib is None else free_gib * (1 - MARGIN)
+    fitting = [c for c in costed if budget is None or c[1] <= budget]
+    best = min(fitting, key=lambda c: (c[2] * work.steps + c[3], c[1])) if fitting else min(costed, key=lambda c: c[1])
+    choice = best[0]
+    bucket_mb, bucket_why = bucket(cfg, shape, world, cuda, link, one_machine, force)
+    reasons = {"compiled layers": compile_reason(t.compile, compiled, cuda, "compile" in force)}
+    reasons["gradient checkpointing"] = checkpoint_reason(t.gradient_checkpointing, choice, costed, free_gib, force)
+    if t.method == "qlora":
+        reasons["4-bit base"] = dequantize_reason(choice, costed, budget, force)
+    reasons["CUDA graphs"] = graphs_reason(cfg, cuda, compiled, choice, best, fitting, work, force)
+    reasons["DDP gradient buckets"] = bucket_why
+    estimate = {"step_s": best[2], "setup_s": best[3], "memory_gib": best[1], "free_gib": free_gib,
+                "steps": work.steps, "options": [{**dataclasses.asdict(o), "memory_gib": m, "step_s": s, "setup_s": u}
+                                                 for o, m, s, u in costed]}
+    return Speed(compiled, choice.graphs, choice.lengths, choice.checkpointing, choice.dequantize, bucket_mb,
+                 reasons, force, estimate)
+
+
+def candidates(cfg: Config, cuda: bool, compiled: bool, force: dict) -> list[Option]:
+    """Every combination the config (and DDPTUNE_SPEED) allows."""
+    t = cfg.train
+    if "checkpointing" in force:
+        ckpt = [force["checkpointing"]]
+    elif t.gradient_checkpointing != "auto":
+        ckpt = [bool(t.gradient_checkpointing)]
+    else:
+        ckpt = [False, True] if cuda else [False]  # a CPU has no fixed memory budget to fit
+    dequant = [force["dequantize"]] if "dequantize" in force else [False, True] if t.method == "qlora" and cuda else [False]
+    scope = "step" if t.optimizer == "adamw" else "layers"  # only torch's fused AdamW can be recorded
+    recordable = cuda and compiled and t.packing and t.strategy == "ddp"
+    if "graphs" in force:
+        if force["graphs"] != "off" and not recordable:
+            raise ConfigError([f"{FORCE_ENV}: graphs={force['graphs']} needs a CUDA device, compiled layers, "
+                               "train.packing=true and train.strategy=ddp (or graphs=off)"])
+        scopes = [force["graphs"]]
+    else:
+        scopes = [scope] if recordable and t.cuda_graphs is True else ["off", scope] if recordable and t.cuda_graphs == "auto" else ["off"]
+    counts = [force["lengths"]] if "lengths" in force else list(GRAPH_COUNTS)
+    out = []
+    for c, d, g in itertools.product(ckpt, dequant, scopes):
+        if g != "off" and c and d and not force:  # measured slower a step than either alone
+            continue
+        out += [Option(c, d, g, k) for k in (counts if g != "off" else [0])]
+    return out
+
+
+def padded(work: Work, lengths: int) -> tuple[float, int, int]:
+    """With `lengths` padded lengths: (computed tokens over real ones, the longest padded row, its
+    padded target rows); without (0): (1, the longest row, its targets)."""
+    if not work.rows:
+        return 1.0, 0, 0
+    tokens = [t for t, _ in work.rows]
+    targets = max(n for _, n in work.rows)
+    if not lengths:
+        return 1.0, max(tokens), targets
+    sizes = batches.pad_lengths(tokens, lengths, batches.GRAPH_PAD)
+    total = sum(min(s for s in sizes if s >= n) for n in tokens)
+    return total / max(sum(tokens), 1), max(sizes), -(-targets // batches.TARGET_PAD) * batches.TARGET_PAD
+
+
+def memory_gib(cfg: Config, shape: memory.Shape, world: int, o: Option, work: Work, compiled: bool) -> float:
+    _, tokens, targets = padded(work, o.lengths)
+    shards = world if cfg.train.strategy == "fsdp" else 1
+    job = memory.job_of(cfg, world, checkpointing=o.checkpointing, shards=shards, tokens=tokens or None,
+                        targets=targets or None, compiled=compiled)
+    job = dataclasses.replace(job, dequantized=o.dequantize, graphs=o.graphs != "off")
+    return memory.estimate(shape, job)["total"] / memory.GIB
+
+
+def time_s(cfg: Config, shape: memory.Shape, o: Option, work: Work, rate: float) -> tuple[float, float]:
+    """(seconds a step, seconds of set-up beyond plain compiled layers) of option `o`: the model of
+    the module docstring."""
+    t = cfg.train
+    passes = 3 if o.checkpointing else 2  # forward, backward, and the forward checkpointing repeats
+    per_weight = 2 * passes + (2 if t.method == "full" else 0)
+    stretch, _, _ = padded(work, o.lengths)
+    tokens, head = work.tokens * stretch, shape.vocab * shape.hidden
+    trained = 0 if t.method == "full" else shape.lora_params(cfg.lora.r, list(cfg.lora.target_modules))
+    flops = per_weight * (shape.matrix_params * tokens + head * work.targets) + 6 * trained * tokens
+    launches = shape.layers * max(work.forwards, 1) * passes / 2
+    gpu = max(flops / rate, KERNEL_S * KERNELS_PER_LAYER * launches)
+    four_bit = t.method == "qlora" and not o.dequantize
+    if four_bit:
+        gpu += passes * shape.matrix_params * 2.5 / DEQUANT_BYTES_S
+    if o.graphs == "off":
+        host = launches * HOST_S_PER_LAYER
+        if four_bit:
+            host += len(memory.PROJECTIONS) * launches * 2 * HOST_S_PER_4BIT_MATMUL
+    else:
+        host = launches * HOST_S_PER_LAYER_GRAPHED if o.graphs == "layers" else 0.0
+    step = max(gpu, host)
+    setup = 0.0
+    if o.graphs != "off":
+        setup = (o.lengths - 1) * COMPILE_S + o.lengths * RECORD_S + (DDP_WARMUP * gpu if o.graphs == "step" else 0.0)
+    return step, setup
+
+
+# ---------------------------------------------------------------------------------------------
+# Reasons: one line each
+
+
+def _forced(key: str, force: dict) -> str:
+    return f" ({FORCE_ENV})" if key in force else ""
+
+
+def compile_reason(setting, compiled: bool, cuda: bool, forced_: bool) -> str:
+    if forced_:
+        return ("on" if compiled else "off") + f" ({FORCE_ENV})"
+    if setting != "auto":
+        return ("on" if compiled else "off") + f" (train.compile={str(setting).lower()})"
+    return "on (CUDA)" if cuda else "off (CPU: compiling costs more than a short run saves; train.compile=true compiles)"
+
+
+def checkpoint_reason(setting, choice: Option, costed: list, free_gib: float | None, force: dict) -> str:
+    on = "on" if choice.checkpointing else "off"
+    if "checkpointing" in force:
+        return on + _forced("checkpointing", force)
+    if setting != "auto":
+        return f"{on} (train.gradient_checkpointing={str(setting).lower()})"
+    if free_gib is None:
+        return "off (CPU: no fixed memory budget)"
+    without = min((m for o, m, _, _ in costed if not o.checkpointing), default=None)
+    if choice.checkpointing and without is not None:
+        return f"on (without it the run needs about {without:.1f} GiB, more than {1 - MARGIN:.0%} of the {free_gib:.1f} GiB free)"
+    return f"off (about {without:.1f} GiB of the {free_gib:.1f} GiB free)" if without is not None else on
+
+
+def dequantize_reason(choice: Option, costed: list, budget: float | None, force: dict) -> str:
+    if "dequantize" in force:
+        return ("kept dequantized in bf16" if choice.dequantize else "4-bit") + _forced("dequantize", force)
+    same = [c for c in costed if c[0].checkpointing == choice.checkpointing and c[0].graphs == choice.graphs
+            and c[0].lengths == choice.lengths]
+    other = next((c for c in same if c[0].dequantize != choice.dequantize), None)
+    mine = next(c for c in same if c[0] == choice)
+    if choice.dequantize:
+        vs = f" against {other[2]:.3g} s with the 4-bit one" if other else ""
+        return (f"kept dequantized in bf16 (no dequantizing in every pass: an estimated {mine[2]:.3g} s a step{vs}; "
+                f"about {mine[1]:.1f} GiB)")
+    if other is None:
+        return "4-bit (a dequantized base is not tried with checkpointing and CUDA graphs together: measured slower)"
+    if budget is not None and other[1] > budget:
+        return f"4-bit (dequantized it would need about {other[1]:.1f} GiB, more than {budget:.1f} GiB)"
+    return f"4-bit (an estimated {mine[2]:.3g} s a step against {other[2]:.3g} s dequantized)"
+
+
+def graphs_reason(cfg: Config, cuda: bool, compiled: bool, choice: Option, best: tuple, fitting: list, work: Work,
+                  force: dict) -> str:
+    t = cfg.train
+    if "graphs" in force:
+        return choice.graphs + (f", {choice.lengths} padded length(s)" if choice.lengths else "") + _forced("graphs", force)
+    why_not = ("no CUDA device" if not cuda else "compiled layers are off" if not compiled else
+               "needs train.packing=true" if not t.packing else "needs train.strategy=ddp" if t.strategy != "ddp" else
+               "train.cuda_graphs=false" if t.cuda_graphs is False else None)
+    if why_not:
+        return f"off ({why_not})"
+    what = {"step": "the whole step", "layers": "each layer (an 8-bit optimizer cannot be recorded)"}
+    off = [c for c in fitting if c[0].graphs == "off"]
+    on = [c for c in fitting if c[0].graphs != "off"]
+    if choice.graphs != "off":
+        vs = (f" against {min(c[2] for c in off):.3g} s without" if off else "")
+        return (f"{what[choice.graphs]}, {choice.lengths} padded length{'s' if choice.lengths > 1 else ''} (an estimated "
+                f"{best[2]:.3g} s a step{vs}; about {best[3]:.0f} s to record, over the run's {work.steps} steps)")
+    if not on:
+        return "off (with them the run would not fit the free memory)"
+    alt = min(on, key=lambda c: c[2] * work.steps + c[3])
+    if alt[2] >= best[2]:
+        return f"off (the step is bound by the GPU, not the host: an estimated {best[2]:.3g} s a step either way)"
+    return (f"off (recording would take about {alt[3]:.0f} s and save {(best[2] - alt[2]) * work.steps:.0f} s over the "
+            f"run's {work.steps} steps)")
+
+
+def bucket(cfg: Config, shape: memory.Shape, world: int, cuda: bool, link: str, one_machine: bool,
+           force: dict) -> tuple[float | None, str]:
+    """DDP's bucket size in MiB (None: torch's default) and why."""
+    if "bucket_mb" in force:
+        return force["bucket_mb"], f"{force['bucket_mb']:g} MiB ({FORCE_ENV})"
+    if cfg.train.strategy != "ddp":
+        return None, "none (FSDP reduce-scatters each layer's gradients)"
+    if world == 1:
+        return None, "none (one process: nothing to all-reduce)"
+    trained = shape.params if cfg.train.method == "full" else shape.lora_params(cfg.lora.r, list(cfg.lora.target_modules))
+    mib = trained * 4 / 2**20
+    if cuda and one_machine and link == "NVLink" and cfg.train.method != "full":
+        size = math.ceil(mib) + 1
+        return size, f"one of {size} MiB after the backward (NVLink: one all-reduce of {mib:.0f} MiB of gradients)"
+    return None, "torch's 25 MiB buckets, all-reduced while the backward runs" + (
+        "" if cuda else " (CPU processes)")
