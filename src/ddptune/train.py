@@ -186,7 +186,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     dist.time_gradient_sync(ddp_model, clock)
     graphs = compiled and cfg.train.cuda_graphs and accelerator.device.type == "cuda"
 
-    start = resume_from(out, model, optimizer, scheduler, accelerator, plan.global_batch) if resume else 0
+    start = resume_from(out, model, optimizer, scheduler, accelerator, plan.global_batch, total_steps) if resume else 0
     targets = [data.target_tokens([e]) for e in train_set]
     costs = [flops.sample(len(e["input_ids"]), t) for e, t in zip(train_set, targets)]
     r = Run(cfg, plan, accelerator, out, tokenizer, train_set, val_set, model, loss_model, ddp_model, optimizer,
@@ -217,13 +217,14 @@ def on_stream(stream):
     torch.cuda.current_stream(stream.device).wait_stream(stream)
 
 
-def resume_from(out: Path, model, optimizer, scheduler, accelerator: Accelerator, global_batch: int) -> int:
+def resume_from(out: Path, model, optimizer, scheduler, accelerator: Accelerator, global_batch: int,
+                total_steps: int | None = None) -> int:
     """Restore the newest checkpoint that reads back whole (an older one, with a warning, when the
     newest is damaged); return its step. Any process count may resume it with the run's global batch."""
     problems = []
     for path in reversed(checkpoint.list_checkpoints(out / "checkpoints")):
         try:
-            state, error = checkpoint.load(path, model, optimizer, scheduler, accelerator.process_index), None
+            state, error = checkpoint.load(path, model, optimizer, scheduler, accelerator.process_index, total_steps), None
         except ValueError as e:
             state, error = None, str(e)
         # All processes move on together: FSDP's parts are read one per process, so one damaged part
