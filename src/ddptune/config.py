@@ -253,6 +253,19 @@ class Config:
 # Building a Config from plain data, collecting every problem.
 
 
+QUOTE_CHARS = 200  # the most of a value a problem line quotes
+
+
+def quoted(value: Any) -> str:
+    """`value` as a problem line quotes it: its repr, cut to about QUOTE_CHARS characters (a config
+    may hold a value of megabytes, and the line must stay one line a person reads)."""
+    return shortened(repr(value))
+
+
+def shortened(text: str) -> str:
+    return text if len(text) <= QUOTE_CHARS else f"{text[:QUOTE_CHARS - 20]}... ({len(text):,} characters)"
+
+
 def _convert(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -264,30 +277,33 @@ def _convert(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
             out = _convert(value, alt, where, trial)
             if not trial:
                 return out
-        problems.append(f"{where}: {value!r} is not allowed (expected {' or '.join(_describe(a) for a in args)})")
+        problems.append(f"{where}: {quoted(value)} is not allowed (expected {' or '.join(_describe(a) for a in args)})")
         return value
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
-            problems.append(f"{where}: {value!r} is not allowed (use one of {', '.join(map(str, choices))})")
+            problems.append(f"{where}: {quoted(value)} is not allowed (use one of {', '.join(map(str, choices))})")
         return value
     if origin is list:
         (inner,) = typing.get_args(tp)
         if isinstance(value, str):
             value = [value]
         if not isinstance(value, list):
-            problems.append(f"{where}: expected a list, got {value!r} (write [a, b])")
+            problems.append(f"{where}: expected a list, got {quoted(value)} (write [a, b])")
             return value
-        return [_convert(v, inner, f"{where}[{i}]", problems) for i, v in enumerate(value)]
+        found: list[str] = []
+        out = [_convert(v, inner, f"{where}[{i}]", found) for i, v in enumerate(value)]
+        problems += found[:3] + ([f"{where}: {len(found) - 3} more items like those (fix every item)"] if len(found) > 3 else [])
+        return out
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, where, problems)
     if tp is bool:
         if not isinstance(value, bool):
-            problems.append(f"{where}: expected true or false, got {value!r}")
+            problems.append(f"{where}: expected true or false, got {quoted(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            problems.append(f"{where}: expected a whole number, got {value!r}")
+            problems.append(f"{where}: expected a whole number, got {quoted(value)}")
         return value
     if tp is float:
         if isinstance(value, str):  # YAML reads 2e-4 as a string
@@ -296,12 +312,12 @@ def _convert(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            problems.append(f"{where}: expected a number, got {value!r}")
+            problems.append(f"{where}: expected a number, got {quoted(value)}")
             return value
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            problems.append(f"{where}: expected text, got {value!r} (quote it)")
+            problems.append(f"{where}: expected text, got {quoted(value)} (quote it)")
         return value
     raise TypeError(f"unsupported config type {tp} at {where}")
 
@@ -316,14 +332,14 @@ def _build(cls: type, data: Any, where: str, problems: list[str]) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        problems.append(f"{where or 'config'}: expected a mapping of keys, got {data!r}")
+        problems.append(f"{where or 'config'}: expected a mapping of keys, got {quoted(data)}")
         return cls()
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     for key in data:
         if key not in known:
             problems.append(
-                f"{where + '.' if where else ''}{key}: unknown key (known: {', '.join(sorted(known))})"
+                f"{where + '.' if where else ''}{shortened(str(key))}: unknown key (known: {', '.join(sorted(known))})"
             )
     kwargs = {}
     for f in dataclasses.fields(cls):
@@ -336,15 +352,15 @@ def _build(cls: type, data: Any, where: str, problems: list[str]) -> Any:
 def apply_override(data: dict, override: str) -> str | None:
     """Apply `a.b=value` (value parsed as YAML) to nested dict `data`; return a problem or None."""
     if "=" not in override:
-        return f"{override}: overrides are written key=value, e.g. train.lr=1e-4"
+        return f"{shortened(override)}: overrides are written key=value, e.g. train.lr=1e-4"
     key, raw = override.split("=", 1)
     parts = key.strip().split(".")
     if not all(parts):
-        return f"{override}: {key!r} is not a key (write section.key=value, e.g. train.lr=1e-4)"
+        return f"{shortened(override)}: {quoted(key)} is not a key (write section.key=value, e.g. train.lr=1e-4)"
     try:
-        value = yaml.safe_load(raw) if raw != "" else None
-    except yaml.YAMLError:
-        return f"{key}: {raw!r} is not a YAML value (quote it, e.g. {key}='{raw}')"
+        value = yaml.load(raw, Loader=_StrictLoader) if raw != "" else None
+    except (yaml.YAMLError, RecursionError):
+        return f"{shortened(key)}: {quoted(raw)} is not a YAML value (quote it, e.g. {shortened(key)}='{shortened(raw)}')"
     node = data
     for p in parts[:-1]:
         if node.get(p) is None:  # a missing section, or one left empty in the YAML
@@ -368,7 +384,34 @@ def from_dict(data: dict, overrides: list[str] = ()) -> Config:
 
 class _StrictLoader(yaml.SafeLoader):
     """safe_load that refuses a key given twice in one mapping (PyYAML keeps the last one silently:
-    a second `train:` section would drop every key of the first)."""
+    a second `train:` section would drop every key of the first), and an alias of a node that holds
+    aliases itself: nested aliases grow a few hundred bytes into billions of values (nine levels of
+    nine: 387 million), which no config needs. An alias of a plain node (`&lr 2e-4` ... `*lr`) stays."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._open: list = []  # the anchors of the nodes being composed, outermost first
+        self._holding_aliases: set = set()  # anchors of nodes that hold an alias
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            alias = f"the alias *{shortened(str(event.anchor))} (line {event.start_mark.line + 1})"
+            if event.anchor in self._open:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{alias} is inside the node it repeats: a value without end (write the values out)",
+                    event.start_mark)
+            if event.anchor in self._holding_aliases:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{alias} repeats a node that holds aliases itself: nested aliases multiply, and are "
+                    "refused (write the values out)", event.start_mark)
+            self._holding_aliases.update(a for a in self._open if a is not None)
+            return super().compose_node(parent, index)
+        self._open.append(getattr(self.peek_event(), "anchor", None))
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._open.pop()
 
     def construct_mapping(self, node, deep=False):
         seen: dict = {}
@@ -376,7 +419,7 @@ class _StrictLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=deep)
             if isinstance(key, typing.Hashable) and key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"{key!r} appears twice (lines {seen[key]} and {key_node.start_mark.line + 1}; "
+                    None, None, f"{quoted(key)} appears twice (lines {seen[key]} and {key_node.start_mark.line + 1}; "
                     "merge them into one)", key_node.start_mark)
             if isinstance(key, typing.Hashable):
                 seen[key] = key_node.start_mark.line + 1
@@ -390,7 +433,10 @@ def read_yaml(path: Path, what: str = "config") -> dict:
     except yaml.constructor.ConstructorError as e:
         raise ConfigError([f"{what}: {path}: {e.problem}"]) from None
     except yaml.YAMLError as e:
-        raise ConfigError([f"{what}: {path} is not valid YAML ({' '.join(str(e).split())})"]) from None
+        raise ConfigError([f"{what}: {path} is not valid YAML ({shortened(' '.join(str(e).split()))})"]) from None
+    except RecursionError:
+        raise ConfigError([f"{what}: {path} nests its values too deeply to read (a config is a few levels of "
+                           "sections and values)"]) from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError([f"{what}: {path} cannot be read ({type(e).__name__}: {e})"]) from None
     if data is None:
@@ -528,7 +574,7 @@ def check_values(cfg: Config) -> list[str]:
         try:
             parse_rows(spec)
         except ValueError:
-            problems.append(f"{where}: {spec!r} is not a row slice (write START:STOP, e.g. \"0:700\")")
+            problems.append(f"{where}: {quoted(spec)} is not a row slice (write START:STOP, e.g. \"0:700\")")
     if t.profile_steps and t.profile_after < 1:
         problems.append(f"train.profile_after: must be at least 1 (got {t.profile_after}): the profiler warms up in that step")
     elif t.profile_steps and t.max_steps is not None and t.max_steps < t.profile_after + t.profile_steps:
