@@ -339,3 +339,41 @@ def test_a_resume_falls_back_past_a_checkpoint_unlike_the_run(unbroken_4, tmp_pa
     assert losses(part) == pytest.approx(losses(unbroken_4), abs=1e-6)  # resumed after step 2
     a, b = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (unbroken_4, part))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_committed_folders_get_a_plain_folders_permissions(tmp_path, unbroken_4):
+    """mkdtemp makes the temporary folder private (0700); once renamed into place it has what a
+    plain mkdir gives, whatever the umask."""
+    plain = 0o777 & ~(umask := os.umask(0o027))
+    os.umask(umask)
+    assert (unbroken_4 / "adapter").stat().st_mode & 0o777 == plain
+    assert all(p.stat().st_mode & 0o777 == plain for p in (unbroken_4 / "checkpoints").iterdir())
+    saved = os.umask(0o027)
+    try:
+        w = torch.nn.Parameter(torch.ones(2))
+        opt = torch.optim.SGD([w], lr=0.1)
+        path = checkpoint.save(tmp_path / "checkpoints", 1, {"w": w.detach()}, opt,
+                               torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), [checkpoint.rng_state()], {})
+    finally:
+        os.umask(saved)
+    assert path.stat().st_mode & 0o777 == 0o750
+
+
+def test_remove_leftovers_deletes_what_a_killed_save_left_and_nothing_else(tmp_path):
+    out = tmp_path / "run"
+    (out / "adapter").mkdir(parents=True)
+    for name in (".adapter.tmp-abc123", ".adapter.tmp-x9", ".adapter.old"):
+        (out / name).mkdir()
+        (out / name / "adapter_model.safetensors").write_bytes(b"\0" * 1000)
+    (out / ".adapter.tmp-file").write_text("a file by such a name")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("mine")
+    (out / ".adapter.tmp-link").symlink_to(outside)  # removed, never followed
+    kept = ["adapter", ".model.tmp-1", "adapter.tmp-2", ".adapterx.old", ".adapter.older"]
+    for name in kept[1:]:
+        (out / name).mkdir()
+    checkpoint.remove_leftovers(out / "adapter")
+    assert sorted(p.name for p in out.iterdir()) == sorted(kept)
+    assert (outside / "keep.txt").read_text() == "mine"
+    checkpoint.remove_leftovers(tmp_path / "nowhere" / "model")  # no folder: nothing to do

@@ -160,7 +160,17 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def plain_mode() -> int:
+    """The permissions a plain `mkdir` gives a folder: 0o777 less the umask."""
+    umask = os.umask(0o022)  # read it (os has no other way) and put it back at once
+    os.umask(umask)
+    return 0o777 & ~umask
+
+
 def commit(tmp: Path, final: Path) -> None:
+    """Rename the finished `tmp` into place as `final` (replacing an older `final` whole), with the
+    permissions of a plain folder: mkdtemp makes it private (0700)."""
+    os.chmod(tmp, plain_mode())
     _fsync_dir(tmp)  # its entries (each file is synced as written) reach the disk before the rename does
     if final.exists():  # an older copy of the same step: replace it whole
         old = final.with_name(f".{final.name}.old")
@@ -171,6 +181,22 @@ def commit(tmp: Path, final: Path) -> None:
     else:
         os.replace(tmp, final)
     _fsync_dir(final.parent)  # the rename itself survives a power cut
+
+
+def remove_leftovers(final: Path) -> None:
+    """Delete what a save killed midway left beside `final`: its temporary folders
+    (`.NAME.tmp-*`: for full fine-tuning, model-sized) and a replaced copy (`.NAME.old`). A symlink
+    by such a name is removed, never followed."""
+    if not final.parent.is_dir():
+        return
+    temporary, old = f".{final.name}.tmp-", f".{final.name}.old"
+    for p in final.parent.iterdir():
+        if not (p.name.startswith(temporary) or p.name == old):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
 
 
 def path_of(folder: Path, step: int) -> Path:
