@@ -315,4 +315,64 @@ def trained_run(run_dir: Path, where: str, overrides: list[str] = ()) -> Config:
     weights = model_lib.trained_weights_dir(run_dir, cfg.train.method)
     if not weights.is_dir():
         raise ConfigError([f"{where}: {weights} not found (has the run finished? train it to the end, or give a finished run)"])
+    if problems := trained_weights_problems(run_dir, cfg.train.method, where):
+        raise ConfigError(problems)
     return cfg
+
+
+RESTORE = "(retrain, or restore the file)"
+
+
+def trained_weights_problems(run_dir: Path, method: str, where: str = "run") -> list[str]:
+    """A finished run's trained files, read as far as their headers (nothing unpickled, no tensor
+    loaded): the adapter's safetensors file opens and holds a tensor, and its adapter_config.json is
+    a JSON object with the keys peft needs (LoRA's r, lora_alpha, target_modules); for full
+    fine-tuning, model/config.json is a JSON object and its safetensors files open and hold tensors.
+    One line per damaged file; none when the folder is missing (the caller says that)."""
+    weights = model_lib.trained_weights_dir(run_dir, method)
+    if not weights.is_dir():
+        return []
+    if method == "full":
+        files = sorted(weights.glob("*.safetensors"))
+        problems = [] if files else [f"{where}: {weights} holds no .safetensors file {RESTORE}"]
+        problems += [p for f in files if (p := safetensors_problem(f, where))]
+        _, problem = json_object(weights / "config.json", where)
+        return problems + ([problem] if problem else [])
+    problem = safetensors_problem(weights / "adapter_model.safetensors", where)
+    config, config_problem = json_object(weights / "adapter_config.json", where)
+    if config is not None:
+        r, alpha, targets = config.get("r"), config.get("lora_alpha"), config.get("target_modules")
+        ok = (config.get("peft_type") == "LORA" and type(r) is int and r >= 1
+              and isinstance(alpha, (int, float)) and not isinstance(alpha, bool)
+              and (isinstance(targets, str) or isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)))
+        if not ok:
+            config_problem = (f"{where}: {weights / 'adapter_config.json'} is not a LoRA adapter's config (it needs "
+                              f"peft_type LORA, a whole r, a numeric lora_alpha and target_modules) {RESTORE}")
+    return [p for p in (problem, config_problem) if p]
+
+
+def safetensors_problem(path: Path, where: str) -> str | None:
+    """What keeps `path` from being a safetensors file of at least one tensor (its header alone is read)."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        return f"{where}: {path} {'is not a file' if path.exists() else 'not found'} {RESTORE}"
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            count = len(list(f.keys()))
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type, or the OS's
+        return f"{where}: {path} is not a safetensors file ({type(e).__name__}: {' '.join(str(e).split())[:160]}) {RESTORE}"
+    return None if count else f"{where}: {path} holds no tensors {RESTORE}"
+
+
+def json_object(path: Path, where: str) -> tuple[dict | None, str | None]:
+    """(the JSON object in `path`, None) or (None, the problem line naming the file)."""
+    if not path.is_file():
+        return None, f"{where}: {path} {'is not a file' if path.exists() else 'not found'} {RESTORE}"
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
+        return None, f"{where}: {path} cannot be read as JSON ({type(e).__name__}: {' '.join(str(e).split())[:160]}) {RESTORE}"
+    if not isinstance(obj, dict):
+        return None, f"{where}: {path} holds a JSON {type(obj).__name__}, not an object {RESTORE}"
+    return obj, None
