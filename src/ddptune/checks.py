@@ -240,15 +240,15 @@ def output_problems(cfg: Config, resume: bool, world_size: int | None = None, ov
     states = []
     for path in reversed(checkpoint.list_checkpoints(out / "checkpoints")):
         try:
-            states.append((path, json.loads((path / "state.json").read_text())))
-        except (OSError, ValueError):
+            state = json.loads((path / "state.json").read_text())
+        except (OSError, ValueError, RecursionError):
             continue  # resume falls back past it
+        if checkpoint.state_problem(path, state) is None:  # a step or process count of 0, text...: damaged likewise
+            states.append((path, state))
     if not states:
         return [f"--resume: no checkpoint in {out / 'checkpoints'} can be read back (a run stopped during "
                 "its first save leaves none): start afresh into a new output_dir"]
     path, state = states[0]
-    if not isinstance(state, dict):
-        state = {}
     if world_size is not None and state.get("shards", world_size) != world_size:  # train.strategy=fsdp
         return [f"--resume: {path} holds the weights and optimizer states of {state['shards']} FSDP processes, "
                 f"one part each, not {world_size} (resume with --nproc {state['shards']})"]

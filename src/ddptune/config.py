@@ -451,9 +451,27 @@ def load(path: str | os.PathLike, overrides: list[str] = ()) -> Config:
     """Read a YAML config file and apply overrides."""
     p = Path(path)
     if not p.is_file():
-        what = "is a folder" if p.is_dir() else "not found"
-        raise ConfigError([f"config: {str(p)!r} {what} (give the path of a YAML file, e.g. configs/tiny.yaml)"])
+        raise ConfigError([f"config: {quoted(str(p))} {_not_a_file(p)} (give the path of a YAML file, e.g. configs/tiny.yaml)"])
     return from_dict(read_yaml(p), overrides)
+
+
+def _not_a_file(p: Path) -> str:
+    """What stands at `p`, which is not a regular file (nor a symlink to one)."""
+    import errno
+    import stat
+
+    try:
+        mode = p.stat().st_mode
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "is a symlink loop, which never reaches a file"
+        if p.is_symlink():
+            return f"is a symlink to {quoted(os.readlink(p))}, which does not exist"
+        return "not found" if e.errno == errno.ENOENT else f"cannot be read ({e.strerror})"
+    if stat.S_ISDIR(mode):
+        return "is a folder"
+    kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+    return f"is {kind}, not a regular file"
 
 
 def to_dict(cfg: Config) -> dict:

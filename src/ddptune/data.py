@@ -91,20 +91,41 @@ def check(d: DataConfig) -> tuple[list[str], int | None]:
         except (ValueError, json.JSONDecodeError) as e:
             problems.append(f"{field}: cannot read {source} ({str(e).splitlines()[0]}; expected a JSON list or JSON lines)")
             continue
-        for col, key in ((d.dialogue_column, "dialogue_column"), (d.summary_column, "summary_column")):
-            bad = [i for i, r in enumerate(data) if not isinstance(r, dict) or not isinstance(r.get(col), str)]
-            if bad:
-                cols = sorted(data[bad[0]].keys()) if isinstance(data[bad[0]], dict) else []
-                problems.append(
-                    f"{field}: row {bad[0]} of {source} has no text column {col!r} "
-                    f"(set data.{key} to one of: {', '.join(cols) or 'none'})"
-                )
+        if not data:
+            problems.append(f"{field}: {source} holds no rows (give a JSON list or JSON lines of rows with "
+                            f"{d.dialogue_column!r} and {d.summary_column!r} text)")
+            continue
+        columns = [column_problem(field, source, data, col, key)
+                   for col, key in ((d.dialogue_column, "dialogue_column"), (d.summary_column, "summary_column"))]
+        problems += [p for p in dict.fromkeys(columns) if p]  # a row that is not an object: said once
         selected = len(data[parse_rows(rows)])
         if not selected:
             problems.append(f"{field}: rows {rows!r} select nothing from {len(data)} rows of {source}")
         if field == "data.train":
             n_train = selected
     return problems, n_train
+
+
+KINDS = {bool: "true/false", int: "a number", float: "a number", list: "a list", dict: "an object", type(None): "null"}
+
+
+def column_problem(field: str, source: str, data: list, col: str, key: str) -> str | None:
+    """The first row of `data` whose `col` is not text: a row that is not an object, one without
+    the column, or one whose column holds something else (a number, a list...), each said as it is."""
+    i = next((i for i, r in enumerate(data) if not isinstance(r, dict) or not isinstance(r.get(col), str)), None)
+    if i is None:
+        return None
+    row = data[i]
+    if not isinstance(row, dict):
+        return (f"{field}: row {i} of {source} is {KINDS.get(type(row), type(row).__name__)}, not an object of "
+                "columns (give every row its dialogue and summary as text columns)")
+    if col not in row:
+        return (f"{field}: row {i} of {source} has no text column {col!r} "
+                f"(set data.{key} to one of: {', '.join(sorted(map(str, row))) or 'none'})")
+    value = repr(row[col])
+    return (f"{field}: row {i} of {source}: column {col!r} holds {KINDS.get(type(row[col]), type(row[col]).__name__)} "
+            f"({value if len(value) <= 40 else value[:37] + '...'}), not text (write it as a string, or set data.{key} "
+            "to a column of text)")
 
 
 # ---------------------------------------------------------------------------------------------
