@@ -247,6 +247,7 @@ CASES = [
     ("output_dir under a file", ["train", "{cfg}", "output_dir={afile}/run"], ["output_dir: ", "cannot be made: ", "afile is a file"]),
     ("output_dir not writable", ["train", "{cfg}", "output_dir=/proc/ddptune-test/run"], ["output_dir: /proc is not writable"]),
     ("output_dir holds a run", ["train", "{cfg}", "output_dir={busy}"], ["output_dir: ", "holds files that are not a ddptune run"]),
+    ("output_dir inside a run", ["train", "{cfg}", "output_dir={done}/eval/next"], ["output_dir: ", "lies inside {done}, which holds a ddptune run"]),
     # --- --resume
     ("resume into nothing", [*TRAIN, "--resume"], ["output_dir: --resume found no checkpoints in"]),
     ("resume a finished run", ["train", "{cfg}", "output_dir={done}", "--resume"], ["is complete (it wrote summary.json): nothing to resume"]),

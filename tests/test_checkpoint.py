@@ -377,3 +377,21 @@ def test_remove_leftovers_deletes_what_a_killed_save_left_and_nothing_else(tmp_p
     assert sorted(p.name for p in out.iterdir()) == sorted(kept)
     assert (outside / "keep.txt").read_text() == "mine"
     checkpoint.remove_leftovers(tmp_path / "nowhere" / "model")  # no folder: nothing to do
+
+
+def test_a_run_moved_to_another_folder_resumes_there(unbroken_4, tmp_path):
+    """The saved config.yaml names the folder the run was started in; a resume from where the run
+    now lies goes on as the unbroken run did."""
+    from ddptune import cli
+
+    before, after = tmp_path / "before", tmp_path / "moved" / "after"
+    shutil.copytree(unbroken_4, before, ignore=shutil.ignore_patterns("adapter", "summary.json", "ranks.jsonl"))
+    (before / "config.yaml").write_text((unbroken_4 / "config.yaml").read_text().replace(str(unbroken_4), str(before)))
+    shutil.rmtree(before / "checkpoints" / "step-000004")  # stopped after its step-2 checkpoint
+    after.parent.mkdir()
+    before.rename(after)
+    assert cli.main(["train", TINY, f"output_dir={after}", *RESUME_ARGS, "--resume"]) == 0
+    losses = lambda d: [r["loss"] for r in metrics(d) if "loss" in r]  # noqa: E731
+    assert losses(after) == pytest.approx(losses(unbroken_4), abs=1e-6)
+    a, b = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (unbroken_4, after))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -156,3 +156,12 @@ def test_a_lock_path_that_is_not_a_regular_file_is_refused_with_one_line(tmp_pat
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("ddptune: invalid config: output_dir: "), err
     assert sorted(p.name for p in out.iterdir()) == before and os.path.lexists(out / lock.NAME)
+
+
+def test_a_run_inside_a_locked_folder_is_refused(tmp_path, capsys, no_work):
+    outer = tmp_path / "run"
+    with lock.acquire(outer):  # a run that has just started there, before it wrote anything
+        assert cli.main(["train", TINY, f"output_dir={outer / 'inner'}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"ddptune: invalid config: output_dir: {outer / 'inner'} lies inside {outer}"), err
+        assert [p.name for p in outer.iterdir()] == [lock.NAME]

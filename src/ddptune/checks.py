@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ddptune import checkpoint, config as config_lib, data as data_lib, model as model_lib, rundir
+from ddptune import checkpoint, config as config_lib, data as data_lib, lock, model as model_lib, rundir
 from ddptune.config import BatchPlan, Config, ConfigError
 
 
@@ -281,6 +281,8 @@ def output_problems(cfg: Config, resume: bool, world_size: int | None = None, ov
 def fresh_start_problems(out: Path, overwrite: bool) -> list[str]:
     """A new run needs an empty output_dir; --overwrite empties one that holds a ddptune run and
     nothing else. A folder of anything else is never offered --overwrite: it deletes nothing there."""
+    if problems := enclosing_run_problems(out):
+        return problems
     found = rundir.entries(out)
     if not found:
         return []
@@ -296,7 +298,22 @@ def fresh_start_problems(out: Path, overwrite: bool) -> list[str]:
     return []
 
 
-RESUME_MAY_CHANGE = {"train.timeout_minutes", "train.save_every", "train.save_every_minutes", "train.keep_checkpoints"}  # keys that change no result: a resume may set them anew
+def enclosing_run_problems(out: Path) -> list[str]:
+    """A new run may not lie inside a folder that holds a ddptune run (which its --overwrite would
+    clear, and whose files it would mix with) or that a live run holds locked."""
+    for parent in Path(os.path.realpath(out)).parents:
+        if rundir.is_run(parent):
+            return [f"output_dir: {out} lies inside {parent}, which holds a ddptune run (choose an output_dir "
+                    "outside it; nothing was written)"]
+        if lock.held(parent):
+            return [f"output_dir: {out} lies inside {parent}, which a running ddptune run holds locked (choose an "
+                    "output_dir outside it; nothing was written)"]
+    return []
+
+
+# keys that change no result: a resume may set them anew (output_dir: the run's folder may have been moved)
+RESUME_MAY_CHANGE = {"train.timeout_minutes", "train.save_every", "train.save_every_minutes", "train.keep_checkpoints",
+                     "output_dir"}
 # How the global batch is split among processes and forwards: a resume (at another process count too)
 # may change them while the samples per optimizer step stay the same (the loss is a sum over them).
 BATCH_KEYS = {"train.micro_batch_size", "train.grad_accum", "train.effective_batch_size"}

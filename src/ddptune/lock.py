@@ -93,6 +93,26 @@ def acquire(folder: str | os.PathLike) -> Lock:
         raise
 
 
+def held(folder: str | os.PathLike) -> bool:
+    """Whether a run holds `folder` locked now: one of its processes on this host is alive, it was
+    written on another host (which cannot be checked from here), or it is still being written."""
+    path = Path(folder) / NAME
+    try:
+        if _not_a_file(path):
+            return False
+        raw, holder = _read(path)
+    except OSError:
+        return False
+    if raw is None:
+        return False
+    if holder is None:
+        return time.time() - _mtime(path) < YOUNG_S
+    if holder.get("host", socket.gethostname()) != socket.gethostname():
+        return True
+    pids = holder.get("pids")
+    return isinstance(pids, list) and any(_alive(pid) for pid in pids)
+
+
 def join(folder: str | os.PathLike) -> None:
     """Add this process to the lock its launcher holds on `folder` (nothing if there is none)."""
     path = Path(folder) / NAME
