@@ -8,6 +8,7 @@ knows about processes: the training loop decides which of a step's samples it co
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import importlib.util
 import json
@@ -152,14 +153,47 @@ def _ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
 
+MARGIN_TOKENS = 64  # first_ids tokenizes this many longest tokens' worth of characters past what it keeps, twice
+
+
+@functools.lru_cache(maxsize=8)
+def longest_token(tokenizer) -> int:
+    """Characters in the longest token string of the tokenizer's vocabulary (added tokens too).
+    A byte-level vocabulary spells each byte of the text as one character of its own, a
+    SentencePiece one each character as at least one: no token covers more characters of a text."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1)
+
+
+def first_ids(tokenizer, text: str, n: int) -> list[int]:
+    """`_ids(tokenizer, text)[:n]`, without tokenizing more of a long text than can matter (a
+    5 MB line tokenized whole took 1.8 GB). The first n tokens cover at most n x longest_token
+    characters, so only that many, and a margin, are tokenized. The cut may change the tokens just
+    before it (a word cut in two), so the n kept ones must end a margin before the cut, by the
+    tokenizer's own offsets; if not (a normalizer that merges characters) or without offsets (a slow
+    tokenizer), the whole text is tokenized after all."""
+    if n <= 0:
+        return []
+    longest = longest_token(tokenizer)
+    margin = MARGIN_TOKENS * longest
+    bound = n * longest + 2 * margin
+    if len(text) <= bound or not getattr(tokenizer, "is_fast", False):
+        return _ids(tokenizer, text)[:n]
+    encoded = tokenizer(text[:bound], add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+    if len(ids) >= n and offsets[n - 1][1] + longest <= bound - margin:
+        return ids[:n]
+    return _ids(tokenizer, text)[:n]
+
+
 def tokenize_example(tokenizer, pieces: tuple[str, str, str], dialogue: str, summary: str, max_length: int) -> dict:
-    """Prompt and summary ids; the dialogue is cut at its end if the example is too long."""
+    """Prompt and summary ids; the dialogue is cut at its end if the example is too long (only as
+    much of a long dialogue or summary is tokenized as can be kept: first_ids)."""
     before, after, end = pieces
     pre, post = _ids(tokenizer, before), _ids(tokenizer, after)
-    dia = _ids(tokenizer, dialogue)
-    target = (_ids(tokenizer, summary) + _ids(tokenizer, end))[: max_length // 2]
+    half = max_length // 2
+    target = (first_ids(tokenizer, summary, half) + _ids(tokenizer, end))[:half]
     room = max_length - len(pre) - len(post) - len(target)
-    dia = dia[: max(room, 0)]
+    dia = first_ids(tokenizer, dialogue, room)
     prompt = pre + dia + post
     return {"input_ids": prompt + target, "labels": [IGNORE] * len(prompt) + target, "prompt_len": len(prompt)}
 
