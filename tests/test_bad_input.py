@@ -23,6 +23,16 @@ DEMO_ROW = {"dialogue": "A: hi\nB: hello", "summary": "They greet."}
 
 def make_world(tmp: Path) -> dict[str, str]:
     """Every file the cases point at: configs, runs (finished, interrupted, broken), data, models."""
+    make_configs(tmp)
+    make_runs(tmp)
+    make_data(tmp)
+    return {p.stem if p.suffix in (".yaml", ".json", ".jsonl", ".gguf") else p.name: str(p) for p in tmp.iterdir()} | {
+        "cfg": str(tmp / "cfg.yaml"), "out": str(tmp / "out"), "tmp": str(tmp)}
+
+
+def make_configs(tmp: Path) -> None:
+    import os
+
     (tmp / "cfg.yaml").write_text(TINY.read_text())
     yamls = {
         "list_yaml": "- train\n- model\n",
@@ -35,33 +45,47 @@ def make_world(tmp: Path) -> dict[str, str]:
     }
     for name, text in yamls.items():
         (tmp / f"{name}.yaml").write_text(text)
+    os.symlink(tmp / "loop.yaml", tmp / "loop.yaml")  # a symlink loop
+    os.mkfifo(tmp / "fifo.yaml")  # reading it would wait for a writer for ever
     (tmp / "afile").write_text("a file, not a folder\n")
     (tmp / "busy").mkdir()
     (tmp / "busy" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
 
-    def run_dir(name: str, overrides: list[str]) -> Path:
-        d = tmp / name
-        d.mkdir()
-        (d / "config.yaml").write_text(config.dump(config.load(TINY, [f"output_dir={d}", *overrides])))
-        return d
 
-    done = run_dir("done", [])  # a finished run
+def run_dir(tmp: Path, name: str, overrides: list[str]) -> Path:
+    d = tmp / name
+    d.mkdir()
+    (d / "config.yaml").write_text(config.dump(config.load(TINY, [f"output_dir={d}", *overrides])))
+    return d
+
+
+def checkpoint_at(run: Path, state: dict) -> None:
+    (run / "checkpoints" / "step-000002").mkdir(parents=True)
+    (run / "checkpoints" / "step-000002" / "state.json").write_text(json.dumps(state))
+
+
+def make_runs(tmp: Path) -> None:
+    from safetensors.torch import save_file
+
+    done = run_dir(tmp, "done", [])  # a finished run
     (done / "summary.json").write_text(json.dumps({"steps": 30, "world_size": 1}))
     (done / "adapter").mkdir()
-    (done / "adapter" / "adapter_config.json").write_text("{}")
+    (done / "adapter" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16,
+                                                                      "target_modules": ["q_proj"]}))
+    save_file({"w": torch.zeros(1)}, done / "adapter" / "adapter_model.safetensors")
     (done / "eval").mkdir()
     (done / "eval" / "metrics.json").write_text(json.dumps({"label": "fine-tuned", "rouge1": 1.0, "rouge2": 1.0, "rougeL": 1.0,
                                                             "rougeLsum": 1.0, "n": 4, "generation_time_s": 1.0}))
-    part = run_dir("part", ["train.save_every=2"])  # stopped after its step-2 checkpoint, written by 2 processes
-    (part / "checkpoints" / "step-000002").mkdir(parents=True)
-    (part / "checkpoints" / "step-000002" / "state.json").write_text(json.dumps({"step": 2, "world_size": 2, "global_batch": 8}))
+    part = run_dir(tmp, "part", ["train.save_every=2"])  # stopped after its step-2 checkpoint, written by 2 processes
+    checkpoint_at(part, {"step": 2, "world_size": 2, "global_batch": 8})
     (part / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n')
-    bare = run_dir("bare", ["train.save_every=2"])  # killed during its first save: only a temporary folder
+    bare = run_dir(tmp, "bare", ["train.save_every=2"])  # killed during its first save: only a temporary folder
     (bare / "checkpoints" / ".step-000002.tmp-x").mkdir(parents=True)
-    torn = run_dir("torn", ["train.save_every=2"])  # config.yaml cut short
-    (torn / "checkpoints" / "step-000002").mkdir(parents=True)
-    (torn / "checkpoints" / "step-000002" / "state.json").write_text(json.dumps({"step": 2, "world_size": 1}))
+    torn = run_dir(tmp, "torn", ["train.save_every=2"])  # config.yaml cut short
+    checkpoint_at(torn, {"step": 2, "world_size": 1})
     (torn / "config.yaml").write_text("train:\n  lr: [0.01\n")
+    for name, world in (("noworld", 0), ("textworld", "two")):  # a checkpoint whose process count is damaged
+        checkpoint_at(run_dir(tmp, name, ["train.save_every=2"]), {"step": 2, "world_size": world})
     (tmp / "noadapter").mkdir()  # a run that never finished: no adapter
     (tmp / "noadapter" / "config.yaml").write_text((done / "config.yaml").read_text())
     (tmp / "noconfig").mkdir()
@@ -70,6 +94,8 @@ def make_world(tmp: Path) -> dict[str, str]:
         (tmp / name).mkdir()
         (tmp / name / "metrics.json").write_text(text)
 
+
+def make_data(tmp: Path) -> None:
     lines = [json.dumps(dict(DEMO_ROW, id=i)) for i in range(30)]
     lines[20] = '{"dialogue": "A: hi", "summary": '  # file line 21
     (tmp / "rows.jsonl").write_text("\n".join(lines) + "\n")
@@ -77,6 +103,9 @@ def make_world(tmp: Path) -> dict[str, str]:
     (tmp / "nocol.json").write_text(json.dumps([{"text": "A: hi", "summary": "x"}] * 10))
     (tmp / "few.json").write_text(json.dumps([DEMO_ROW] * 3))
     (tmp / "numbers.json").write_text(json.dumps([{"dialogue": 5, "summary": "x"}] * 10))
+    (tmp / "number123.jsonl").write_text(json.dumps({"dialogue": 123, "summary": "x"}) + "\n")
+    (tmp / "scalars.json").write_text(json.dumps([1, 2, 3]))
+    (tmp / "empty.jsonl").write_text("")
     (tmp / "binary.jsonl").write_bytes(b"\xff\xfe\x00garbage\x80\x81\n")
     (tmp / "bad.gguf").write_bytes(b"\x00\x01 this is not a model " * 20)
     (tmp / "ggufs").mkdir()
@@ -86,8 +115,6 @@ def make_world(tmp: Path) -> dict[str, str]:
     (tmp / "nomodel" / "README.md").write_text("weights went missing\n")
     (tmp / "brokenmodel").mkdir()
     (tmp / "brokenmodel" / "config.json").write_text("{ this is not json")
-    return {p.stem if p.suffix in (".yaml", ".json", ".jsonl", ".gguf") else p.name: str(p) for p in tmp.iterdir()} | {
-        "cfg": str(tmp / "cfg.yaml"), "out": str(tmp / "out"), "tmp": str(tmp)}
 
 
 # (id, argv, substrings of the one line). Each argv is formatted with make_world's paths.
@@ -113,6 +140,8 @@ CASES = [
     # --- the config file
     ("config missing", ["train", "{tmp}/nope.yaml"], ["config: ", "nope.yaml' not found (give the path of a YAML file"]),
     ("config is a folder", ["train", "{tmp}"], ["config: ", "is a folder (give the path of a YAML file"]),
+    ("config is a symlink loop", ["train", "{loop}"], ["config: ", "loop.yaml' is a symlink loop"]),
+    ("config is a FIFO", ["train", "{fifo}"], ["config: ", "fifo.yaml' is a FIFO, not a regular file"]),
     ("YAML is a list", ["train", "{list_yaml}"], ["holds a YAML list, not a mapping of sections"]),
     ("YAML is a scalar", ["train", "{scalar_yaml}"], ["holds a YAML int, not a mapping of sections"]),
     ("duplicate YAML section", ["train", "{dup_yaml}"], ["'train' appears twice (lines 1 and 5; merge them into one)"]),
@@ -191,7 +220,12 @@ CASES = [
     ("JSONL not UTF-8", [*TRAIN, "data.train={binary}"], ["data.train: cannot read ", "UnicodeDecodeError"]),
     ("JSON not a list", [*TRAIN, "data.train={dict}", "data.train_rows=null"], ["data.train: cannot read ", "holds a JSON dict, not a list of rows"]),
     ("missing column", [*TRAIN, "data.train={nocol}", "data.train_rows=null"], ["has no text column 'dialogue' (set data.dialogue_column to one of: summary, text)"]),
-    ("column not text", [*TRAIN, "data.train={numbers}", "data.train_rows=null"], ["row 0 of ", "has no text column 'dialogue'"]),
+    ("column not text", [*TRAIN, "data.train={numbers}", "data.train_rows=null"], ["data.train: row 0 of ", "'dialogue' holds a number"]),
+    ("column a number in JSON lines", [*TRAIN, "data.train={number123}", "data.train_rows=null"],
+     ["data.train: row 0 of ", "'dialogue' holds a number (123), not text"]),
+    ("rows not objects", [*TRAIN, "data.train={scalars}", "data.train_rows=null"], ["data.train: row 0 of ", "is a number, not an object"]),
+    ("training file empty", [*TRAIN, "data.train={empty}", "data.train_rows=null"], ["data.train: ", "empty.jsonl holds no rows"]),
+    ("validation file empty", [*TRAIN, "data.val={empty}", "data.val_rows=null"], ["data.val: ", "empty.jsonl holds no rows"]),
     ("val column missing", [*TRAIN, "data.val={nocol}", "data.val_rows=null"], ["data.val: row 0 of "]),
     ("row slice not a slice", [*TRAIN, "data.train_rows=abc"], ["data.train_rows: 'abc' is not a row slice (write START:STOP"]),
     ("row slice selects nothing", [*TRAIN, "data.train_rows=5000:6000"], ["data.train: rows '5000:6000' select nothing"]),
@@ -201,11 +235,16 @@ CASES = [
     ("output_dir under a file", ["train", "{cfg}", "output_dir={afile}/run"], ["output_dir: ", "cannot be made: ", "afile is a file"]),
     ("output_dir not writable", ["train", "{cfg}", "output_dir=/proc/ddptune-test/run"], ["output_dir: /proc is not writable"]),
     ("output_dir holds a run", ["train", "{cfg}", "output_dir={busy}"], ["output_dir: ", "holds files that are not a ddptune run"]),
+    ("output_dir inside a run", ["train", "{cfg}", "output_dir={done}/eval/next"], ["output_dir: ", "lies inside {done}, which holds a ddptune run"]),
     # --- --resume
     ("resume into nothing", [*TRAIN, "--resume"], ["output_dir: --resume found no checkpoints in"]),
     ("resume a finished run", ["train", "{cfg}", "output_dir={done}", "--resume"], ["is complete (it wrote summary.json and its weights): nothing to resume"]),
     ("resume with no complete checkpoint", ["train", "{cfg}", "output_dir={bare}", "train.save_every=2", "--resume"],
      ["--resume: no checkpoint in ", "can be read back", "start afresh into a new output_dir"]),
+    ("resume from a checkpoint of 0 processes", ["train", "{cfg}", "output_dir={noworld}", "train.save_every=2", "--resume"],
+     ["--resume: no checkpoint in ", "can be read back"]),
+    ("resume from a checkpoint of 'two' processes", ["train", "{cfg}", "output_dir={textworld}", "train.save_every=2", "--resume"],
+     ["--resume: no checkpoint in ", "can be read back"]),
     ("resume at another process count", ["train", "{cfg}", "output_dir={part}", "train.save_every=2", "--resume"],
      ["--resume: ", "was written by 2 processes with 8 samples per optimizer step; 1 process(es) would not take the same: "
       "set train.effective_batch_size=8 (or resume with --nproc 2)"]),

@@ -1,16 +1,20 @@
-"""Checkpoints hold data only: a planted pickle never runs; a damaged newest checkpoint falls back;
-a step that is not finite stops the run before anything non-finite is saved."""
+"""Checkpoints hold data only: a planted pickle never runs; a checkpoint is checked against the run
+before anything of it is used, and a damaged newest one falls back; a step that is not finite stops
+the run before anything non-finite is saved."""
 from __future__ import annotations
 
 import json
 import os
 import pickle
+import random
+import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import multiproc
 from conftest import ROOT, metrics
@@ -42,7 +46,7 @@ def test_planted_pickles_never_run(tmp_path):
                                config.LoraConfig(r=8, alpha=16, dropout=0.0), False)
     opt, sched = step.build_optimizer(config.load(TINY).train, m, 2)
     for name in files:  # each file in turn replaced by a pickle that would create `marker`
-        bad = tmp_path / "bad"
+        bad = tmp_path / "bad" / ckpt.name  # the folder's name is the step's
         shutil.rmtree(bad, ignore_errors=True)
         shutil.copytree(ckpt, bad)
         (bad / name).write_bytes(pickle.dumps(Payload(marker)))
@@ -177,3 +181,217 @@ def test_learning_rates_kept_on_the_gpu_resume_in_either_kind_of_optimizer(tmp_p
             assert float(opt2.param_groups[0]["lr"]) == pytest.approx(8.75e-4)
             step(w2, opt2, sched2)
             assert torch.allclose(w2, w) and float(opt2.param_groups[0]["lr"]) == pytest.approx(float(opt.param_groups[0]["lr"]))
+
+
+# --- a checkpoint is checked against the run before anything of it is used --------------------------
+
+def small_parts(seed: int):
+    """A real two-layer model (one weight frozen: no checkpoint holds it), AdamW and a cosine schedule."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model[1].bias.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    return model, opt, transformers.get_scheduler("cosine", opt, num_warmup_steps=1, num_training_steps=10)
+
+
+@pytest.fixture(scope="module")
+def saved_step_2(tmp_path_factory) -> Path:
+    model, opt, sched = small_parts(0)
+    for _ in range(2):
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    weights = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    return checkpoint.save(tmp_path_factory.mktemp("saved") / "checkpoints", 2, weights, opt, sched,
+                           [checkpoint.rng_state()], {"world_size": 1, "global_batch": 4})
+
+
+def rewrite(stem: str, change):
+    """Damage: `change(obj)` on what `stem`.json (with its tensors) holds, written back as a save would."""
+    def damage(folder: Path) -> None:
+        tensors_file = folder / f"{stem}.safetensors"
+        tensors = load_file(tensors_file) if tensors_file.exists() else {}
+        obj = change(checkpoint.join_tensors(json.loads((folder / f"{stem}.json").read_text()), tensors))
+        out: dict = {}
+        (folder / f"{stem}.json").write_text(json.dumps(checkpoint.split_tensors(obj, stem, out)))
+        if tensors_file.exists():
+            save_file(out, tensors_file)
+    return damage
+
+
+def weights(change):
+    def damage(folder: Path) -> None:
+        save_file(change(load_file(folder / "weights.safetensors")), folder / "weights.safetensors")
+    return damage
+
+
+def state(**values):
+    return lambda folder: (folder / "state.json").write_text(json.dumps({"step": 2, "world_size": 1, **values}))
+
+
+def write(name: str, content: bytes):
+    return lambda folder: (folder / name).write_bytes(content)
+
+
+def put(key, value):
+    return lambda d: {**d, key: value}
+
+
+def optimizer_state(change):
+    return rewrite("optimizer", lambda o: {**o, "state": change(o["state"])})
+
+
+def first_rng(change):
+    return rewrite("rng", lambda rngs: [change(rngs[0])])
+
+
+DAMAGE = [  # (id, damage to a copy of a good step-2 checkpoint, the run's total_steps)
+    ("a weight of shape [1]", weights(put("0.weight", torch.zeros(1))), 10),
+    ("a weight of a shape that does not broadcast", weights(put("0.weight", torch.zeros(5, 7))), 10),
+    ("a weight of another dtype", weights(lambda w: put("0.weight", w["0.weight"].double())(w)), 10),
+    ("a trained weight missing", weights(lambda w: {k: v for k, v in w.items() if k != "0.bias"}), 10),
+    ("a weight the model lacks, named like a path", weights(put("../../etc/passwd", torch.zeros(1))), 10),
+    ("step -20", state(step=-20), 10),
+    ("step 1e15", state(step=1e15), 10),
+    ("step as text", state(step="2"), 10),
+    ("step true", state(step=True), 10),
+    ("step not the folder's", state(step=3), 10),
+    ("step past the run's end", lambda folder: None, 1),
+    ("world size 0", state(world_size=0), 10),
+    ("global batch not a number", state(global_batch="8"), 10),
+    ("state.json a list", write("state.json", b"[2]"), 10),
+    ("no RNG states", rewrite("rng", lambda rngs: []), 10),
+    ("an RNG state not a dict", rewrite("rng", lambda rngs: [1]), 10),
+    ("a torch RNG state of the wrong size", first_rng(put("torch", torch.zeros(3, dtype=torch.uint8))), 10),
+    ("a torch RNG state not a ByteTensor", first_rng(lambda s: put("torch", s["torch"].float())(s)), 10),
+    ("a python RNG state cut short", first_rng(put("python", (3, (1, 2, 3), None))), 10),
+    ("a numpy RNG state cut short", first_rng(lambda s: put("numpy", ["MT19937", [1, 2], 0, 0, 0.0])(s)), 10),
+    ("optimizer state for a parameter that does not exist", optimizer_state(lambda st: {**st, 99: {k: v.clone() for k, v in st[0].items()}}), 10),
+    ("an optimizer state of the wrong shape", optimizer_state(lambda st: {**st, 0: put("exp_avg", torch.zeros(1))(st[0])}), 10),
+    ("an optimizer step that is text", optimizer_state(lambda st: {**st, 0: put("step", "many")(st[0])}), 10),
+    ("two optimizer parameter groups", rewrite("optimizer", lambda o: put("param_groups", o["param_groups"] * 2)(o)), 10),
+    ("an optimizer learning rate that is text",
+     rewrite("optimizer", lambda o: put("param_groups", [put("lr", "fast")(o["param_groups"][0])])(o)), 10),
+    ("a scheduler state that is a list", rewrite("scheduler", lambda s: [1, 2]), 10),
+    ("a scheduler state without last_epoch", rewrite("scheduler", lambda s: {k: v for k, v in s.items() if k != "last_epoch"}), 10),
+    ("a scheduler last_epoch that is text", rewrite("scheduler", put("last_epoch", "x")), 10),
+    ("a scheduler last_epoch that is a fraction", rewrite("scheduler", put("last_epoch", 2.5)), 10),
+    ("a torn optimizer file", write("optimizer.safetensors", b"\0" * 10), 10),
+    ("a safetensors header that claims 2**60 bytes", write("weights.safetensors", (2**60).to_bytes(8, "little") + b"{}"), 10),
+    ("deep JSON", write("scheduler.json", b"[" * 100_000 + b"]" * 100_000), 10),
+]
+
+
+def everything(model, opt, sched) -> tuple:
+    """What a failed load must leave as it was: weights, optimizer and scheduler states, every RNG."""
+    return ({k: v.clone() for k, v in model.state_dict().items()}, repr(opt.state_dict()), repr(sched.state_dict()),
+            torch.get_rng_state(), random.getstate(), repr(np.random.get_state()))
+
+
+@pytest.mark.parametrize("damage, total_steps", [c[1:] for c in DAMAGE], ids=[c[0] for c in DAMAGE])
+def test_a_checkpoint_unlike_the_run_is_refused_and_changes_nothing(saved_step_2, tmp_path, damage, total_steps):
+    folder = tmp_path / "checkpoints" / "step-000002"
+    shutil.copytree(saved_step_2, folder)
+    damage(folder)
+    model, opt, sched = small_parts(1)
+    before = everything(model, opt, sched)
+    with pytest.raises(ValueError, match=f"^checkpoint {re.escape(str(folder))} "):
+        checkpoint.load(folder, model, opt, sched, 0, total_steps=total_steps)
+    after = everything(model, opt, sched)
+    assert before[0].keys() == after[0].keys() and all(torch.equal(before[0][k], after[0][k]) for k in before[0])
+    assert before[1:3] == after[1:3] and torch.equal(before[3], after[3]) and before[4:] == after[4:]
+
+
+def test_an_undamaged_checkpoint_restores_everything(saved_step_2):
+    model, opt, sched = small_parts(1)
+    assert checkpoint.load(saved_step_2, model, opt, sched, 0, total_steps=2)["step"] == 2
+    saved = load_file(saved_step_2 / "weights.safetensors")
+    assert all(torch.equal(p, saved[n]) for n, p in model.named_parameters() if p.requires_grad)
+    assert sched.last_epoch == 2 and len(opt.state) == 3
+
+
+@pytest.fixture(scope="module")
+def unbroken_4(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("unbroken4") / "run"
+    train.run(config.load(TINY, [f"output_dir={out}", *RESUME_ARGS]))
+    return out
+
+
+RESUME_ARGS = ["train.max_steps=4", "train.save_every=2", "train.keep_checkpoints=3", "lora.dropout=0.0", "data.val=null"]
+
+
+@pytest.mark.parametrize("damage", [weights(lambda w: {k: torch.zeros(1) for k in w}), state(step=1e15)],
+                         ids=["weights of shape [1]", "step 1e15"])
+def test_a_resume_falls_back_past_a_checkpoint_unlike_the_run(unbroken_4, tmp_path, capsys, damage):
+    part = tmp_path / "part"
+    shutil.copytree(unbroken_4, part, ignore=shutil.ignore_patterns("adapter", "summary.json", "ranks.jsonl"))
+    (part / "config.yaml").write_text((unbroken_4 / "config.yaml").read_text().replace(str(unbroken_4), str(part)))
+    newest = part / "checkpoints" / "step-000004"
+    damage(newest)
+    train.run(config.load(TINY, [f"output_dir={part}", *RESUME_ARGS]), resume=True)
+    said = capsys.readouterr()
+    warned = [l for l in (said.out + said.err).splitlines() if "warning" in l]
+    assert any(f"checkpoint {newest} " in l for l in warned), warned
+    losses = lambda d: [r["loss"] for r in metrics(d) if "loss" in r]  # noqa: E731
+    assert losses(part) == pytest.approx(losses(unbroken_4), abs=1e-6)  # resumed after step 2
+    a, b = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (unbroken_4, part))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_committed_folders_get_a_plain_folders_permissions(tmp_path, unbroken_4):
+    """mkdtemp makes the temporary folder private (0700); once renamed into place it has what a
+    plain mkdir gives, whatever the umask."""
+    plain = 0o777 & ~(umask := os.umask(0o027))
+    os.umask(umask)
+    assert (unbroken_4 / "adapter").stat().st_mode & 0o777 == plain
+    assert all(p.stat().st_mode & 0o777 == plain for p in (unbroken_4 / "checkpoints").iterdir())
+    saved = os.umask(0o027)
+    try:
+        w = torch.nn.Parameter(torch.ones(2))
+        opt = torch.optim.SGD([w], lr=0.1)
+        path = checkpoint.save(tmp_path / "checkpoints", 1, {"w": w.detach()}, opt,
+                               torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), [checkpoint.rng_state()], {})
+    finally:
+        os.umask(saved)
+    assert path.stat().st_mode & 0o777 == 0o750
+
+
+def test_remove_leftovers_deletes_what_a_killed_save_left_and_nothing_else(tmp_path):
+    out = tmp_path / "run"
+    (out / "adapter").mkdir(parents=True)
+    for name in (".adapter.tmp-abc123", ".adapter.tmp-x9", ".adapter.old"):
+        (out / name).mkdir()
+        (out / name / "adapter_model.safetensors").write_bytes(b"\0" * 1000)
+    (out / ".adapter.tmp-file").write_text("a file by such a name")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("mine")
+    (out / ".adapter.tmp-link").symlink_to(outside)  # removed, never followed
+    kept = ["adapter", ".model.tmp-1", "adapter.tmp-2", ".adapterx.old", ".adapter.older"]
+    for name in kept[1:]:
+        (out / name).mkdir()
+    checkpoint.remove_leftovers(out / "adapter")
+    assert sorted(p.name for p in out.iterdir()) == sorted(kept)
+    assert (outside / "keep.txt").read_text() == "mine"
+    checkpoint.remove_leftovers(tmp_path / "nowhere" / "model")  # no folder: nothing to do
+
+
+def test_a_run_moved_to_another_folder_resumes_there(unbroken_4, tmp_path):
+    """The saved config.yaml names the folder the run was started in; a resume from where the run
+    now lies goes on as the unbroken run did."""
+    from ddptune import cli
+
+    before, after = tmp_path / "before", tmp_path / "moved" / "after"
+    shutil.copytree(unbroken_4, before, ignore=shutil.ignore_patterns("adapter", "summary.json", "ranks.jsonl"))
+    (before / "config.yaml").write_text((unbroken_4 / "config.yaml").read_text().replace(str(unbroken_4), str(before)))
+    shutil.rmtree(before / "checkpoints" / "step-000004")  # stopped after its step-2 checkpoint
+    after.parent.mkdir()
+    before.rename(after)
+    assert cli.main(["train", TINY, f"output_dir={after}", *RESUME_ARGS, "--resume"]) == 0
+    losses = lambda d: [r["loss"] for r in metrics(d) if "loss" in r]  # noqa: E731
+    assert losses(after) == pytest.approx(losses(unbroken_4), abs=1e-6)
+    a, b = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (unbroken_4, after))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

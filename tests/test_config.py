@@ -119,3 +119,45 @@ def test_keys_ddptune_decides_itself_are_refused_each_with_one_line():
     assert sorted(p.split(":")[0] for p in e.value.problems) == sorted(config.RETIRED)
     assert all("decides this itself" in p for p in e.value.problems)
     assert config.from_dict({"train": {"cuda_graphs": "auto"}}).train.cuda_graphs == "auto"
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once_with_a_short_line(tmp_path):
+    """A 'billion laughs': nine levels of nine aliases, a few hundred bytes that expand into 387
+    million values; its problem line once quoted them all (72 MB at 640 MB of memory)."""
+    import time
+    import tracemalloc
+
+    lines = ["a: &a [x, x, x, x, x, x, x, x, x]"] + [
+        f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]" for p, c in zip("abcdefgh", "bcdefghi")]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(lines) + "\nlora:\n  target_modules: *i\n")
+    assert len(bomb.read_bytes()) < 500
+    tracemalloc.start()
+    started = time.perf_counter()
+    with pytest.raises(ConfigError) as e:
+        config.load(bomb)
+    seconds, peak = time.perf_counter() - started, tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert seconds < 2 and peak < 10e6, (seconds, peak)
+    assert len(e.value.problems) == 1 and len(str(e.value)) < 1000 and str(e.value.problems[0]).startswith(f"config: {bomb}: ")
+    # a value that refers to itself is refused too; an alias of a plain value or list stays allowed
+    (tmp_path / "loop.yaml").write_text("lora:\n  target_modules: &t [q_proj, *t]\n")
+    with pytest.raises(ConfigError, match="^invalid config: config: "):
+        config.load(tmp_path / "loop.yaml")
+    (tmp_path / "ok.yaml").write_text("lora:\n  r: &r 8\n  alpha: *r\n  target_modules: &t [q_proj]\nx: [*t, *t]\n")
+    assert config.read_yaml(tmp_path / "ok.yaml")["lora"] == {"r": 8, "alpha": 8, "target_modules": ["q_proj"]}
+
+
+@pytest.mark.parametrize("text, field", [
+    ("train:\n  lr: " + "9" * 1_000_000 + "x\n", "train.lr: "),  # one value of a megabyte
+    ("lora:\n  target_modules: [" + ", ".join(["1"] * 100_000) + "]\n", "lora.target_modules[0]: "),  # 100,000 bad items
+    ("train:\n  ? " + "k" * 1_000_000 + "\n  : 1\n", "train.kkk"),  # a key of a megabyte
+    ("train: " + "[" * 5000 + "]" * 5000 + "\n", "config: "),  # nested past what the reader can follow
+], ids=["long value", "many bad items", "long key", "deep"])
+def test_a_problem_line_quotes_a_bounded_part_of_a_value(tmp_path, text, field):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        config.load(path)
+    assert len(str(e.value)) < 1500 and len(e.value.problems) <= 4, str(e.value)[:2000]
+    assert e.value.problems[0].startswith(field), e.value.problems[0][:300]

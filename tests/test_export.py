@@ -103,12 +103,16 @@ def test_qlora_is_merged_into_its_dequantized_base(tmp_path):
     assert torch.allclose(logits(merged, IDS), logits(trained(run), IDS), atol=2e-2)
 
 
-def test_a_full_fine_tune_exports_its_full_model(tmp_path):
+def test_a_full_fine_tune_exports_its_full_model(tmp_path, capsys):
     run = train_run(tmp_path / "run", "train.method=full", "train.lr=1e-3")
     out = tmp_path / "full"
     export(run, out)  # no --merge needed: there is no adapter
     merged = AutoModelForCausalLM.from_pretrained(out)
     assert torch.allclose(logits(merged, IDS), logits(trained(run), IDS), atol=1e-6)
+    for name, content in (("model/model.safetensors", lambda: b"\0" * 10), ("model/config.json", lambda: b"{not json")):
+        copy, damaged = damaged_copy(run, tmp_path / name.replace("/", "-"), name, content)
+        assert cli.main(["export", str(copy), str(tmp_path / "again")]) == 2
+        assert f"export: {damaged} " in capsys.readouterr().err and not (tmp_path / "again").exists()
 
 
 def test_bad_input_is_refused_with_one_line_and_nothing_overwritten(lora_run, tmp_path, capsys):
@@ -157,3 +161,43 @@ def test_smollm2_gguf_merge_gives_the_adapter_logits(tmp_path):
     want = logits(adapted, ids)  # the run's own model: loading it again from disk would cost another 15 s
     assert torch.allclose(logits(merged, ids), want, atol=1e-3, rtol=1e-4)
     print(f"SmolLM2 train + export + compare: {time.perf_counter() - t0:.1f}s")
+
+
+def empty_safetensors() -> bytes:
+    from safetensors.torch import save
+
+    return save({})
+
+
+# (id, file of the run, what it is replaced by): each a run whose trained files were damaged after it finished
+DAMAGED = [
+    ("torn weights", "adapter/adapter_model.safetensors", lambda: b"\0" * 10),
+    ("a weights header claiming 2**60 bytes", "adapter/adapter_model.safetensors", lambda: (2**60).to_bytes(8, "little") + b"{}"),
+    ("weights without a tensor", "adapter/adapter_model.safetensors", empty_safetensors),
+    ("weights cut short", "adapter/adapter_model.safetensors", None),  # the first half of the real file
+    ("adapter_config.json not JSON", "adapter/adapter_config.json", lambda: b'{"r": 8, '),
+    ("adapter_config.json a list", "adapter/adapter_config.json", lambda: b"[]"),
+    ("adapter_config.json without r", "adapter/adapter_config.json",
+     lambda: json.dumps({"peft_type": "LORA", "lora_alpha": 16, "target_modules": ["q_proj"]}).encode()),
+]
+
+
+def damaged_copy(run, tmp_path, name: str, content) -> tuple:
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    path = copy / name
+    path.write_bytes(content() if content else path.read_bytes()[: path.stat().st_size // 2])
+    return copy, path
+
+
+@pytest.mark.parametrize("name, content", [c[1:] for c in DAMAGED], ids=[c[0] for c in DAMAGED])
+def test_a_damaged_adapter_is_refused_before_anything_is_written(lora_run, tmp_path, capsys, name, content):
+    run, damaged = damaged_copy(lora_run, tmp_path, name, content)
+    for extra in ([], ["--merge"]):
+        out = tmp_path / "out"
+        assert cli.main(["export", str(run), str(out), *extra]) == 2, extra
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"ddptune: invalid config: export: {damaged} "), err
+        assert not out.exists() and not list(tmp_path.glob(".out*"))

@@ -135,3 +135,33 @@ def test_overwrite_restarts_a_failed_run_and_is_never_implied(tmp_path, capsys):
     assert cli.main([*args, "--overwrite"]) == 0
     assert [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert json.loads((out / "summary.json").read_text())["steps"] == 2 and not (out / lock.NAME).exists()
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: p.mkdir(),
+    os.mkfifo,  # reading it would block for ever
+    lambda p: os.symlink(p, p),  # a symlink loop
+    lambda p: os.symlink(p.parent / "elsewhere.json", p),  # a symlink to nothing
+], ids=["folder", "FIFO", "symlink loop", "dangling symlink"])
+def test_a_lock_path_that_is_not_a_regular_file_is_refused_with_one_line(tmp_path, capsys, no_work, make):
+    out = tmp_path / "run"
+    out.mkdir()
+    make(out / lock.NAME)
+    with pytest.raises(config.ConfigError) as e:
+        lock.acquire(out)
+    assert len(e.value.problems) == 1 and e.value.problems[0].startswith(f"output_dir: {out / lock.NAME} ")
+    assert f"remove {out / lock.NAME}" in e.value.problems[0]
+    before = sorted(p.name for p in out.iterdir())
+    assert cli.main(["train", TINY, f"output_dir={out}", "train.max_steps=2", "data.val=null"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ddptune: invalid config: output_dir: "), err
+    assert sorted(p.name for p in out.iterdir()) == before and os.path.lexists(out / lock.NAME)
+
+
+def test_a_run_inside_a_locked_folder_is_refused(tmp_path, capsys, no_work):
+    outer = tmp_path / "run"
+    with lock.acquire(outer):  # a run that has just started there, before it wrote anything
+        assert cli.main(["train", TINY, f"output_dir={outer / 'inner'}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"ddptune: invalid config: output_dir: {outer / 'inner'} lies inside {outer}"), err
+        assert [p.name for p in outer.iterdir()] == [lock.NAME]

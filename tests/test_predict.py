@@ -9,7 +9,7 @@ import pytest
 
 import multiproc
 from ddptune import cli, data
-from test_export import train_run
+from test_export import DAMAGED, damaged_copy, train_run
 
 # byte-level tiny model: a long data.max_length keeps every dialogue whole, as eval keeps them
 GEN = ["eval.max_new_tokens=8", "eval.batch_size=2", "data.max_length=4096"]
@@ -76,3 +76,20 @@ def test_bad_input_is_refused_with_one_line(run, tmp_path, monkeypatch, capsys):
     assert taken.read_text() == "mine\n"
     assert cli.main(["predict", str(tmp_path), str(good)]) == 2
     assert "has no config.yaml" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, content", [c[1:] for c in DAMAGED if c[0] in ("torn weights", "adapter_config.json not JSON")],
+                         ids=["torn weights", "adapter_config.json not JSON"])
+def test_a_damaged_adapter_is_refused_by_predict_and_eval(run, tmp_path, capsys, name, content):
+    copy, damaged = damaged_copy(run, tmp_path, name, content)
+    good = tmp_path / "in.jsonl"
+    good.write_text(jsonl(demo_rows(0, 2)))
+    out = tmp_path / "predictions.jsonl"
+    assert cli.main(["predict", str(copy), str(good), "--out", str(out), *GEN]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"ddptune: invalid config: predict: {damaged} "), err
+    assert not out.exists()
+    assert cli.main(["eval", str(copy), "data.val_rows=560:562", *GEN]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"eval: {damaged} " in err[0], err
+    assert not (copy / "eval").exists()

@@ -160,7 +160,17 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def plain_mode() -> int:
+    """The permissions a plain `mkdir` gives a folder: 0o777 less the umask."""
+    umask = os.umask(0o022)  # read it (os has no other way) and put it back at once
+    os.umask(umask)
+    return 0o777 & ~umask
+
+
 def commit(tmp: Path, final: Path) -> None:
+    """Rename the finished `tmp` into place as `final` (replacing an older `final` whole), with the
+    permissions of a plain folder: mkdtemp makes it private (0700)."""
+    os.chmod(tmp, plain_mode())
     _fsync_dir(tmp)  # its entries (each file is synced as written) reach the disk before the rename does
     if final.exists():  # an older copy of the same step: replace it whole
         old = final.with_name(f".{final.name}.old")
@@ -171,6 +181,22 @@ def commit(tmp: Path, final: Path) -> None:
     else:
         os.replace(tmp, final)
     _fsync_dir(final.parent)  # the rename itself survives a power cut
+
+
+def remove_leftovers(final: Path) -> None:
+    """Delete what a save killed midway left beside `final`: its temporary folders
+    (`.NAME.tmp-*`: for full fine-tuning, model-sized) and a replaced copy (`.NAME.old`). A symlink
+    by such a name is removed, never followed."""
+    if not final.parent.is_dir():
+        return
+    temporary, old = f".{final.name}.tmp-", f".{final.name}.old"
+    for p in final.parent.iterdir():
+        if not (p.name.startswith(temporary) or p.name == old):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
 
 
 def path_of(folder: Path, step: int) -> Path:
@@ -220,27 +246,194 @@ def list_checkpoints(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.name.startswith(PREFIX) and (p / "state.json").exists())
 
 
-def load(path: Path, model, optimizer, scheduler, process_index: int) -> dict:
+# ---------------------------------------------------------------------------------------------
+# Loading: everything read and checked against this run before anything of it changes
+
+
+def load(path: Path, model, optimizer, scheduler, process_index: int, total_steps: int | None = None) -> dict:
     """Restore weights, optimizer, scheduler and this process's RNG; return state.json.
-    Raises ValueError naming the checkpoint when a file is missing or not what it should be."""
+    Every file is read and checked against this run first (each weight's shape and dtype, the step
+    against the folder's name and 1..`total_steps`, the optimizer's parameters and states, the
+    scheduler's keys, the RNG states' form): a ValueError naming the checkpoint and what is wrong
+    leaves the model, optimizer, scheduler and RNG as they were."""
+    state = _read(path, lambda: json.loads((path / "state.json").read_text()))
+    if problem := state_problem(path, state, total_steps):
+        raise ValueError(f"checkpoint {path} {problem}")
+    shards = state.get("shards")
+    if shards is not None and not 0 <= process_index < shards:
+        raise ValueError(f"checkpoint {path} holds the shards of {shards} processes, not of process {process_index}")
+    name = (lambda stem, suffix: shard_name(stem, process_index, suffix)) if shards else (lambda stem, suffix: f"{stem}.{suffix}")  # noqa: E731
+    weights = _read(path, lambda: load_file(str(path / name("weights", "safetensors"))))
+    optimizer_state = _read(path, lambda: join_tensors(json.loads((path / name("optimizer", "json")).read_text()),
+                                                       load_file(str(path / name("optimizer", "safetensors")))))
+    scheduler_state = _read(path, lambda: join_tensors(json.loads((path / "scheduler.json").read_text()), {}))
+    rngs = _read(path, lambda: join_tensors(json.loads((path / "rng.json").read_text()), load_file(str(path / "rng.safetensors"))))
     try:
-        state = json.loads((path / "state.json").read_text())
-        shards = state.get("shards")
-        if shards is not None and not 0 <= process_index < shards:
-            raise ValueError(f"it holds the shards of {shards} processes, not of process {process_index}")
-        name = (lambda stem, suffix: shard_name(stem, process_index, suffix)) if shards else (lambda stem, suffix: f"{stem}.{suffix}")  # noqa: E731
-        weights = load_file(str(path / name("weights", "safetensors")))
-        optimizer_state = join_tensors(json.loads((path / name("optimizer", "json")).read_text()),
-                                       load_file(str(path / name("optimizer", "safetensors"))))
-        scheduler_state = join_tensors(json.loads((path / "scheduler.json").read_text()), {})
-        rngs = join_tensors(json.loads((path / "rng.json").read_text()), load_file(str(path / "rng.safetensors")))
+        problem = (weights_problem(weights, model) or optimizer_problem(optimizer_state, optimizer)
+                   or scheduler_problem(scheduler_state, scheduler) or rngs_problem(rngs))
+    except Exception as e:  # noqa: BLE001 - a form no check foresaw is damage all the same
+        problem = f"holds state of a form this run cannot take ({type(e).__name__}: {_first_line(e)})"
+    if problem:
+        raise ValueError(f"checkpoint {path} {problem}")
+    _restore(weights, optimizer_state, scheduler_state, model, optimizer, scheduler)
+    # At another process count (same global batch) a process takes some writer's RNG: dropout masks
+    # then differ from the unbroken run's, which the shares' new split already implies.
+    set_rng_state(rngs[process_index % len(rngs)])
+    return state
+
+
+def _read(path: Path, read):
+    """`read()`, or ValueError naming the checkpoint when a file is missing, truncated or foreign."""
+    try:
+        return read()
     except Exception as e:  # noqa: BLE001 - missing, truncated or foreign files (safetensors has its own error type)
-        reason = (str(e).splitlines() or [""])[0][:200]
-        raise ValueError(f"checkpoint {path} cannot be read ({type(e).__name__}: {reason})") from None
+        raise ValueError(f"checkpoint {path} cannot be read ({type(e).__name__}: {_first_line(e)})") from None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [""])[0][:200]
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _kind(t: torch.Tensor) -> str:
+    return f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+
+
+def _positive_int(value) -> bool:
+    return type(value) is int and value >= 1
+
+
+def state_problem(path: Path, state, total_steps: int | None = None) -> str | None:
+    """What is wrong with a checkpoint's state.json (read from `path`), or None: its step must be a
+    whole number equal to the folder's (step-000025: 25), within 1..total_steps when that is given;
+    its process and batch counts positive whole numbers."""
+    if not isinstance(state, dict):
+        return f"has a state.json that holds a JSON {type(state).__name__}, not an object"
+    step, number = state.get("step"), path.name.removeprefix(PREFIX)
+    if type(step) is not int:
+        return f"has a step that is not a whole number ({_shown(step)} in state.json)"
+    if not (number.isdigit() and number.isascii()) or int(number) != step:
+        return f"says step {step} in state.json, but its folder is named {path.name}"
+    if total_steps is not None and not 1 <= step <= total_steps:
+        return f"is at step {step}, outside this run's steps 1..{total_steps}"
+    for key in ("world_size", "global_batch", "shards"):
+        if key in state and not _positive_int(state[key]):
+            return f"has a {key} that is not a positive whole number ({_shown(state[key])} in state.json)"
+    return None
+
+
+def weights_problem(weights: dict, model) -> str | None:
+    """Each saved weight is a parameter of `model` with its (local, when sharded) shape and dtype,
+    and every trained parameter is there."""
     params = dict(model.named_parameters())
-    missing = [k for k in weights if k not in params]
-    if missing:
-        raise ValueError(f"checkpoint {path} has weights the model lacks, e.g. {missing[0]}: was the config changed?")
+    for k, v in weights.items():
+        if k not in params:
+            return f"has weights the model lacks, e.g. {_shown(k)}: was the config changed?"
+        own = local(params[k])
+        if v.shape != own.shape or v.dtype != own.dtype:
+            return f"holds {k} as {_kind(v)}, but this run's is {_kind(own)} (was the config changed?)"
+    absent = [k for k, p in params.items() if p.requires_grad and k not in weights]
+    if absent:
+        return f"lacks {len(absent)} of this run's trained weights, e.g. {absent[0]} (was the config changed?)"
+    return None
+
+
+PER_PARAMETER = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "state1", "state2")  # a parameter's shape
+
+
+def optimizer_problem(saved, optimizer) -> str | None:
+    """The saved optimizer state has this optimizer's parameter groups, numbers its parameters as
+    it does, holds states only for parameters that exist, each of its parameter's (local) shape."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict) or not isinstance(saved.get("param_groups"), list):
+        return "holds an optimizer state without its state and param_groups"
+    groups, own = saved["param_groups"], optimizer.param_groups
+    if len(groups) != len(own):
+        return f"has {len(groups)} optimizer parameter groups, this run {len(own)} (was the config changed?)"
+    for i, (group, mine) in enumerate(zip(groups, own)):
+        if not isinstance(group, dict) or not isinstance(group.get("params"), list) or len(group["params"]) != len(mine["params"]):
+            return f"has an optimizer parameter group {i} unlike this run's (was the config changed?)"
+        for key, value in group.items():  # hyperparameters: the same kinds of values (a rate kept on the GPU: a number)
+            if key != "params" and key in mine and value is not None and mine[key] is not None and not same_kind(value, numbers(mine[key])):
+                return f"holds the optimizer's {key} as {_shown(value)}, unlike this run's {_shown(numbers(mine[key]))}"
+    by_index = [p for group in own for p in group["params"]]
+    if [i for group in groups for i in group["params"]] != list(range(len(by_index))):
+        return "numbers the optimizer's parameters unlike this run (was the config changed?)"
+    for i, values in saved["state"].items():
+        if type(i) is not int or not 0 <= i < len(by_index) or not isinstance(values, dict):
+            return f"holds optimizer state for a parameter {_shown(i)} this run lacks (it has {len(by_index)})"
+        shape = local(by_index[i]).shape
+        for key, v in values.items():
+            if key in PER_PARAMETER and (not torch.is_tensor(v) or v.shape != shape):
+                what = _kind(v) if torch.is_tensor(v) else _shown(v)
+                return f"holds the optimizer's {key} of parameter {i} as {what}, but that parameter is {list(shape)}"
+            if key == "step" and not (torch.is_tensor(v) and v.numel() == 1 or same_kind(v, 0.0)):
+                return f"holds the optimizer's step of parameter {i} as {_shown(v)}, not a number"
+    return None
+
+
+def scheduler_problem(saved, scheduler) -> str | None:
+    """The saved schedule has the keys of this run's, each with a value of the same kind."""
+    own = numbers(scheduler.state_dict())
+    if not isinstance(saved, dict):
+        return f"holds a learning-rate schedule that is a {type(saved).__name__}, not this run's kind of state"
+    if saved.keys() != own.keys():
+        missing, foreign = [k for k in own if k not in saved], [k for k in saved if k not in own]
+        return (f"holds a learning-rate schedule unlike this run's (without {_shown(missing)}, "
+                f"with {_shown(foreign)} that this run's lacks)")
+    for key, value in own.items():
+        if not same_kind(saved[key], value):
+            return f"holds the schedule's {key} as {_shown(saved[key])}, unlike this run's {_shown(value)}"
+    return None
+
+
+def same_kind(value, ref) -> bool:
+    """Whether `value` has the form of `ref`: the same kind of number (an int for an int), the same
+    keys, lengths and tensor shapes, all the way down."""
+    if isinstance(ref, (bool, str)) or ref is None:
+        return type(value) is type(ref)
+    if isinstance(ref, int):
+        return type(value) is int
+    if isinstance(ref, float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(ref, (list, tuple)):
+        return isinstance(value, (list, tuple)) and len(value) == len(ref) and all(map(same_kind, value, ref))
+    if isinstance(ref, dict):
+        return isinstance(value, dict) and value.keys() == ref.keys() and all(same_kind(value[k], ref[k]) for k in ref)
+    if torch.is_tensor(ref):
+        return torch.is_tensor(value) and value.shape == ref.shape and value.dtype == ref.dtype
+    return False
+
+
+def rngs_problem(rngs) -> str | None:
+    """The RNG states are a non-empty list of what `rng_state()` writes, each set on a throwaway
+    generator first: Python's state tuple, numpy's, torch's ByteTensor and, optionally, CUDA's."""
+    if not isinstance(rngs, list) or not rngs:
+        return "holds no RNG states (rng.json is not a non-empty list)"
+    for i, state in enumerate(rngs):
+        if not isinstance(state, dict) or not {"python", "numpy", "torch"} <= state.keys() <= {"python", "numpy", "torch", "cuda"}:
+            return f"holds an RNG state {i} that is not the python, numpy and torch states"
+        try:
+            version, internal, gauss = state["python"]
+            random.Random().setstate((version, tuple(internal), gauss))
+            name, keys, pos, has_gauss, cached = state["numpy"]
+            np.random.RandomState().set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+            torch.Generator().set_state(state["torch"])
+        except Exception as e:  # noqa: BLE001 - each library says in its own way what it cannot take
+            return f"holds an RNG state {i} that cannot be set ({type(e).__name__}: {_first_line(e)})"
+        cuda = state.get("cuda", torch.zeros(0, dtype=torch.uint8))
+        if not (torch.is_tensor(cuda) and cuda.dtype == torch.uint8 and cuda.dim() == 1) or (
+                "cuda" in state and torch.cuda.is_available() and cuda.numel() != torch.cuda.get_rng_state().numel()):
+            return f"holds an RNG state {i} whose CUDA state is not a CUDA generator's ByteTensor"
+    return None
+
+
+def _restore(weights: dict, optimizer_state: dict, scheduler_state: dict, model, optimizer, scheduler) -> None:
+    """Put checked weights, optimizer and scheduler states into place."""
+    params = dict(model.named_parameters())
     with torch.no_grad():
         for k, v in weights.items():
             local(params[k]).copy_(v)  # sharded: this process's part, in place
@@ -255,10 +448,6 @@ def load(path: Path, model, optimizer, scheduler, process_index: int) -> dict:
         if torch.is_tensor(lr):
             group["lr"] = lr.fill_(float(group["lr"]))
     scheduler.load_state_dict(scheduler_state)
-    # At another process count (same global batch) a process takes some writer's RNG: dropout masks
-    # then differ from the unbroken run's, which the shares' new split already implies.
-    set_rng_state(rngs[process_index % len(rngs)])
-    return state
 
 
 def newest_step(folder: Path) -> int:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
-from ddptune import batchplan, checkpoint, config as config_lib, data as data_lib, model as model_lib, rundir, speed
+from ddptune import batchplan, checkpoint, config as config_lib, data as data_lib, lock, model as model_lib, rundir, speed
 from ddptune.batchplan import BatchPlan
 from ddptune.config import Config, ConfigError
 
@@ -208,15 +209,15 @@ def output_problems(cfg: Config, resume: bool, world_size: int | None = None, ov
     states = []
     for path in reversed(checkpoint.list_checkpoints(out / "checkpoints")):
         try:
-            states.append((path, json.loads((path / "state.json").read_text())))
-        except (OSError, ValueError):
+            state = json.loads((path / "state.json").read_text())
+        except (OSError, ValueError, RecursionError):
             continue  # resume falls back past it
+        if checkpoint.state_problem(path, state) is None:  # a step or process count of 0, text...: damaged likewise
+            states.append((path, state))
     if not states:
         return [f"--resume: no checkpoint in {out / 'checkpoints'} can be read back (a run stopped during "
                 "its first save leaves none): start afresh into a new output_dir"]
     path, state = states[0]
-    if not isinstance(state, dict):
-        state = {}
     if world_size is not None and state.get("shards", world_size) != world_size:  # train.strategy=fsdp
         return [f"--resume: {path} holds the weights and optimizer states of {state['shards']} FSDP processes, "
                 f"one part each, not {world_size} (resume with --nproc {state['shards']})"]
@@ -249,6 +250,8 @@ def output_problems(cfg: Config, resume: bool, world_size: int | None = None, ov
 def fresh_start_problems(out: Path, overwrite: bool) -> list[str]:
     """A new run needs an empty output_dir; --overwrite empties one that holds a ddptune run and
     nothing else. A folder of anything else is never offered --overwrite: it deletes nothing there."""
+    if problems := enclosing_run_problems(out):
+        return problems
     found = rundir.entries(out)
     if not found:
         return []
@@ -264,7 +267,22 @@ def fresh_start_problems(out: Path, overwrite: bool) -> list[str]:
     return []
 
 
-RESUME_MAY_CHANGE = {"train.timeout_minutes", "train.save_every", "train.save_every_minutes", "train.keep_checkpoints"}  # keys that change no result: a resume may set them anew
+def enclosing_run_problems(out: Path) -> list[str]:
+    """A new run may not lie inside a folder that holds a ddptune run (which its --overwrite would
+    clear, and whose files it would mix with) or that a live run holds locked."""
+    for parent in Path(os.path.realpath(out)).parents:
+        if rundir.is_run(parent):
+            return [f"output_dir: {out} lies inside {parent}, which holds a ddptune run (choose an output_dir "
+                    "outside it; nothing was written)"]
+        if lock.held(parent):
+            return [f"output_dir: {out} lies inside {parent}, which a running ddptune run holds locked (choose an "
+                    "output_dir outside it; nothing was written)"]
+    return []
+
+
+# keys that change no result: a resume may set them anew (output_dir: the run's folder may have been moved)
+RESUME_MAY_CHANGE = {"train.timeout_minutes", "train.save_every", "train.save_every_minutes", "train.keep_checkpoints",
+                     "output_dir"}
 # How the global batch is split among processes and forwards: a resume (at another process count too)
 # may change them while the samples per optimizer step stay the same (the loss is a sum over them).
 BATCH_KEYS = {"train.micro_batch_size", "train.grad_accum", "train.effective_batch_size"}
@@ -283,4 +301,64 @@ def trained_run(run_dir: Path, where: str, overrides: list[str] = ()) -> Config:
     weights = model_lib.trained_weights_dir(run_dir, cfg.train.method)
     if not weights.is_dir():
         raise ConfigError([f"{where}: {weights} not found (has the run finished? train it to the end, or give a finished run)"])
+    if problems := trained_weights_problems(run_dir, cfg.train.method, where):
+        raise ConfigError(problems)
     return cfg
+
+
+RESTORE = "(retrain, or restore the file)"
+
+
+def trained_weights_problems(run_dir: Path, method: str, where: str = "run") -> list[str]:
+    """A finished run's trained files, read as far as their headers (nothing unpickled, no tensor
+    loaded): the adapter's safetensors file opens and holds a tensor, and its adapter_config.json is
+    a JSON object with the keys peft needs (LoRA's r, lora_alpha, target_modules); for full
+    fine-tuning, model/config.json is a JSON object and its safetensors files open and hold tensors.
+    One line per damaged file; none when the folder is missing (the caller says that)."""
+    weights = model_lib.trained_weights_dir(run_dir, method)
+    if not weights.is_dir():
+        return []
+    if method == "full":
+        files = sorted(weights.glob("*.safetensors"))
+        problems = [] if files else [f"{where}: {weights} holds no .safetensors file {RESTORE}"]
+        problems += [p for f in files if (p := safetensors_problem(f, where))]
+        _, problem = json_object(weights / "config.json", where)
+        return problems + ([problem] if problem else [])
+    problem = safetensors_problem(weights / "adapter_model.safetensors", where)
+    config, config_problem = json_object(weights / "adapter_config.json", where)
+    if config is not None:
+        r, alpha, targets = config.get("r"), config.get("lora_alpha"), config.get("target_modules")
+        ok = (config.get("peft_type") == "LORA" and type(r) is int and r >= 1
+              and isinstance(alpha, (int, float)) and not isinstance(alpha, bool)
+              and (isinstance(targets, str) or isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)))
+        if not ok:
+            config_problem = (f"{where}: {weights / 'adapter_config.json'} is not a LoRA adapter's config (it needs "
+                              f"peft_type LORA, a whole r, a numeric lora_alpha and target_modules) {RESTORE}")
+    return [p for p in (problem, config_problem) if p]
+
+
+def safetensors_problem(path: Path, where: str) -> str | None:
+    """What keeps `path` from being a safetensors file of at least one tensor (its header alone is read)."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        return f"{where}: {path} {'is not a file' if path.exists() else 'not found'} {RESTORE}"
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            count = len(list(f.keys()))
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type, or the OS's
+        return f"{where}: {path} is not a safetensors file ({type(e).__name__}: {' '.join(str(e).split())[:160]}) {RESTORE}"
+    return None if count else f"{where}: {path} holds no tensors {RESTORE}"
+
+
+def json_object(path: Path, where: str) -> tuple[dict | None, str | None]:
+    """(the JSON object in `path`, None) or (None, the problem line naming the file)."""
+    if not path.is_file():
+        return None, f"{where}: {path} {'is not a file' if path.exists() else 'not found'} {RESTORE}"
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
+        return None, f"{where}: {path} cannot be read as JSON ({type(e).__name__}: {' '.join(str(e).split())[:160]}) {RESTORE}"
+    if not isinstance(obj, dict):
+        return None, f"{where}: {path} holds a JSON {type(obj).__name__}, not an object {RESTORE}"
+    return obj, None

@@ -20,6 +20,8 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from ddptune.yamlsafe import StrictLoader, quoted, shortened
+
 
 class ConfigError(ValueError):
     """A bad configuration; `problems` lists each one as 'field: what is wrong (fix)'."""
@@ -206,30 +208,33 @@ def _convert(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
             out = _convert(value, alt, where, trial)
             if not trial:
                 return out
-        problems.append(f"{where}: {value!r} is not allowed (expected {' or '.join(_describe(a) for a in args)})")
+        problems.append(f"{where}: {quoted(value)} is not allowed (expected {' or '.join(_describe(a) for a in args)})")
         return value
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
-            problems.append(f"{where}: {value!r} is not allowed (use one of {', '.join(map(str, choices))})")
+            problems.append(f"{where}: {quoted(value)} is not allowed (use one of {', '.join(map(str, choices))})")
         return value
     if origin is list:
         (inner,) = typing.get_args(tp)
         if isinstance(value, str):
             value = [value]
         if not isinstance(value, list):
-            problems.append(f"{where}: expected a list, got {value!r} (write [a, b])")
+            problems.append(f"{where}: expected a list, got {quoted(value)} (write [a, b])")
             return value
-        return [_convert(v, inner, f"{where}[{i}]", problems) for i, v in enumerate(value)]
+        found: list[str] = []
+        out = [_convert(v, inner, f"{where}[{i}]", found) for i, v in enumerate(value)]
+        problems += found[:3] + ([f"{where}: {len(found) - 3} more items like those (fix every item)"] if len(found) > 3 else [])
+        return out
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, where, problems)
     if tp is bool:
         if not isinstance(value, bool):
-            problems.append(f"{where}: expected true or false, got {value!r}")
+            problems.append(f"{where}: expected true or false, got {quoted(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            problems.append(f"{where}: expected a whole number, got {value!r}")
+            problems.append(f"{where}: expected a whole number, got {quoted(value)}")
         return value
     if tp is float:
         if isinstance(value, str):  # YAML reads 2e-4 as a string
@@ -238,12 +243,12 @@ def _convert(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            problems.append(f"{where}: expected a number, got {value!r}")
+            problems.append(f"{where}: expected a number, got {quoted(value)}")
             return value
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            problems.append(f"{where}: expected text, got {value!r} (quote it)")
+            problems.append(f"{where}: expected text, got {quoted(value)} (quote it)")
         return value
     raise TypeError(f"unsupported config type {tp} at {where}")
 
@@ -258,7 +263,7 @@ def _build(cls: type, data: Any, where: str, problems: list[str]) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        problems.append(f"{where or 'config'}: expected a mapping of keys, got {data!r}")
+        problems.append(f"{where or 'config'}: expected a mapping of keys, got {quoted(data)}")
         return cls()
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
@@ -268,7 +273,7 @@ def _build(cls: type, data: Any, where: str, problems: list[str]) -> Any:
             problems.append(f"{path}: ddptune now decides this itself for each run (the run's banner says what it "
                             "chose and why): remove the key")
         elif key not in known:
-            problems.append(f"{path}: unknown key (known: {', '.join(sorted(known))})")
+            problems.append(f"{shortened(path)}: unknown key (known: {', '.join(sorted(known))})")
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name in data:
@@ -280,15 +285,15 @@ def _build(cls: type, data: Any, where: str, problems: list[str]) -> Any:
 def apply_override(data: dict, override: str) -> str | None:
     """Apply `a.b=value` (value parsed as YAML) to nested dict `data`; return a problem or None."""
     if "=" not in override:
-        return f"{override}: overrides are written key=value, e.g. train.lr=1e-4"
+        return f"{shortened(override)}: overrides are written key=value, e.g. train.lr=1e-4"
     key, raw = override.split("=", 1)
     parts = key.strip().split(".")
     if not all(parts):
-        return f"{override}: {key!r} is not a key (write section.key=value, e.g. train.lr=1e-4)"
+        return f"{shortened(override)}: {quoted(key)} is not a key (write section.key=value, e.g. train.lr=1e-4)"
     try:
-        value = yaml.safe_load(raw) if raw != "" else None
-    except yaml.YAMLError:
-        return f"{key}: {raw!r} is not a YAML value (quote it, e.g. {key}='{raw}')"
+        value = yaml.load(raw, Loader=StrictLoader) if raw != "" else None
+    except (yaml.YAMLError, RecursionError):
+        return f"{shortened(key)}: {quoted(raw)} is not a YAML value (quote it, e.g. {shortened(key)}='{shortened(raw)}')"
     node = data
     for p in parts[:-1]:
         if node.get(p) is None:  # a missing section, or one left empty in the YAML
@@ -310,31 +315,17 @@ def from_dict(data: dict, overrides: list[str] = ()) -> Config:
     return cfg
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """safe_load that refuses a key given twice in one mapping (PyYAML keeps the last one silently:
-    a second `train:` section would drop every key of the first)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen: dict = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, typing.Hashable) and key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"{key!r} appears twice (lines {seen[key]} and {key_node.start_mark.line + 1}; "
-                    "merge them into one)", key_node.start_mark)
-            if isinstance(key, typing.Hashable):
-                seen[key] = key_node.start_mark.line + 1
-        return super().construct_mapping(node, deep=deep)
-
-
 def read_yaml(path: Path, what: str = "config") -> dict:
     """The mapping a YAML file holds; ConfigError (one line, naming `what`) for anything else."""
     try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader)
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=StrictLoader)
     except yaml.constructor.ConstructorError as e:
         raise ConfigError([f"{what}: {path}: {e.problem}"]) from None
     except yaml.YAMLError as e:
-        raise ConfigError([f"{what}: {path} is not valid YAML ({' '.join(str(e).split())})"]) from None
+        raise ConfigError([f"{what}: {path} is not valid YAML ({shortened(' '.join(str(e).split()))})"]) from None
+    except RecursionError:
+        raise ConfigError([f"{what}: {path} nests its values too deeply to read (a config is a few levels of "
+                           "sections and values)"]) from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError([f"{what}: {path} cannot be read ({type(e).__name__}: {e})"]) from None
     if data is None:
@@ -349,9 +340,27 @@ def load(path: str | os.PathLike, overrides: list[str] = ()) -> Config:
     """Read a YAML config file and apply overrides."""
     p = Path(path)
     if not p.is_file():
-        what = "is a folder" if p.is_dir() else "not found"
-        raise ConfigError([f"config: {str(p)!r} {what} (give the path of a YAML file, e.g. configs/tiny.yaml)"])
+        raise ConfigError([f"config: {quoted(str(p))} {_not_a_file(p)} (give the path of a YAML file, e.g. configs/tiny.yaml)"])
     return from_dict(read_yaml(p), overrides)
+
+
+def _not_a_file(p: Path) -> str:
+    """What stands at `p`, which is not a regular file (nor a symlink to one)."""
+    import errno
+    import stat
+
+    try:
+        mode = p.stat().st_mode
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "is a symlink loop, which never reaches a file"
+        if p.is_symlink():
+            return f"is a symlink to {quoted(os.readlink(p))}, which does not exist"
+        return "not found" if e.errno == errno.ENOENT else f"cannot be read ({e.strerror})"
+    if stat.S_ISDIR(mode):
+        return "is a folder"
+    kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+    return f"is {kind}, not a regular file"
 
 
 def to_dict(cfg: Config) -> dict:
@@ -459,7 +468,7 @@ def check_values(cfg: Config) -> list[str]:
         try:
             parse_rows(spec)
         except ValueError:
-            problems.append(f"{where}: {spec!r} is not a row slice (write START:STOP, e.g. \"0:700\")")
+            problems.append(f"{where}: {quoted(spec)} is not a row slice (write START:STOP, e.g. \"0:700\")")
     if t.profile_steps and t.max_steps is not None and t.max_steps < PROFILE_AFTER + t.profile_steps:
         problems.append(f"train.profile_steps: {t.profile_steps} steps after the first {PROFILE_AFTER} need "
                         f"train.max_steps >= {PROFILE_AFTER + t.profile_steps} (got {t.max_steps}; profile fewer steps or train longer)")

@@ -7,6 +7,7 @@ knows about processes; batches.py cuts the tokenized examples into steps and for
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -87,20 +88,41 @@ def check(d: DataConfig) -> tuple[list[str], int | None]:
         except (ValueError, json.JSONDecodeError) as e:
             problems.append(f"{field}: cannot read {source} ({str(e).splitlines()[0]}; expected a JSON list or JSON lines)")
             continue
-        for col, key in ((d.dialogue_column, "dialogue_column"), (d.summary_column, "summary_column")):
-            bad = [i for i, r in enumerate(data) if not isinstance(r, dict) or not isinstance(r.get(col), str)]
-            if bad:
-                cols = sorted(data[bad[0]].keys()) if isinstance(data[bad[0]], dict) else []
-                problems.append(
-                    f"{field}: row {bad[0]} of {source} has no text column {col!r} "
-                    f"(set data.{key} to one of: {', '.join(cols) or 'none'})"
-                )
+        if not data:
+            problems.append(f"{field}: {source} holds no rows (give a JSON list or JSON lines of rows with "
+                            f"{d.dialogue_column!r} and {d.summary_column!r} text)")
+            continue
+        columns = [column_problem(field, source, data, col, key)
+                   for col, key in ((d.dialogue_column, "dialogue_column"), (d.summary_column, "summary_column"))]
+        problems += [p for p in dict.fromkeys(columns) if p]  # a row that is not an object: said once
         selected = len(data[parse_rows(rows)])
         if not selected:
             problems.append(f"{field}: rows {rows!r} select nothing from {len(data)} rows of {source}")
         if field == "data.train":
             n_train = selected
     return problems, n_train
+
+
+KINDS = {bool: "true/false", int: "a number", float: "a number", list: "a list", dict: "an object", type(None): "null"}
+
+
+def column_problem(field: str, source: str, data: list, col: str, key: str) -> str | None:
+    """The first row of `data` whose `col` is not text: a row that is not an object, one without
+    the column, or one whose column holds something else (a number, a list...), each said as it is."""
+    i = next((i for i, r in enumerate(data) if not isinstance(r, dict) or not isinstance(r.get(col), str)), None)
+    if i is None:
+        return None
+    row = data[i]
+    if not isinstance(row, dict):
+        return (f"{field}: row {i} of {source} is {KINDS.get(type(row), type(row).__name__)}, not an object of "
+                "columns (give every row its dialogue and summary as text columns)")
+    if col not in row:
+        return (f"{field}: row {i} of {source} has no text column {col!r} "
+                f"(set data.{key} to one of: {', '.join(sorted(map(str, row))) or 'none'})")
+    value = repr(row[col])
+    return (f"{field}: row {i} of {source}: column {col!r} holds {KINDS.get(type(row[col]), type(row[col]).__name__)} "
+            f"({value if len(value) <= 40 else value[:37] + '...'}), not text (write it as a string, or set data.{key} "
+            "to a column of text)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,14 +149,47 @@ def _ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
 
+MARGIN_TOKENS = 64  # first_ids tokenizes this many longest tokens' worth of characters past what it keeps, twice
+
+
+@functools.lru_cache(maxsize=8)
+def longest_token(tokenizer) -> int:
+    """Characters in the longest token string of the tokenizer's vocabulary (added tokens too).
+    A byte-level vocabulary spells each byte of the text as one character of its own, a
+    SentencePiece one each character as at least one: no token covers more characters of a text."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1)
+
+
+def first_ids(tokenizer, text: str, n: int) -> list[int]:
+    """`_ids(tokenizer, text)[:n]`, without tokenizing more of a long text than can matter (a
+    5 MB line tokenized whole took 1.8 GB). The first n tokens cover at most n x longest_token
+    characters, so only that many, and a margin, are tokenized. The cut may change the tokens just
+    before it (a word cut in two), so the n kept ones must end a margin before the cut, by the
+    tokenizer's own offsets; if not (a normalizer that merges characters) or without offsets (a slow
+    tokenizer), the whole text is tokenized after all."""
+    if n <= 0:
+        return []
+    longest = longest_token(tokenizer)
+    margin = MARGIN_TOKENS * longest
+    bound = n * longest + 2 * margin
+    if len(text) <= bound or not getattr(tokenizer, "is_fast", False):
+        return _ids(tokenizer, text)[:n]
+    encoded = tokenizer(text[:bound], add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+    if len(ids) >= n and offsets[n - 1][1] + longest <= bound - margin:
+        return ids[:n]
+    return _ids(tokenizer, text)[:n]
+
+
 def tokenize_example(tokenizer, pieces: tuple[str, str, str], dialogue: str, summary: str, max_length: int) -> dict:
-    """Prompt and summary ids; the dialogue is cut at its end if the example is too long."""
+    """Prompt and summary ids; the dialogue is cut at its end if the example is too long (only as
+    much of a long dialogue or summary is tokenized as can be kept: first_ids)."""
     before, after, end = pieces
     pre, post = _ids(tokenizer, before), _ids(tokenizer, after)
-    dia = _ids(tokenizer, dialogue)
-    target = (_ids(tokenizer, summary) + _ids(tokenizer, end))[: max_length // 2]
+    half = max_length // 2
+    target = (first_ids(tokenizer, summary, half) + _ids(tokenizer, end))[:half]
     room = max_length - len(pre) - len(post) - len(target)
-    dia = dia[: max(room, 0)]
+    dia = first_ids(tokenizer, dialogue, room)
     prompt = pre + dia + post
     return {"input_ids": prompt + target, "labels": [IGNORE] * len(prompt) + target, "prompt_len": len(prompt)}
 

@@ -36,6 +36,7 @@ def main(args) -> int:
     if trained and not model_lib.trained_weights_dir(run_dir, cfg.train.method).is_dir():
         problems.append(f"eval: {model_lib.trained_weights_dir(run_dir, cfg.train.method)} not found "
                         "(has the run finished? or pass --base for the zero-shot base model)")
+    problems += checks.trained_weights_problems(run_dir, cfg.train.method, "eval") if trained else []
     out = Path(args.out) if args.out else (run_dir or Path(cfg.output_dir)) / ("eval" if trained else "eval-base")
 
     def checked_once(data_ok: bool = True) -> list[str]:

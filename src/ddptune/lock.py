@@ -10,9 +10,11 @@ stays live while the worker runs even if the launching process is killed.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
+import stat
 import sys
 import time
 import uuid
@@ -65,6 +67,9 @@ def acquire(folder: str | os.PathLike) -> Lock:
         for _ in range(5):
             if _create(path, info):
                 return Lock(path, token, made)
+            if kind := _not_a_file(path):  # a folder or a FIFO there would break (or block) every read of it
+                raise ConfigError([f"output_dir: {path} is {kind}, not a lock file: nothing can lock {folder} while it "
+                                   f"is there (remove {path}, then start again)"])
             raw, holder = _read(path)
             if raw is None:  # removed meanwhile: try again
                 continue
@@ -88,6 +93,26 @@ def acquire(folder: str | os.PathLike) -> Lock:
         raise
 
 
+def held(folder: str | os.PathLike) -> bool:
+    """Whether a run holds `folder` locked now: one of its processes on this host is alive, it was
+    written on another host (which cannot be checked from here), or it is still being written."""
+    path = Path(folder) / NAME
+    try:
+        if _not_a_file(path):
+            return False
+        raw, holder = _read(path)
+    except OSError:
+        return False
+    if raw is None:
+        return False
+    if holder is None:
+        return time.time() - _mtime(path) < YOUNG_S
+    if holder.get("host", socket.gethostname()) != socket.gethostname():
+        return True
+    pids = holder.get("pids")
+    return isinstance(pids, list) and any(_alive(pid) for pid in pids)
+
+
 def join(folder: str | os.PathLike) -> None:
     """Add this process to the lock its launcher holds on `folder` (nothing if there is none)."""
     path = Path(folder) / NAME
@@ -106,6 +131,8 @@ def _take_over(path: Path, raw: bytes, holder: dict) -> None:
     try:
         fd = os.open(guard, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
+        if kind := _not_a_file(guard):
+            raise ConfigError([f"output_dir: {guard} is {kind}, not a lock file (remove {guard}, then start again)"]) from None
         if time.time() - _mtime(guard) > STALE_GUARD_S:
             guard.unlink(missing_ok=True)
             return
@@ -128,6 +155,26 @@ def _create(path: Path, info: dict) -> bool:
         return False
     _write(fd, info)
     return True
+
+
+def _not_a_file(path: Path) -> str | None:
+    """What stands at `path` when it is not a regular file of its own (a symlink counts as not one,
+    loop or not); None for a regular file or nothing."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISLNK(mode):
+        try:
+            os.stat(path)
+        except OSError as e:
+            return "a symlink loop" if e.errno == errno.ELOOP else "a symlink to nothing"
+        return "a symlink"
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
 def _write(fd: int, obj: dict) -> None:

@@ -19,7 +19,7 @@ def resume_from(r) -> int:
     acc, problems = r.accelerator, []
     for path in reversed(checkpoint.list_checkpoints(r.out / "checkpoints")):
         try:
-            state, error = checkpoint.load(path, r.model, r.optimizer, r.scheduler, acc.process_index), None
+            state, error = checkpoint.load(path, r.model, r.optimizer, r.scheduler, acc.process_index, r.total_steps), None
         except ValueError as e:
             state, error = None, str(e)
         # All processes move on together: FSDP's parts are read one per process, so one damaged part
@@ -62,6 +62,7 @@ def save_final(r, final: Path) -> None:
     if dist.sharded(r.loss_model):
         state = dist.gathered_state_dict(r.model, trainable_only=r.cfg.train.method != "full")
     if r.accelerator.is_main_process:
+        checkpoint.remove_leftovers(final)  # what a save killed before left beside it (for full fine-tuning, a model's size)
         tmp = checkpoint.atomic_dir(final)
         model_lib.save_trained(r.model, tmp, state)
         r.tokenizer.save_pretrained(tmp)
