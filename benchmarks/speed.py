@@ -151,6 +151,8 @@ def main() -> int:
             "--data", args.data, "--method", args.method, "--max-steps", str(args.steps), "--warmup-steps-excluded", str(args.warmup),
             "--out", str(ref_json), *extra], work / f"{key}.log")
         result[key] = json.loads(ref_json.read_text())
+        if os.environ.get("OUT"):  # what is measured so far, should a later run not finish in time
+            Path(os.environ["OUT"], f"{args.name}.json").write_text(json.dumps(result, indent=2))
 
     out = ROOT / "benchmarks" / "results" / f"{args.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

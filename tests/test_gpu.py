@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from ddptune import batches, data, launch, model as model_lib, scaling
+from ddptune import attention, batches, model as model_lib
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -15,13 +15,13 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 def test_flash_varlen_matches_per_sample_sdpa():
     """The FlashAttention varlen kernel gives each packed sample the attention (and gradients)
     it would get alone, with grouped-query heads, in bf16."""
-    assert model_lib._flash_varlen is not None, "torch has no torch.nn.attention.varlen"
+    assert attention._flash_varlen is not None, "torch has no torch.nn.attention.varlen"
     g = torch.Generator(device="cuda").manual_seed(0)
     lengths = [37, 200, 5, 511, 64]
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
     q = torch.randn(sum(lengths), 32, 128, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
     k, v = (torch.randn(sum(lengths), 8, 128, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True) for _ in range(2))
-    out = model_lib._flash_varlen(q, k, v, cu, max(lengths), 128 ** -0.5)
+    out = attention._flash_varlen(q, k, v, cu, max(lengths), 128 ** -0.5)
     ref = torch.cat([
         torch.nn.functional.scaled_dot_product_attention(
             q[a:b].transpose(0, 1).float(), k[a:b].transpose(0, 1).float(), v[a:b].transpose(0, 1).float(),
@@ -43,7 +43,7 @@ def packed_and_separate(weights_dtype: torch.dtype, context) -> tuple:
     ex = []
     for n in (90, 140, 60):
         ids = torch.randint(0, 256, (n,)).tolist()
-        ex.append({"input_ids": ids, "labels": [data.IGNORE] * 10 + ids[10:]})
+        ex.append({"input_ids": ids, "labels": [batches.IGNORE] * 10 + ids[10:]})
     to = lambda b: {k: v.cuda() if torch.is_tensor(v) else v for k, v in b.items()}  # noqa: E731
     with context:
         separate = sum(net(**to(batches.collate([e], 0)), num_items=1).float() for e in ex)
@@ -86,27 +86,6 @@ def test_an_in_process_gpu_run_gets_one_thread_as_nproc_1_would(monkeypatch):
 
 
 @cuda
-@pytest.mark.skipif(__import__("shutil").which("numactl") is None, reason="torch's NUMA binding runs numactl")
-def test_numa_binding_exclusive_gives_each_process_cores_of_its_own(tmp_path):
-    """`--numa-binding exclusive` (torchrun's): every GPU's process runs on CPUs no other process has."""
-    import os
-    import sys
-
-    from ddptune import dist
-
-    (tmp_path / "affinity_probe.py").write_text(
-        "import os, pathlib\n"
-        "pathlib.Path(os.environ['PROBE_DIR'], os.environ['LOCAL_RANK']).write_text("
-        "','.join(map(str, sorted(os.sched_getaffinity(0)))))\n")
-    n = torch.cuda.device_count()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]), PROBE_DIR=str(tmp_path))
-    assert launch.torchrun(n, ["affinity_probe"], env=env, numa_binding="exclusive") == 0
-    cpus = [set(map(int, (tmp_path / str(r)).read_text().split(","))) for r in range(n)]
-    assert all(cpus) and all(c <= os.sched_getaffinity(0) for c in cpus)
-    assert sum(map(len, cpus)) == len(set().union(*cpus))  # disjoint
-
-
-@cuda
 def test_flash_varlen_takes_a_padded_row_with_empty_samples():
     """The fixed shapes of train.cuda_graphs: a pad sample, boundaries repeated (empty samples) and
     max_length above every sample's length leave the real samples' attention and gradients as they are."""
@@ -116,8 +95,8 @@ def test_flash_varlen_takes_a_padded_row_with_empty_samples():
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
     padded_cu = torch.tensor([0, 37, 237, 242, 256] + [256] * 59, device="cuda", dtype=torch.int32)
     q, k, v = (torch.randn(256, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True) for _ in range(3))
-    out = model_lib._flash_varlen(q[:real], k[:real], v[:real], cu, max(lengths), 0.125)
-    fixed = model_lib._flash_varlen(q, k, v, padded_cu, 512, 0.125)
+    out = attention._flash_varlen(q[:real], k[:real], v[:real], cu, max(lengths), 0.125)
+    fixed = attention._flash_varlen(q, k, v, padded_cu, 512, 0.125)
     assert torch.equal(fixed[:real], out)
     w = torch.randn_like(out)
     a = torch.autograd.grad((out.float() * w).sum(), (q, k, v))
@@ -136,7 +115,7 @@ def test_flash_varlen_computes_every_position_of_a_row_padded_for_graphs():
     row = batches.collate_packed(ex, pad_to=1024, max_length=200)
     cu = row["cu_seq_lens_q"].cuda()
     q, k, v = (torch.randn(1024, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True) for _ in range(3))
-    out = model_lib._flash_varlen(q, k, v, cu, row["max_length_q"], 0.125)
+    out = attention._flash_varlen(q, k, v, cu, row["max_length_q"], 0.125)
     bounds = sorted(set(cu.tolist()))
     ref = torch.cat([
         torch.nn.functional.scaled_dot_product_attention(
@@ -148,133 +127,115 @@ def test_flash_varlen_computes_every_position_of_a_row_padded_for_graphs():
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
+def losses_of(folder) -> list[dict]:
+    return [json.loads(l) for l in (folder / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
+
+
 @cuda
 @pytest.mark.parametrize("checkpointing, lengths", [(False, 1), (True, 1), (False, 3)])
-def test_cuda_graphs_train_to_the_losses_of_compiled_layers(tmp_path, monkeypatch, checkpointing, lengths):
-    """train.cuda_graphs changes how kernels are launched, not the math: same losses as compiled
-    layers without graphs (bf16, so within rounding), and the gradients are not overwritten by replays;
-    also with gradient checkpointing (moved inside the compiled layer), and with rows padded to
-    several lengths (a recording each). Every length is compiled before the first step: none in the
-    middle of the run, and warming them up changes no loss."""
+def test_layer_graphs_train_to_the_losses_of_compiled_layers(tmp_path, monkeypatch, checkpointing, lengths):
+    """Each layer recorded as a CUDA graph (forced: the speed decider picks layer graphs for 8-bit
+    optimizers) changes how kernels are launched, not the math: same losses as compiled layers
+    without graphs (bf16, so within rounding), also with gradient checkpointing and with rows padded
+    to several lengths. Every length is compiled before the first step: none in the middle of the run."""
     from conftest import ROOT
     import torch._dynamo.utils as dynamo_utils
-    from ddptune import config, train
+    from ddptune import config, graphs, train
 
     compiled_after_warming = []
-    warm = train.warm_graphs
+    warm = graphs.warm_layers
 
     def counted(*args):  # how many graphs dynamo has compiled once every length is warm
         warm(*args)
         compiled_after_warming.append(dynamo_utils.counters["stats"]["unique_graphs"])
 
-    monkeypatch.setattr(train, "warm_graphs", counted)
+    monkeypatch.setattr(graphs, "warm_layers", counted)
     runs = {}
-    for graphs in (False, True):
+    for scope in ("off", "layers"):
+        monkeypatch.setenv("DDPTUNE_SPEED", f"graphs={scope},lengths={lengths}")
         cfg = config.load(ROOT / "configs" / "tiny.yaml", [
-            f"output_dir={tmp_path / str(graphs)}", "train.max_steps=8", "data.val=null", "eval.enabled=false", "train.compile=true",
-            f"train.cuda_graphs={str(graphs).lower()}", "train.micro_batch_size=8",
-            f"train.gradient_checkpointing={str(checkpointing).lower()}", f"train.cuda_graph_lengths={lengths}"])
+            f"output_dir={tmp_path / scope}", "train.max_steps=8", "data.val=null", "eval.enabled=false", "train.compile=true",
+            "train.micro_batch_size=8", f"train.gradient_checkpointing={str(checkpointing).lower()}"])
         summary, _ = train.run(cfg)
-        runs[graphs] = [json.loads(l)["loss"] for l in (tmp_path / str(graphs) / "metrics.jsonl").read_text().splitlines()
-                        if '"loss"' in l]
-    assert runs[True] == pytest.approx(runs[False], rel=2e-2)
-    assert runs[True][-1] < runs[True][0]
+        assert summary["cuda_graphs"] == scope
+        runs[scope] = [r["loss"] for r in losses_of(tmp_path / scope)]
+    assert runs["layers"] == pytest.approx(runs["off"], rel=2e-2)
+    assert runs["layers"][-1] < runs["layers"][0]
     assert compiled_after_warming == [dynamo_utils.counters["stats"]["unique_graphs"]]
 
 
 @cuda
 @pytest.mark.parametrize("lengths, checkpointing, row, method", [
     (1, False, 8192, "lora"), (3, False, 8192, "lora"), (1, True, 768, "lora"), (1, False, 8192, "qlora"), (1, False, 8192, "full")])
-def test_whole_step_graphs_train_to_the_losses_of_compiled_layers(tmp_path, lengths, checkpointing, row, method):
-    """train.cuda_graph_scope=step records the forwards, backwards, clipping and the fused AdamW
-    update and replays them: the same losses, gradient norms and learning rates as the compiled
-    layers launched one by one (bf16, so within rounding), at one length or several (a recording
-    per step shape). A run resumed from its checkpoint at step 4 (the optimizer's state and its
-    learning rate back into the recorded update) goes on with the unbroken run's losses. With
-    gradient checkpointing too (inside each compiled layer, as with layer graphs), and several packed
-    rows a step (forwards without the all-reduce before the last, all in one recording), with a 4-bit
-    base (bitsandbytes' kernels inside the recording), and full fine-tuning (every weight updated)."""
+def test_whole_step_graphs_train_to_the_losses_of_compiled_layers(tmp_path, monkeypatch, lengths, checkpointing, row, method):
+    """The whole step recorded (the forwards, backwards, clipping and the fused AdamW update of
+    step.py, replayed): the same losses, gradient norms and learning rates as the compiled layers
+    launched one by one (bf16, so within rounding), at one length or several. A run resumed from its
+    checkpoint at step 4 goes on with the unbroken run's losses. With gradient checkpointing too, and
+    several packed rows a step, with a 4-bit base, and full fine-tuning."""
     from conftest import ROOT
     from ddptune import config, train
 
-    def run(name, scope, *more):
+    def run(name, scope):
+        monkeypatch.setenv("DDPTUNE_SPEED", f"graphs={scope},lengths={lengths},dequantize=false")
         cfg = config.load(ROOT / "configs" / "tiny.yaml", [
             f"output_dir={tmp_path / name}", "train.max_steps=8", "data.val=null", "eval.enabled=false", "train.compile=true",
-            "train.micro_batch_size=8", "train.save_every=4", f"train.cuda_graph_lengths={lengths}",
-            f"train.gradient_checkpointing={str(checkpointing).lower()}", f"train.tokens_per_forward={row}",
-            f"train.method={method}", *(["train.lr=1e-4"] if method == "full" else []),
-            *([] if scope is None else ["train.cuda_graphs=true", f"train.cuda_graph_scope={scope}"]), *more])
+            "train.micro_batch_size=8", "train.save_every=4", f"train.gradient_checkpointing={str(checkpointing).lower()}",
+            f"train.tokens_per_forward={row}", f"train.method={method}", *(["train.lr=1e-4"] if method == "full" else [])])
         summary, _ = train.run(cfg, resume="resume" in name)
-        rows = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
-        return summary, rows
+        return summary, losses_of(tmp_path / name)
 
-    _, eager = run("eager", None)
+    _, eager = run("eager", "off")
     summary, step = run("step", "step")
-    assert summary["cuda_graphs"] and summary["compiled"]
+    assert summary["cuda_graphs"] == "step" and summary["compiled"]
     for key, rel in (("loss", 2e-2), ("grad_norm", 5e-2), ("lr", 1e-6)):
         assert [r[key] for r in step] == pytest.approx([r[key] for r in eager], rel=rel), key
     assert step[-1]["loss"] < step[0]["loss"]
     import shutil
 
     shutil.copytree(tmp_path / "step" / "checkpoints" / "step-000004", tmp_path / "step-resume" / "checkpoints" / "step-000004")
+    shutil.copy(tmp_path / "step" / ".ddptune-run", tmp_path / "step-resume" / ".ddptune-run")
     _, resumed = run("step-resume", "step")
     assert [r["step"] for r in resumed] == [5, 6, 7, 8]
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in step[4:]], rel=2e-2)
 
 
 @cuda
-def test_whole_step_graphs_are_the_default_with_graphs_and_still_validate_and_evaluate(tmp_path):
-    """With train.cuda_graphs and the default AdamW, auto records the whole step; validation (every
-    few steps and at the end) and ROUGE's generation afterwards run the layers eagerly, outside the
-    recordings, and the training steps after a validation replay the same graphs: the same losses
-    and validation losses as compiled layers without graphs."""
+def test_forced_graphs_record_the_whole_step_and_still_validate_and_evaluate(tmp_path):
+    """train.cuda_graphs=true with the default AdamW records the whole step; validation (every few
+    steps and at the end) and ROUGE's generation afterwards run the layers eagerly, outside the
+    recordings, and the steps after a validation replay the same graphs: the same losses and
+    validation losses as compiled layers without graphs."""
     from conftest import ROOT
     from ddptune import config, train
 
-    def run(name, *more):
+    def run(name, graphs):
         cfg = config.load(ROOT / "configs" / "tiny.yaml", [
             f"output_dir={tmp_path / name}", "train.max_steps=6", "train.val_every=3", "train.compile=true",
             "train.micro_batch_size=8", "eval.enabled=true", "eval.zero_shot=false", "eval.max_samples=8",
-            "eval.max_new_tokens=8", *more])
+            "eval.max_new_tokens=8", f"train.cuda_graphs={graphs}"])
         summary, _ = train.run(cfg)
         rows = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         return summary, [r["loss"] for r in rows if "loss" in r], [r["val_loss"] for r in rows if "val_loss" in r]
 
-    summary, losses, val = run("step", "train.cuda_graphs=true")
-    assert summary["cuda_graph_scope"] == "step" and "rouge" in summary
-    _, eager_losses, eager_val = run("eager")
+    summary, losses, val = run("step", "true")
+    assert summary["cuda_graphs"] == "step" and "rouge" in summary and summary["speed"]["graphs"] == "step"
+    off, eager_losses, eager_val = run("eager", "false")
+    assert off["cuda_graphs"] == "off"
     assert losses == pytest.approx(eager_losses, rel=2e-2) and len(val) == len(eager_val) >= 2
     assert val == pytest.approx(eager_val, rel=2e-2)
 
 
 @cuda
-def test_scale_splits_whole_step_graphs_from_every_gpus_timeline(tmp_path):
-    """With the whole step recorded (auto with train.cuda_graphs), `scale` profiles timeline.STEPS
-    steps after each run's window and reads compute (and, on 2 GPUs, the all-reduce each process ran
-    with nothing beside it) from every process's GPU timeline: the parts are the GPU's, and add up
-    to the window's step."""
-    import types
-
+def test_the_decider_keeps_a_short_run_eager_of_graphs_and_explains_each_choice(tmp_path):
+    """A 6-step run of the tiny preset on a GPU: recording would cost more than it saves, checkpointing
+    is not needed; every choice has its line in summary.json."""
     from conftest import ROOT
-    from ddptune import scale, timeline
+    from ddptune import config, train
 
-    counts = "1,2" if torch.cuda.device_count() >= 2 else "1"
-    out = tmp_path / "scale"
-    args = types.SimpleNamespace(config=str(ROOT / "configs" / "tiny.yaml"), overrides=[
-        "data.val=null", "train.cuda_graphs=true", "train.compile=true", "train.micro_batch_size=8"], nproc=counts,
-        mode="same-global", steps=4, warmup=1, out=str(out), bandwidth_sizes="none", numa_binding=None, alone=False,
-        alone_only=False, timeline_steps=None)
-    assert scale.main(args) == 0
-    result = json.loads((out / "scaling.json").read_text())
-    assert result["manifest"]["timeline_steps"] == timeline.STEPS
-    assert f"GPU timeline over {timeline.STEPS} steps profiled after the window" in (out / "scaling.md").read_text()
-    for row in result["rows"]:
-        assert row["cuda_graph_scope"] == "step" and row["timeline_steps"] == timeline.STEPS, row["note"]
-        assert row["compute_s"] > 0 and "GPU timeline" in row["note"]
-        assert row["step_s"] == pytest.approx(sum(row["parts"].values()))
-        # the GPUs' part of a profiled step fits in that step as the host's events timed it
-        gpu = row["compute_s"] + (row["imbalance_s"] or 0) + (row["exposed_comm_s"] or 0)
-        assert gpu < 1.1 * row["timeline_step_s"]
-        if row["nproc"] > 1:
-            assert row["exposed_comm_s"] is None or row["exposed_comm_s"] > 0
-            assert sum(row["slowest_steps"]) == timeline.STEPS
+    cfg = config.load(ROOT / "configs" / "tiny.yaml", [f"output_dir={tmp_path / 'run'}", "train.max_steps=6", "data.val=null"])
+    summary, _ = train.run(cfg)
+    speed = summary["speed"]
+    assert speed["graphs"] == "off" and speed["checkpointing"] is False and speed["compiled"] is True
+    assert set(speed["reasons"]) >= {"compiled layers", "gradient checkpointing", "CUDA graphs", "DDP gradient buckets"}
+    assert speed["estimate"]["free_gib"] > 1 and speed["estimate"]["memory_gib"] < speed["estimate"]["free_gib"]

@@ -1,0 +1,88 @@
+"""The speed decider: what it chooses for the jobs it was calibrated on, and why; what a benchmark may force."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conftest import ROOT
+from ddptune import batches, config, memory, model as model_lib, speed
+from ddptune.config import ConfigError
+
+CONFIG_8B = ROOT / "configs" / "samsum_qlora_llama31_8b.yaml"
+
+
+def shape(preset: str) -> memory.Shape:
+    return memory.shape_of(model_lib.preset_config(preset, "sdpa"))
+
+
+def samsum_like(steps: int, parts: int = 1, seed: int = 0) -> speed.Work:
+    """16 samples a step of 120-360 tokens, a quarter of them summary (SAMSum's sizes), one packed row per share."""
+    rng = random.Random(seed)
+    examples = [{"input_ids": [0] * (n := rng.randint(120, 360)), "labels": [-100] * (n - n // 4) + [1] * (n // 4)}
+                for _ in range(818)]
+    stream = batches.Stream(examples, [len(e["input_ids"]) for e in examples], [batches.target_tokens([e]) for e in examples],
+                            16, parts, 0, True, 4, 8192, 512)
+    return speed.Work.of(stream, 0, steps)
+
+
+def decide(overrides: list[str], free: float | None, work: speed.Work, preset: str = "llama-3.1-8b", world: int = 1,
+           link: str = "", cuda: bool = True) -> speed.Speed:
+    cfg = config.load(CONFIG_8B, [f"model.source=preset:{preset}", *overrides])
+    return speed.decide(cfg, cuda, shape(preset), world, free, work, 750.0, link)
+
+
+def test_the_8b_qlora_job_on_an_h200_runs_without_checkpointing_on_a_dequantized_base():
+    """Measured on an H200, 30 steps of 16: dequantized 0.209 s a step and 47.9 GiB, 4-bit 0.279 s and
+    34.9 GiB, both without checkpointing; CUDA graphs bought 2 % on the 4-bit base."""
+    chosen = decide([], 139.3, samsum_like(51))
+    assert (chosen.checkpointing, chosen.dequantize, chosen.graphs, chosen.compiled) == (False, True, "off", True)
+    assert 0.18 < chosen.estimate["step_s"] < 0.28 and 40 < chosen.estimate["memory_gib"] < 60
+    assert set(chosen.reasons) == {"compiled layers", "gradient checkpointing", "4-bit base", "CUDA graphs",
+                                   "DDP gradient buckets"}
+
+
+def test_a_smaller_gpu_turns_checkpointing_on_and_keeps_the_base_in_4_bits():
+    chosen = decide([], 22.0, samsum_like(51))
+    assert (chosen.checkpointing, chosen.dequantize) == (True, False)
+    assert chosen.estimate["memory_gib"] < 22.0 * (1 - speed.MARGIN)
+
+
+def test_a_small_model_records_the_whole_step_when_the_run_repays_it_and_not_for_15_steps():
+    """SmolLM2-135M's shape: 0.152 s a step with compiled layers, 26.5 ms with the whole step recorded."""
+    long = decide(["train.method=lora"], 139.3, samsum_like(102), preset="smollm2-135m")
+    assert (long.graphs, long.lengths) == ("step", 1) and long.estimate["step_s"] < 0.03
+    short = decide(["train.method=lora"], 139.3, samsum_like(15), preset="smollm2-135m")
+    assert short.graphs == "off"
+    never = decide(["train.method=lora", "train.cuda_graphs=false"], 139.3, samsum_like(1000), preset="smollm2-135m")
+    assert never.graphs == "off" and "train.cuda_graphs=false" in never.reasons["CUDA graphs"]
+    layers = decide(["train.method=lora", "train.optimizer=adamw_8bit"], 139.3, samsum_like(1000), preset="smollm2-135m")
+    assert layers.graphs == "layers"  # an 8-bit optimizer's update cannot be recorded
+
+
+def test_a_cpu_run_compiles_nothing_records_nothing_and_checkpoints_nothing():
+    chosen = decide(["train.method=lora"], None, samsum_like(15), preset="tiny", cuda=False)
+    assert (chosen.compiled, chosen.graphs, chosen.checkpointing, chosen.dequantize) == (False, "off", False, False)
+    assert chosen.bucket_mb is None
+
+
+def test_one_bucket_on_nvlink_and_torchs_buckets_elsewhere():
+    work = samsum_like(51, parts=2)
+    nvlink = decide([], 139.3, work, world=2, link="NVLink")
+    assert nvlink.bucket_mb == 161  # LoRA r=16 on 8B: 160 MiB of fp32 gradients, all in one
+    assert decide([], 139.3, work, world=2, link="PCIe").bucket_mb is None
+    assert decide([], 139.3, samsum_like(51), world=1, link="NVLink").bucket_mb is None
+
+
+def test_a_benchmark_forces_choices_through_one_variable(monkeypatch):
+    monkeypatch.setenv(speed.FORCE_ENV, "graphs=step,lengths=4,checkpointing=true,dequantize=false,bucket_mb=64")
+    chosen = decide([], 139.3, samsum_like(51), world=2)
+    assert (chosen.graphs, chosen.lengths, chosen.checkpointing, chosen.dequantize, chosen.bucket_mb) == ("step", 4, True, False, 64)
+    assert chosen.forced == {"graphs": "step", "lengths": 4, "checkpointing": True, "dequantize": False, "bucket_mb": 64.0}
+    for bad in ("graphs=sometimes", "lengths=0", "speedy=true", "bucket_mb=nan"):
+        monkeypatch.setenv(speed.FORCE_ENV, bad)
+        with pytest.raises(ConfigError):
+            speed.forced()
+    monkeypatch.setenv(speed.FORCE_ENV, "graphs=step")
+    with pytest.raises(ConfigError):  # no CUDA device to record on
+        decide(["train.method=lora"], None, samsum_like(15), preset="tiny", cuda=False)
