@@ -32,7 +32,7 @@ def metrics(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
-    """Preset checkpoints go to a per-session temporary cache, never the user's."""
+    """Preset checkpoints go to a temporary cache shared by the whole test run, never the user's."""
     monkeypatch.setenv("DDPTUNE_CACHE", str(tmp_path_factory.getbasetemp() / "ddptune-cache"))
 
 
