@@ -38,6 +38,10 @@ class NonFinite(RuntimeError):
     """The loss or gradient norm of a step is not a finite number: training stops."""
 
 
+class Diverged(RuntimeError):
+    """The processes' trained weights differ at the end of a run: the replicas did not take the same steps."""
+
+
 class Interrupted(Exception):
     """SIGINT or SIGTERM reached a process: the step was finished and checkpointed, then training stopped."""
 
@@ -414,7 +418,7 @@ def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
     peaks = dist.gather(metrics.peak_memory_gib(acc.device))
     per_rank = dist.gather([t for t, _ in times])
     if fingerprints and len(set(fingerprints)) != 1:
-        raise RuntimeError(f"replicas diverged: weight hashes per process {fingerprints}")
+        raise Diverged(f"replicas diverged: weight hashes per process {fingerprints}")
     final = model_lib.trained_weights_dir(out, cfg.train.method)
     summary = {}
     if acc.is_main_process:
