@@ -57,7 +57,7 @@ def test_the_imbalance_the_shares_predict_counts_padding_as_work():
 
 
 def test_split_tells_one_slower_gpu_from_a_different_one_each_step():
-    """The eleventh session's machine: on the same padded work GPU 1 was slower in most steps.
+    """As seen on one 2-GPU machine: on the same padded work GPU 1 was slower in most steps.
     split counts the steps each process was the slowest in and its mean offset from the step's mean."""
     steady = [{"compute_s": [0.230, 0.233 + 0.001 * (k % 3)], "wait_s": [0.003, 0.0], "step_s": [0.24, 0.24]}
               for k in range(12)]
