@@ -1,5 +1,8 @@
 """Where the GPU sat idle in a torch.profiler trace (`train.profile_steps` writes output_dir/trace.json).
 
+`train.profile_steps=N` profiles N steps after the first two, one trace per process: rank 0's
+trace.json, the others' trace-rankK.json (benchmarks/timeline.py reads them together).
+
     python benchmarks/gpu_gaps.py runs/x/trace.json [--json gaps.json]
 
 Every kernel, copy and memset on the device is a busy interval; the GPU is idle wherever no

@@ -1,7 +1,8 @@
 """Each process's GPU time per step, read from its torch.profiler timeline (a lab tool, not part of ddptune).
 
-With the whole step recorded as CUDA graphs (train.cuda_graph_scope=step) no timing event can be
-placed between a process's last backward kernel and its gradient all-reduce, so its host clock
+With the whole step recorded as CUDA graphs (summary.json's `cuda_graphs` is "step": the speed
+decider's choice where it pays, or DDPTUNE_SPEED=graphs=step) no timing event can be placed
+between a process's last backward kernel and its gradient all-reduce, so its host clock
 (dist.StepClock) sees compute and the wait for the other processes as one. The profiler sees
 every kernel of the replayed graphs. `train.profile_steps` writes one timeline per process
 (rank 0 `trace.json`, the others `trace-rankK.json`); for each profiled step, on each GPU:

@@ -1,0 +1,52 @@
+"""benchmarks/speed.py --epoch: every ddptune run trains the tutorial's epoch and is timed end to end;
+the recipe's epoch is extrapolated from its measured steps and recorded as such."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from conftest import ROOT, metrics
+
+_spec = importlib.util.spec_from_file_location("speed_bench", ROOT / "benchmarks" / "speed.py")
+speed_bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(speed_bench)
+
+
+def test_the_tutorials_epoch_is_921_steps_of_16():
+    assert speed_bench.EPOCH_STEPS * 16 >= speed_bench.TUTORIAL_SAMPLES > (speed_bench.EPOCH_STEPS - 1) * 16
+
+
+def test_epoch_runs_train_every_step_of_it_and_are_timed_whole(tmp_path, monkeypatch):
+    """On the CPU with the tiny preset and a 5-step 'epoch' (the module's step count lowered)."""
+    from ddptune import model
+
+    model.byte_tokenizer().save_pretrained(tmp_path / "tok")
+    monkeypatch.setattr(speed_bench, "EPOCH_STEPS", 5)
+    monkeypatch.setattr(sys, "argv", ["speed.py", "--epoch", "--name", "epoch", "--preset", "tiny", "--method", "lora",
+                                      "--tokenizer", str(tmp_path / "tok"), "--data", "demo", "--rows", "0:64", "--steps", "2",
+                                      "--warmup", "1", "--skip-reference", "--runs", "", "--run", "shipped=train.grad_accum=1",
+                                      "--work", str(tmp_path / "work"), "--results", str(tmp_path)])
+    monkeypatch.delenv("OUT", raising=False)
+    assert speed_bench.main() == 0
+    result = json.loads((tmp_path / "epoch.json").read_text())
+    assert len([r for r in metrics(tmp_path / "work" / "shipped") if "step_time_s" in r]) == 5
+    shipped, epoch = result["shipped"], result["epoch"]
+    assert shipped["steps"] == 5 and result["ddptune_steps"] == 5 and epoch["steps"] == 5
+    run = epoch["runs"]["shipped"]
+    assert run["extrapolated"] is False and run["wall_s"] == shipped["wall_s"] > shipped["train_time_s"] > 0
+    assert run["samples"] == 5 * 4 and "reference" not in epoch["runs"]
+
+
+def test_the_recipes_epoch_is_its_measured_wall_plus_its_median_step_for_each_step_it_did_not_run():
+    result = {"reference": {"steps": 30, "wall_s": 200.0, "median_step_time_s": 3.0, "samples_per_step": 16},
+              "shipped": {"wall_s": 300.0, "samples_per_step": 16, "load_time_s": 11.0, "train_time_s": 250.0,
+                          "median_step_time_s": 0.207}}
+    out = speed_bench.epoch(result, ["shipped"], ["reference"])["runs"]
+    ref = out["reference"]
+    assert ref["extrapolated"] is True and ref["measured_steps"] == 30
+    assert ref["wall_s"] == pytest.approx(200 + (921 - 30) * 3.0)
+    assert out["shipped"]["against_reference"] == pytest.approx(ref["wall_s"] / 300.0)
+    assert out["shipped"]["samples"] == 921 * 16 and out["shipped"]["extrapolated"] is False
