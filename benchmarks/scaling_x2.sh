@@ -37,7 +37,7 @@
 #   gpu-tests         pytest tests/test_gpu.py with both GPUs visible: h200x2_test_gpu.txt and h200x2_test_gpu.xml
 #                     (JUnit). About 2 min.
 # Together: one machine, four device commands back to back (each within the 30 s a machine stays warm), about
-# 25-27 min of device time with the machine's start; each command carries .whl and installs it where /tmp/site is gone:
+# 25-27 min of GPU-machine time with the machine's start; each command carries .whl and installs it where /tmp/site is gone:
 #   1. defaults-8b (REPEAT=1), gpu-tests          about 8 min
 #   2. recipe                                     about 5.5 min; also stashes SmolLM2's first half (.m1, from
 #                                                 ../shared/device/smollm2_parts.sh) in /root/stash
