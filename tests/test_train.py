@@ -373,3 +373,23 @@ def _diverge_one_replica(out: str) -> str:
 def test_a_replica_that_drifts_is_caught_at_the_end_of_the_run(tmp_path):
     assert multiproc.run(_diverge_one_replica, 2, str(tmp_path / "run")) == ["diverged", "diverged"]
     assert not (tmp_path / "run" / "adapter").exists()  # nothing diverged is saved
+
+
+def test_a_compile_that_fails_falls_back_to_eager_layers_with_the_same_losses(tmp_path, monkeypatch, capsys):
+    """Compiling the layers fails in the first step (a backend that raises, as a broken toolchain
+    would): the run goes on with eager layers, one line says why, and the losses are eager's."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    def compile_with_broken_backend(model, cuda_graphs=False, static=False):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        for layer in base.get_decoder().layers:
+            layer.compile(backend=broken)
+
+    args = ["train.max_steps=3", "data.val=null", "lora.dropout=0.0"]
+    eager, _ = train.run(config.load(TINY, [f"output_dir={tmp_path / 'eager'}", "train.compile=false", *args]))
+    monkeypatch.setattr(model_lib, "compile_layers", compile_with_broken_backend)
+    fell, _ = train.run(config.load(TINY, [f"output_dir={tmp_path / 'fell'}", "train.compile=true", *args]))
+    assert "falling back to eager layers" in capsys.readouterr().out
+    assert fell["compiled"] is False and fell["speed"]["reasons"]["compiled layers"].startswith("off (compiling")
+    assert losses(tmp_path / "fell") == pytest.approx(losses(tmp_path / "eager"), abs=1e-6)

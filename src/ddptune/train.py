@@ -211,6 +211,8 @@ def fall_back_to_eager(r: Run, why: str) -> None:
     torch._dynamo.reset()
     r.engine, r.stream = None, r.stream.with_lengths([])
     r.parts = dataclasses.replace(r.parts, layer_graphs=False)
+    reasons = {**r.speed.reasons, "compiled layers": f"off ({why}: fell back to eager layers)", "CUDA graphs": "off (eager layers)"}
+    r.speed = dataclasses.replace(r.speed, compiled=False, graphs="off", lengths=0, reasons=reasons)
     for p in r.parts.params:
         p.grad = None
     r.accelerator.print(f"ddptune: {why}: falling back to eager layers")
