@@ -2,6 +2,7 @@
 `ddptune train` refusing a run the plan says will not fit (before loading anything)."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 
@@ -111,17 +112,98 @@ def test_train_refuses_a_run_that_will_not_fit_in_one_line_before_loading(tmp_pa
                                               ["train.method=full", "train.memory_check=false"]), 1, 80) == []
 
 
-def test_qlora_is_never_told_to_shard_and_fsdp_auto_checkpointing_is_not_refused():
-    # QLoRA's 4-bit weights stay whole on every GPU (train.strategy=fsdp refuses qlora): no FSDP row, no FSDP advice
-    shape = memory.model_shape(config.load(CONFIG_8B, []))
-    p = memory.plan(config.load(CONFIG_8B, []), shape, gpus=2, gpu_gib=4)
-    assert p["verdict"] == "does_not_fit" and all(o["shards"] == 1 for o in p["options"])
-    assert "FSDP (full shard)" not in p["recommendation"] and "train.method=lora" in p["recommendation"]
+def test_fsdp_auto_checkpointing_is_not_refused():
     # FSDP with checkpointing `auto`: turning it on is the way out the run takes itself, not a refusal
+    shape = memory.model_shape(config.load(CONFIG_8B, []))
     auto = config.load(CONFIG_8B, ["train.method=full", "train.strategy=fsdp", "train.gradient_checkpointing=auto"])
     assert memory.plan(auto, shape, gpus=2, gpu_gib=100)["options"][0]["fits"] is False
     assert checks.memory_problems(auto, 2, 100) == []
     assert checks.memory_problems(auto, 2, 60)  # with checkpointing on it still needs 80 GiB
+
+
+def test_70b_qlora_on_two_48_gib_gpus_is_sent_to_fsdp_qlora(capsys):
+    """Neither DDP-QLoRA (the whole 4-bit base, 37 GiB, on each GPU) nor LoRA on the bf16 base sharded
+    over both (73 GiB of weights each) fits; FSDP-QLoRA with checkpointing does. Its weights term is
+    each part of the sharded 4-bit base: the codes' half, the quantization state whole, the bf16
+    embeddings and head's half, two gathered layers of codes, the gathered root unit, one matrix
+    dequantized."""
+    cfg = config.load(CONFIG_8B, ["model.source=preset:llama-3.1-70b"])
+    shape = memory.model_shape(cfg)
+    assert (shape.layers, shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, shape.vocab, shape.tied) == \
+        (80, 8192, 28672, 64, 8, 128256, False)
+    p = memory.plan(cfg, shape, gpus=2, gpu_gib=48)
+    assert (p["verdict"], p["recommended_method"]) == ("fsdp", "qlora")
+    assert [(o["method"], o["fsdp"], o["gradient_checkpointing"], o["fits"]) for o in p["options"]] == [
+        ("qlora", False, False, False), ("qlora", False, True, False),  # DDP-QLoRA
+        ("lora", True, False, False), ("lora", True, True, False),      # bf16 LoRA, sharded
+        ("qlora", True, False, False), ("qlora", True, True, True)]     # FSDP-QLoRA
+    ddp, fsdp = p["options"][1], p["options"][-1]
+    big = max(a * b for a, b in (f(shape) for f in memory.PROJECTIONS.values()))
+    weights = (shape.matrix_params * 0.5 / 2 + shape.matrix_params * (memory.NF4_BYTES - 0.5) + shape.other_params * 2 / 2
+               + 2 * 0.5 * shape.layer_params + shape.other_params * 2 + 2 * big)
+    assert fsdp["weights"] == pytest.approx(weights / memory.GIB)
+    assert 23 < fsdp["weights"] < 25 and ddp["weights"] > 37
+    for term in ("adapters", "gradients", "optimizer"):  # sharded in two (DDP also keeps its reducer's copy of the gradients)
+        assert fsdp[term] == pytest.approx(ddp[term] / (4 if term == "gradients" else 2))
+    assert fsdp["activations"] == ddp["activations"] and fsdp["load_gib"] == pytest.approx(p["load_gib"])
+    assert 37 < p["load_gib"] < 39 < fsdp["total"] < 48  # the whole 4-bit base loads onto each GPU first
+    assert checks.memory_problems(config.load(CONFIG_8B, ["model.source=preset:llama-3.1-70b", "train.strategy=fsdp",
+                                                          "train.gradient_checkpointing=true"]), 2, 48) == []
+    assert cli.main(["plan", CONFIG_8B, "model.source=preset:llama-3.1-70b", "--gpus", "2", "--gpu-memory", "48"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == ("recommendation: FSDP (full shard) over 2 GPUs with gradient "
+                                                        "checkpointing (train.strategy=fsdp)")
+    # asked for LoRA on the bf16 base, which fits neither way: FSDP-QLoRA again, the method named
+    lora = memory.plan(config.load(CONFIG_8B, ["model.source=preset:llama-3.1-70b", "train.method=lora"]), shape, 2, 48)
+    assert (lora["verdict"], lora["recommended_method"]) == ("fsdp", "qlora")
+    assert "train.method=qlora" in lora["recommendation"] and "train.strategy=fsdp" in lora["recommendation"]
+    assert [o["fits"] for o in lora["options"]].index(True) == len(lora["options"]) - 1
+
+
+def test_where_a_pair_of_24_gib_gpus_stops_being_enough():
+    """70B: each process first loads the whole 4-bit base (38.0 GiB) onto its GPU, so no count of 24 GiB
+    GPUs holds it; a pair needs 45.75 GiB each. The 70B shape cut to fewer layers (8192 tokens a
+    forward, checkpointing): a 24 GiB pair holds 23 layers (21.8 B parameters), where one such GPU
+    holds 19 with DDP; at 24 layers it takes 3 GPUs. With 2048-token forwards the load binds first:
+    45 layers (40.6 B) fit, 46 do not load."""
+    cfg = config.load(CONFIG_8B, ["model.source=preset:llama-3.1-70b"])
+    shape = memory.model_shape(cfg)
+    p = memory.plan(cfg, shape, gpus=2, gpu_gib=24)
+    assert p["verdict"] == "does_not_fit" and p["fsdp_gpus_needed"] is None and "38.0 GiB for qlora" in p["recommendation"]
+    assert memory.plan(cfg, shape, 2, 45.75)["verdict"] == "fsdp" and memory.plan(cfg, shape, 2, 45.5)["verdict"] == "does_not_fit"
+    cut = lambda n: dataclasses.replace(shape, layers=n)  # noqa: E731
+    assert memory.plan(cfg, cut(23), 2, 24)["verdict"] == "fsdp"
+    assert memory.plan(cfg, cut(24), 2, 24)["fsdp_gpus_needed"] == 3
+    assert memory.plan(cfg, cut(19), 1, 24)["verdict"] == "ddp_checkpointing"
+    assert memory.plan(cfg, cut(20), 1, 24)["verdict"] == "does_not_fit"
+    short = config.load(CONFIG_8B, ["model.source=preset:llama-3.1-70b", "train.tokens_per_forward=2048"])
+    assert memory.plan(short, cut(45), 2, 24)["verdict"] == "fsdp"
+    assert memory.load_gib(cut(46), "qlora") > 24 and memory.plan(short, cut(46), 2, 24)["fsdp_gpus_needed"] is None
+
+
+def test_qlora_prefers_lora_on_the_bf16_base_sharded_to_its_own_base_sharded():
+    """Where DDP-QLoRA does not fit but LoRA on the bf16 base sharded does, that is the recommendation
+    (the exact weights, nothing dequantized in every pass), though FSDP-QLoRA would fit as well."""
+    cfg = config.load(CONFIG_8B, ["model.source=preset:llama-3.2-1b"])
+    shape = memory.model_shape(cfg)
+    assert memory.plan(cfg, shape, 8, 100)["verdict"] == "ddp"
+    need = memory.estimate(shape, memory.job_of(cfg, 8, checkpointing=True))["total"] / memory.GIB  # DDP-QLoRA's least
+    p = memory.plan(cfg, shape, 8, need - 0.05)
+    assert (p["verdict"], p["recommended_method"]) == ("fsdp", "lora")
+    assert p["recommendation"].startswith("LoRA on the bf16 base (train.method=lora), FSDP (full shard) over 8 GPUs")
+    four_bit = memory.estimate(shape, memory.job_of(cfg, 8, checkpointing=True, shards=8))["total"] / memory.GIB
+    assert four_bit < need - 0.05
+
+
+def test_fsdp_over_one_process_counts_its_gathered_copies():
+    """One FSDP process still gathers each unit into buffers of its own: QLoRA's plan for it is
+    DDP-QLoRA's plus two layers of codes and the root unit (the embeddings and head in bf16)."""
+    cfg = config.load(CONFIG_8B, ["train.gradient_checkpointing=true"])
+    shape = memory.model_shape(cfg)
+    ddp = memory.estimate(shape, memory.job_of(cfg, 1))
+    fsdp = memory.estimate(shape, memory.job_of(config.load(CONFIG_8B, ["train.gradient_checkpointing=true",
+                                                                        "train.strategy=fsdp"]), 1))
+    assert fsdp["weights"] - ddp["weights"] == pytest.approx(2 * 0.5 * shape.layer_params + shape.other_params * 2)
+    assert 1.9 < (fsdp["weights"] - ddp["weights"]) / memory.GIB < 2.3
 
 
 def test_qlora_with_room_is_told_its_base_fits_dequantized_and_that_costs_lora_s_weights():

@@ -86,3 +86,27 @@ def test_a_benchmark_forces_choices_through_one_variable(monkeypatch):
     monkeypatch.setenv(speed.FORCE_ENV, "graphs=step")
     with pytest.raises(ConfigError):  # no CUDA device to record on
         decide(["train.method=lora"], None, samsum_like(15), preset="tiny", cuda=False)
+
+
+def test_fsdp_qlora_keeps_its_base_4_bit_and_checkpoints_where_the_sharded_run_needs_it(monkeypatch):
+    """70B over two 48 GiB GPUs: the decider costs the sharded 4-bit base (plan's estimate), never a
+    dequantized one (it would be dequantized whole on every GPU before sharding), and turns
+    checkpointing on because without it the activations do not fit. 8B over one process: the
+    whole 4-bit base plus FSDP's gathered copies, checkpointing off on an H200."""
+    work = samsum_like(51, parts=2)
+    big = decide(["train.strategy=fsdp"], 47.0, work, preset="llama-3.1-70b", world=2)
+    assert (big.checkpointing, big.dequantize, big.graphs) == (True, False, "off")
+    assert big.reasons["4-bit base"].startswith("4-bit (train.strategy=fsdp shards the 4-bit base")
+    assert {o["dequantize"] for o in big.estimate["options"]} == {False}
+    assert 24 < big.estimate["memory_gib"] < 47 * (1 - speed.MARGIN)
+    assert min(o["memory_gib"] for o in big.estimate["options"] if not o["checkpointing"]) > 47
+    one = decide(["train.strategy=fsdp"], 139.3, samsum_like(51), world=1)
+    ddp = decide(["train.strategy=ddp"], 22.0, samsum_like(51), world=1)  # the 4-bit base with DDP
+    assert (one.checkpointing, one.dequantize) == (False, False)
+    ddp_4bit = next(o for o in ddp.estimate["options"] if not o["dequantize"] and not o["checkpointing"] and o["graphs"] == "off")
+    assert one.estimate["memory_gib"] - ddp_4bit["memory_gib"] == pytest.approx(
+        (2 * 0.5 * shape("llama-3.1-8b").layer_params + shape("llama-3.1-8b").other_params * 2) * (1 + memory.ALLOCATOR_SLACK)
+        / memory.GIB, rel=1e-6)
+    monkeypatch.setenv(speed.FORCE_ENV, "dequantize=true")
+    with pytest.raises(ConfigError, match="dequantize=true needs train.strategy=ddp"):
+        decide(["train.strategy=fsdp"], 139.3, work, world=2)

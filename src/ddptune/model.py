@@ -63,7 +63,16 @@ PRESETS: dict[str, dict] = {
     "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                          max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=False),
+    "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                          max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+                          tie_word_embeddings=False),
 }
+
+# The container of QLoRA's packed 4-bit codes (four to a bf16 element; the bits are those uint8 would hold).
+# FSDP2 shards floating-point tensors only (accelerate leaves uint8 ones whole on every process), and bf16
+# mixed precision never casts a tensor that is bf16 already.
+QUANT_STORAGE = torch.bfloat16
 
 
 @dataclass(frozen=True)
@@ -221,7 +230,7 @@ def load_model(m: ModelConfig, method: str, device: torch.device, precision: str
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch.bfloat16 if device.type == "cuda" else dtype,
-            bnb_4bit_quant_storage=torch.uint8,
+            bnb_4bit_quant_storage=QUANT_STORAGE,
         )
         kwargs["dtype"] = torch.bfloat16 if device.type == "cuda" else dtype
     if src.kind == "preset":
@@ -359,25 +368,45 @@ class CausalLMLoss(torch.nn.Module):
 
 
 def count_params(model) -> tuple[int, int]:
-    """(trainable, total) parameter counts; 4-bit weights count as their unpacked size."""
+    """(trainable, total) parameter counts; 4-bit weights count as their unpacked size (two a byte
+    of their container), also once sharded (a sharded tensor's numel is the whole tensor's)."""
     trainable = total = 0
+    four_bit = {id(m.weight) for m in four_bit_layers(model)}
     for p in model.parameters():
         n = p.numel()
-        if _is_4bit(p):
-            n *= 2  # two 4-bit values per byte
+        if id(p) in four_bit or getattr(p, "quant_state", None) is not None:
+            n *= 2 * p.element_size()
         total += n
         if p.requires_grad:
             trainable += n
     return trainable, total
 
 
-def _is_4bit(p: torch.Tensor) -> bool:
-    return getattr(p, "quant_state", None) is not None or p.dtype == torch.uint8
+def four_bit_layers(model) -> list:
+    """The layers holding 4-bit weights (bitsandbytes' Linear4bit): their quantization state is theirs
+    (`module.quant_state`), also while a sharder has swapped their weight for a plain tensor."""
+    return [m for m in model.modules() if "weight" in m._parameters and (
+        getattr(m, "quant_state", None) is not None or getattr(m._parameters["weight"], "quant_state", None) is not None)]
 
 
 def holds_4bit(model) -> bool:
     """Whether any of the model's weights are stored in 4 bits (QLoRA, not a dequantized base)."""
-    return any(_is_4bit(p) for p in model.parameters())
+    return bool(four_bit_layers(model))
+
+
+def keep_quant_state(model) -> int:
+    """Ready a 4-bit base for a sharder that swaps each weight for a shard of it and gathers it back
+    as a plain tensor before each forward (FSDP2): every 4-bit layer holds its weight's quantization
+    state itself (bitsandbytes puts it back onto the gathered weight in the layer's forward), and
+    never repacks its weight for CPU inference in place (bitsandbytes does so on CPUs with AVX512-BF16
+    in eval mode, rewriting the shared state for a layout the next gathered weight does not have).
+    Returns how many 4-bit layers there are."""
+    layers = four_bit_layers(model)
+    for m in layers:
+        if getattr(m.weight, "quant_state", None) is not None:
+            m.quant_state = m.weight.quant_state
+        m.support_avx512bf16_for_cpu = False
+    return len(layers)
 
 
 def trainable_state(model) -> dict[str, torch.Tensor]:

@@ -47,14 +47,19 @@ def _count(n: int) -> str:
 def table(p: dict) -> str:
     """The plan as a readable table (GiB per GPU), then the recommendation."""
     cols = ("weights", "adapters", "gradients", "optimizer", "activations", "overhead", "total")
-    head = f"{'option':<52}" + "".join(f"{c:>12}" for c in cols) + "   fits"
+    width = max(52, *(len(o["option"]) + 2 for o in p["options"]))
+    head = f"{'option':<{width}}" + "".join(f"{c:>12}" for c in cols) + "   fits"
     lines = [f"ddptune plan: {p['model']} | {p['method']} | {p['optimizer']} | {_count(p['params'])} parameters, "
              f"{_count(p['trained_params'])} trained | {p['tokens_per_forward']} tokens per forward "
              f"({p['targets_assumed']} loss targets assumed){' | compiled layers' if p['compiled'] else ''}",
              f"GiB per GPU, {p['gpus']} GPU{'s' if p['gpus'] > 1 else ''} of {p['gpu_memory_gib']:g} GiB "
              f"(overhead: {memory.CUDA_CONTEXT_GIB} GiB CUDA context + {memory.ALLOCATOR_SLACK:.0%} allocator slack)", head]
     for o in p["options"]:
-        lines.append(f"{o['option']:<52}" + "".join(f"{o[c]:>12.2f}" for c in cols) + f"   {'yes' if o['fits'] else 'no'}")
+        lines.append(f"{o['option']:<{width}}" + "".join(f"{o[c]:>12.2f}" for c in cols) + f"   {'yes' if o['fits'] else 'no'}")
+    loads = {o["method"]: o["load_gib"] for o in p["options"] if o.get("load_gib") is not None}
+    if loads:
+        lines.append("FSDP: each process first loads the whole model onto its GPU, then shards it: " + ", ".join(
+            f"{v:.1f} GiB for {m}" for m, v in loads.items()) + " (a way fits only where that fits too)")
     lines.append(f"recommendation: {p['recommendation']}")
     if 0 < p["margin"] < memory.PLAN_OVER:
         lines.append(f"close: as configured it needs {p['margin']:.0%} more than the GPU holds, and the plan has been up to "

@@ -32,7 +32,11 @@ The time model, per process and step (constants measured on an H200, 16-core hos
 Gradient checkpointing costs one more forward (FLOPs, launches and dequantization), so it is
 chosen only where the run would not fit without it. A dequantized base costs 2 bytes a weight
 instead of about 0.5; with checkpointing and graphs it measured 15 % slower a step, so it is not
-combined with both. One DDP bucket (all-reduced after the backward) measured 1.5 % faster a step
+combined with both. Under FSDP the base stays 4-bit: it would be dequantized before sharding, so
+every process would first hold the whole bf16 base (what sharding a 4-bit base is for), and its
+shards, all-gathered twice a step, would be 4x the bytes; a bf16 base that fits sharded is LoRA's,
+which `ddptune plan` offers. Otherwise FSDP's candidates are DDP's without CUDA graphs, each costed
+with sharded memory. One DDP bucket (all-reduced after the backward) measured 1.5 % faster a step
 on two NVLink H200s; elsewhere (PCIe, several machines) torch's overlapping buckets stay.
 
 `DDPTUNE_SPEED` forces choices for a benchmark (`graphs=off|layers|step,lengths=N,checkpointing=
@@ -165,7 +169,7 @@ def decide(cfg: Config, cuda: bool, shape: memory.Shape, world: int, free_gib: f
     reasons = {"compiled layers": compile_reason(t.compile, compiled, cuda, "compile" in force)}
     reasons["gradient checkpointing"] = checkpoint_reason(t.gradient_checkpointing, choice, costed, free_gib, force)
     if t.method == "qlora":
-        reasons["4-bit base"] = dequantize_reason(choice, costed, budget, force)
+        reasons["4-bit base"] = dequantize_reason(choice, costed, budget, force, t.strategy, cuda)
     reasons["CUDA graphs"] = graphs_reason(cfg, cuda, compiled, choice, best, fitting, work, force)
     reasons["DDP gradient buckets"] = bucket_why
     estimate = {"step_s": best[2], "setup_s": best[3], "memory_gib": best[1], "free_gib": free_gib,
@@ -184,7 +188,11 @@ def candidates(cfg: Config, cuda: bool, compiled: bool, force: dict) -> list[Opt
         ckpt = [bool(t.gradient_checkpointing)]
     else:
         ckpt = [False, True] if cuda else [False]  # a CPU has no fixed memory budget to fit
-    dequant = [force["dequantize"]] if "dequantize" in force else [False, True] if t.method == "qlora" and cuda else [False]
+    if force.get("dequantize") and t.strategy == "fsdp":
+        raise ConfigError([f"{FORCE_ENV}: dequantize=true needs train.strategy=ddp (FSDP shards the 4-bit base; "
+                           "or dequantize=false)"])
+    dequant = [force["dequantize"]] if "dequantize" in force else [False, True] if (
+        t.method == "qlora" and cuda and t.strategy == "ddp") else [False]
     scope = "step" if t.optimizer == "adamw" else "layers"  # only torch's fused AdamW can be recorded
     recordable = cuda and compiled and t.packing and t.strategy == "ddp"
     if "graphs" in force:
@@ -284,9 +292,14 @@ def checkpoint_reason(setting, choice: Option, costed: list, free_gib: float | N
     return f"off (about {without:.1f} GiB of the {free_gib:.1f} GiB free)" if without is not None else on
 
 
-def dequantize_reason(choice: Option, costed: list, budget: float | None, force: dict) -> str:
+def dequantize_reason(choice: Option, costed: list, budget: float | None, force: dict, strategy: str = "ddp",
+                      cuda: bool = True) -> str:
     if "dequantize" in force:
         return ("kept dequantized in bf16" if choice.dequantize else "4-bit") + _forced("dequantize", force)
+    if strategy == "fsdp":
+        return "4-bit (train.strategy=fsdp shards the 4-bit base: dequantized, every process would first hold it whole in bf16)"
+    if not cuda:
+        return "4-bit (CPU: the base stays as it loaded)"
     same = [c for c in costed if c[0].checkpointing == choice.checkpointing and c[0].graphs == choice.graphs
             and c[0].lengths == choice.lengths]
     other = next((c for c in same if c[0].dequantize != choice.dequantize), None)

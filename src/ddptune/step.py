@@ -1,6 +1,7 @@
 """One optimizer step's body, the optimizer and its schedule, and the validation loss.
 
-The body: forwards and backwards, then clipping, the loss's sum over the processes and the update.
+The body: forwards and backwards, then clipping, the loss's sum over the processes and the update;
+`broken` says which of a step's figures stop the run.
 
 Eager steps call these two functions directly; the CUDA-graph engine (graphs.py) records the very
 same functions and replays them, so loss scaling, `no_sync` and clipping exist once.
@@ -74,6 +75,19 @@ def clip_and_update(p: Parts, loss_sum: torch.Tensor) -> torch.Tensor:
     else:
         p.optimizer.zero_grad(set_to_none=True)
     return figures
+
+
+def broken(loss: float, grad_norm: float) -> tuple[str, str] | None:
+    """Why a step's figures must stop the run, and the way out, or None. A loss or gradient norm that
+    is not a finite number; or a loss of exactly 0, which real targets give only when every one of
+    them is predicted with certainty: far more often a step that scored nothing, or broken outputs
+    (what 4-bit bases sharded by other tools trained on, silently, when their weights were lost)."""
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        return "stopping before anything non-finite is saved", "lower train.lr or train.max_grad_norm, or look at the data"
+    if loss == 0:
+        return ("a loss of exactly 0 means nothing was scored or the outputs are broken: stopping before it is saved",
+                "check that the data's summaries reach the loss (data.summary_column), or compare with train.strategy=ddp")
+    return None
 
 
 def build_optimizer(t, model, total_steps: int, capturable: bool = False):

@@ -35,7 +35,7 @@ GC_EVERY = 50  # optimizer steps between collections of Python's young generatio
 
 
 class NonFinite(RuntimeError):
-    """The loss or gradient norm of a step is not a finite number: training stops."""
+    """The loss or gradient norm of a step is not a finite number, or the loss is exactly 0: training stops."""
 
 
 class Diverged(RuntimeError):
@@ -151,7 +151,7 @@ def prepare(cfg, plan, acc, out, tokenizer, train_set, val_set, model, stream, c
     # whole needs DDP built on the stream that records.
     side = torch.cuda.Stream(acc.device) if chosen.graphs == "step" else None
     with graphs.on_stream(side):
-        ddp_model, optimizer = acc.prepare(loss_model, optimizer)
+        ddp_model, optimizer = dist.prepare(acc, loss_model, optimizer)
     clock = dist.StepClock(acc.device)
     dist.time_gradient_sync(ddp_model, clock)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -317,11 +317,10 @@ class Loop:
     def record(self, p: dict) -> None:
         """Read a launched step's figures (waits for the device to finish it) and log them."""
         row, mine = read_step(self.r, p, self.peak)
-        if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
+        if why := step_lib.broken(row["loss"], row["grad_norm"]):
             saved = checkpoint.list_checkpoints(self.r.out / "checkpoints")
-            raise NonFinite(f"step {row['step']}: loss {row['loss']}, gradient norm {row['grad_norm']}: stopping before "
-                            f"anything non-finite is saved; newest checkpoint: {saved[-1] if saved else 'none'} "
-                            "(lower train.lr or train.max_grad_norm, or look at the data)")
+            raise NonFinite(f"step {row['step']}: loss {row['loss']}, gradient norm {row['grad_norm']}: {why[0]}; newest "
+                            f"checkpoint: {saved[-1] if saved else 'none'} ({why[1]})")
         self.history.append(row)
         self.times.append(mine)
         self.progress.step(row)
