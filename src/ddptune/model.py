@@ -69,9 +69,9 @@ PRESETS: dict[str, dict] = {
                           tie_word_embeddings=False),
 }
 
-# The container of QLoRA's packed 4-bit codes (four to a bf16 element; the bits are those uint8 would hold).
-# FSDP2 shards floating-point tensors only (accelerate leaves uint8 ones whole on every process), and bf16
-# mixed precision never casts a tensor that is bf16 already.
+# The container of a sharded QLoRA base's packed 4-bit codes (two to a bf16 element's bytes; the bits are those
+# uint8 would hold): FSDP2 shards floating-point tensors only (accelerate leaves uint8 ones whole on every
+# process), and bf16 mixed precision never casts a tensor that is bf16 already. DDP keeps bitsandbytes' uint8.
 QUANT_STORAGE = torch.bfloat16
 
 
@@ -210,8 +210,9 @@ def preset_folder(name: str, seed: int, cache_dir: str | os.PathLike | None = No
 
 
 def load_model(m: ModelConfig, method: str, device: torch.device, precision: str, seed: int,
-               cache_dir: str | os.PathLike | None = None):
-    """Load the base model onto `device` for `method` (lora, qlora or full)."""
+               cache_dir: str | os.PathLike | None = None, sharded: bool = False):
+    """Load the base model onto `device` for `method` (lora, qlora or full); `sharded`: a QLoRA base's
+    codes go in QUANT_STORAGE containers, which FSDP2 can shard."""
     register_attention()
     src = resolve_source(m)
     dtype = compute_dtype(precision, device)
@@ -230,7 +231,7 @@ def load_model(m: ModelConfig, method: str, device: torch.device, precision: str
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch.bfloat16 if device.type == "cuda" else dtype,
-            bnb_4bit_quant_storage=QUANT_STORAGE,
+            bnb_4bit_quant_storage=QUANT_STORAGE if sharded else torch.uint8,
         )
         kwargs["dtype"] = torch.bfloat16 if device.type == "cuda" else dtype
     if src.kind == "preset":

@@ -117,7 +117,8 @@ def setup(cfg: Config, resume: bool = False) -> Run:
                            f"do not fit a run of {total} steps (profile fewer steps or train longer)"])
     t1 = time.perf_counter()
     with acc.main_process_first():  # a preset checkpoint or hub download is made once
-        base = model_lib.load_model(cfg.model, cfg.train.method, acc.device, cfg.train.precision, cfg.train.seed)
+        base = model_lib.load_model(cfg.model, cfg.train.method, acc.device, cfg.train.precision, cfg.train.seed,
+                                    sharded=cfg.train.strategy == "fsdp")
     shape = memory.shape_of(base.config)
     flops = metrics.FlopModel.of_shape(shape, cfg.train.method, cfg.lora.r, list(cfg.lora.target_modules))
     stream = batches.Stream(train_set, [flops.sample(len(e["input_ids"]), batches.target_tokens([e])) for e in train_set],
