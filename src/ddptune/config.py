@@ -340,12 +340,13 @@ def load(path: str | os.PathLike, overrides: list[str] = ()) -> Config:
     """Read a YAML config file and apply overrides."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError([f"config: {quoted(str(p))} {_not_a_file(p)} (give the path of a YAML file, e.g. configs/tiny.yaml)"])
+        raise ConfigError([f"config: {quoted(str(p))} {not_a_file(p)} (give the path of a YAML file, e.g. configs/tiny.yaml)"])
     return from_dict(read_yaml(p), overrides)
 
 
-def _not_a_file(p: Path) -> str:
-    """What stands at `p`, which is not a regular file (nor a symlink to one)."""
+def not_a_file(p: Path) -> str:
+    """What stands at `p`, which is not a regular file (nor a symlink to one), as the rest of a line
+    that names `p`: "not found", "is a symlink loop, ...", "is a folder", "is a FIFO, ..."."""
     import errno
     import stat
 

@@ -325,6 +325,8 @@ def recommendation(cfg: Config, gpus: int, gpu_gib: float, chosen: dict | None, 
         verdict = "does_not_fit"
         with_gc = " with gradient checkpointing" if needed_gc else ""
         action = f"does not fit on {gpus} GPU{'s' if gpus > 1 else ''} of {gpu_gib:g} GiB: " + (
+            f"the CUDA context alone takes {CUDA_CONTEXT_GIB} GiB of each GPU (use GPUs with more memory)"
+            if gpu_gib <= CUDA_CONTEXT_GIB else
             f"FSDP (full shard) over {needed} GPUs{with_gc} would fit" if needed else
             "QLoRA keeps the whole 4-bit model on every GPU (train.strategy=fsdp covers lora and full): lower "
             "train.tokens_per_forward or micro_batch_size, or shard with train.method=lora" if not can_shard else

@@ -101,7 +101,8 @@ def setup(cfg: Config, resume: bool = False) -> Run:
         rundir.mark(out)  # first: whatever happens next, this folder is a run that --overwrite may clear
         (out / "config.yaml").write_text(config_lib.dump(cfg))
     t0 = time.perf_counter()
-    tokenizer = model_lib.load_tokenizer(cfg.model)
+    with checks.loading(cfg.model, "tokenizer"):  # a hub that cannot be reached: one line, not a traceback
+        tokenizer = model_lib.load_tokenizer(cfg.model)
     with acc.main_process_first():  # the main process tokenizes, the others read its cache
         train_set, val_set = data.load(cfg.data, tokenizer, out / "cache", progress=acc.is_main_process)
     acc.print(f"ddptune: data ready in {time.perf_counter() - t0:.1f}s; loading {cfg.model.source} ...")
@@ -112,7 +113,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
         raise ConfigError([f"train.profile_steps: {cfg.train.profile_steps} steps after the first {config_lib.PROFILE_AFTER} "
                            f"do not fit a run of {total} steps (profile fewer steps or train longer)"])
     t1 = time.perf_counter()
-    with acc.main_process_first():  # a preset checkpoint or hub download is made once
+    with acc.main_process_first(), checks.loading(cfg.model, "model"):  # a preset checkpoint or hub download is made once
         base = model_lib.load_model(cfg.model, cfg.train.method, acc.device, cfg.train.precision, cfg.train.seed)
     shape = memory.shape_of(base.config)
     flops = metrics.FlopModel.of_shape(shape, cfg.train.method, cfg.lora.r, list(cfg.lora.target_modules))
@@ -259,10 +260,9 @@ def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
     except RuntimeError as e:
         if not dist.collective_failed(e):
             raise
-        saved = checkpoint.list_checkpoints(r.out / "checkpoints")
         raise dist.Stalled(f"step {step + 1}: {dist.first_line(e)}: another process hung (it waited more than "
-                           f"train.timeout_minutes={cfg.train.timeout_minutes:g}) or died; newest checkpoint: "
-                           f"{saved[-1] if saved else 'none'} (see that process's output, then continue with --resume)") from None
+                           f"train.timeout_minutes={cfg.train.timeout_minutes:g}) or died (see that process's output); "
+                           f"{rundir.saved_line(r.out, cfg.train.method)}") from None
     finally:
         loop.close()
         gc.unfreeze()
