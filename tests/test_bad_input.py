@@ -250,6 +250,8 @@ CASES = [
     ("output_dir a FIFO", ["train", "{cfg}", "output_dir={fifo}"], ["output_dir: ", "fifo.yaml is a FIFO, not a folder"]),
     ("gpu memory NaN", [*TRAIN, "--gpu-memory", "nan"], ["--gpu-memory: must be a positive number of GiB (got nan)"]),
     ("gpu memory zero", [*TRAIN, "--gpu-memory", "0"], ["--gpu-memory: must be a positive number of GiB (got 0.0)"]),
+    ("save lead zero", [*TRAIN, "train.save_lead_seconds=0"], ["train.save_lead_seconds: must be a positive number of seconds"]),
+    ("save lead NaN", [*TRAIN, "train.save_lead_seconds=.nan"], ["train.save_lead_seconds: must be a positive number of seconds"]),
     # --- --resume
     ("resume into nothing", [*TRAIN, "--resume"], ["output_dir: --resume found no checkpoints in"]),
     ("resume a finished run", ["train", "{cfg}", "output_dir={done}", "--resume"], ["is complete (it wrote summary.json and its weights): nothing to resume"]),

@@ -166,3 +166,35 @@ def test_a_killed_workers_line_says_what_its_run_saved(tmp_path, monkeypatch):
                                                   "(continue with the same command and --resume)")
     assert launch.killed(1, ProcessFailure(local_rank=1, pid=1, exitcode=2, error_file=str(tmp_path / "none.json"))) == []
 
+
+def test_a_lead_time_saves_the_first_step_at_once_and_warns_when_a_stop_would_outlast_it(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert cli.main(_train(out, "train.max_steps=3", "train.save_lead_seconds=3600")) == 0
+    said = capsys.readouterr()
+    lines = [l for l in (said.out + said.err).replace("\r", "\n").splitlines() if l.startswith("ddptune: a checkpoint")]
+    assert len(lines) == 1 and lines[0].startswith("ddptune: a checkpoint (step 1) took "), lines
+    assert lines[0].endswith("; a stop (a save) needs about " + lines[0].split("needs about ")[1].split()[0]
+                             + " s of the 3600 s train.save_lead_seconds gives")  # no step timed yet but the first
+    assert "warning" not in said.out + said.err
+    assert (out / "checkpoints" / "step-000001" / "state.json").is_file()  # saved after the first step, timed
+    late = tmp_path / "late"
+    assert cli.main(_train(late, "train.max_steps=3", "train.save_lead_seconds=1e-6", "train.save_every=1")) == 0
+    said = capsys.readouterr()
+    warned = [l for l in (said.out + said.err).replace("\r", "\n").splitlines() if l.startswith("ddptune: warning: saving")]
+    assert len(warned) == 1 and warned[0].startswith("ddptune: warning: saving step 1 took "), warned  # once, not per save
+    assert "more than train.save_lead_seconds=1e-06; send the stop signal earlier (sbatch --signal=TERM@" in warned[0]
+
+
+def test_a_stop_is_timed_from_recent_steps_not_the_first():
+    """The first step warms up (on a GPU it compiles the layers): a stop's two steps are the median of the later ones."""
+    from ddptune import saving
+
+    times = saving.SaveTimes(lead=10.0)
+    assert times.note(1, 0.5, [90.0]) == ("ddptune: a checkpoint (step 1) took 0.50 s to save; a stop (a save) needs "
+                                          "about 0.5 s of the 10 s train.save_lead_seconds gives")
+    assert times.note(2, 0.5, [90.0, 1.0, 2.0, 3.0]) is None  # said once; within the lead
+    late = times.note(3, 0.5, [90.0, 1.0, 5.0, 6.0])
+    assert late.startswith("ddptune: warning: saving step 3 took 0.5 s: a stop (two more steps of 5.00 s, then a save) "
+                           "needs about 10.5 s, more than train.save_lead_seconds=10")
+    assert times.note(4, 9.0, [90.0, 1.0, 5.0, 6.0]) is None  # warned once
+    assert saving.SaveTimes(lead=None).note(1, 0.25, []) == "ddptune: a checkpoint (step 1) took 0.25 s to save"

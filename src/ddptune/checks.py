@@ -330,7 +330,7 @@ def enclosing_run_problems(out: Path) -> list[str]:
 
 # keys that change no result: a resume may set them anew (output_dir: the run's folder may have been moved)
 RESUME_MAY_CHANGE = {"train.timeout_minutes", "train.save_every", "train.save_every_minutes", "train.keep_checkpoints",
-                     "output_dir"}
+                     "train.save_lead_seconds", "output_dir"}
 # How the global batch is split among processes and forwards: a resume (at another process count too)
 # may change them while the samples per optimizer step stay the same (the loss is a sum over them).
 BATCH_KEYS = {"train.micro_batch_size", "train.grad_accum", "train.effective_batch_size"}

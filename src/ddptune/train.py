@@ -297,6 +297,7 @@ class Loop:
         self.peak = metrics.peak_tflops(r.accelerator.device)
         self.control = dist.ControlChannel(r.cfg.train.timeout_minutes)  # SIGINT/SIGTERM, checkpoint times
         self.last_save, self.asked = time.monotonic(), 0
+        self.saves = saving.SaveTimes(r.cfg.train.save_lead_seconds)
 
     def launched(self, p: dict) -> None:
         previous, self.pending = self.pending, p
@@ -333,7 +334,8 @@ class Loop:
                                f"ddptune: warning: step {answered}: rank {slow[0]} was busy for {slow[1]:.2f} s, the others "
                                f"{slow[2]:.2f} s (a slow or busy machine, or a straggling GPU?)")
         validate = t.val_every and r.val_set and done % t.val_every == 0 and done < r.total_steps
-        save = (t.save_every and done % t.save_every == 0) or due or stop
+        # with a lead time set, the first step is saved at once: its save's time is checked against it
+        save = (t.save_every and done % t.save_every == 0) or due or stop or (t.save_lead_seconds and done == r.start + 1)
         if validate or save:
             self.read_pending()
         if validate:
@@ -342,7 +344,8 @@ class Loop:
             r.times["eval_s"] += time.perf_counter() - t0
             self.progress.line({"step": done, "val_loss": val}, f"step {done}: val_loss {val:.4f}")
         if save:
-            saving.save_checkpoint(r, done)
+            seconds = saving.save_checkpoint(r, done)
+            self.progress.say(self.saves.note(done, seconds, [row["step_time_s"] for row in self.history]))
             self.last_save = time.monotonic()
         if validate or save:
             r.clock.pause()  # their time is eval or saving, not the next step's
