@@ -86,6 +86,7 @@ def make_runs(tmp: Path) -> None:
     (torn / "config.yaml").write_text("train:\n  lr: [0.01\n")
     for name, world in (("noworld", 0), ("textworld", "two")):  # a checkpoint whose process count is damaged
         checkpoint_at(run_dir(tmp, name, ["train.save_every=2"]), {"step": 2, "world_size": world})
+    checkpoint_at(run_dir(tmp, "negstep", ["train.save_every=2"]), {"step": -20, "world_size": 1})
     unstarted = run_dir(tmp, "unstarted", [])  # stopped before its first step: its marker and config.yaml
     (unstarted / ".ddptune-run").write_text("{}\n")
     (tmp / "noadapter").mkdir()  # a run that never finished: no adapter
@@ -258,9 +259,12 @@ CASES = [
     ("resume with no complete checkpoint", ["train", "{cfg}", "output_dir={bare}", "train.save_every=2", "--resume"],
      ["--resume: no checkpoint in ", "can be read back", "start afresh into a new output_dir"]),
     ("resume from a checkpoint of 0 processes", ["train", "{cfg}", "output_dir={noworld}", "train.save_every=2", "--resume"],
-     ["--resume: no checkpoint in ", "can be read back"]),
+     ["--resume: no checkpoint in ", "can be read back (the newest, ", "step-000002 has a world_size that is not a "
+      "positive whole number (0 in state.json))"]),
     ("resume from a checkpoint of 'two' processes", ["train", "{cfg}", "output_dir={textworld}", "train.save_every=2", "--resume"],
-     ["--resume: no checkpoint in ", "can be read back"]),
+     ["--resume: no checkpoint in ", "can be read back (the newest, ", "has a world_size that is not a positive whole number ('two'"]),
+    ("resume from a checkpoint of step -20", ["train", "{cfg}", "output_dir={negstep}", "train.save_every=2", "--resume"],
+     ["--resume: no checkpoint in ", "step-000002 says step -20 in state.json, but its folder is named step-000002"]),
     ("resume at another process count", ["train", "{cfg}", "output_dir={part}", "train.save_every=2", "--resume"],
      ["--resume: ", "was written by 2 processes with 8 samples per optimizer step; 1 process(es) would not take the same: "
       "set train.effective_batch_size=8 (or resume with --nproc 2)"]),

@@ -61,8 +61,6 @@ def validate(cfg: Config, world_size: int, resume: bool = False, overwrite: bool
 def code_problems(cfg: Config) -> list[str]:
     """What needs the model's code: its layers against lora.target_modules, bitsandbytes importing
     for QLoRA, and the choices a benchmark forces through DDPTUNE_SPEED."""
-    from ddptune import speed
-
     problems = []
     if cfg.train.method == "qlora":
         try:
@@ -70,10 +68,13 @@ def code_problems(cfg: Config) -> list[str]:
         except Exception as e:  # noqa: BLE001 - installed but broken (a missing CUDA library, say)
             problems.append(f"train.method: qlora needs bitsandbytes, which cannot be imported ({type(e).__name__}: "
                             f"{' '.join(str(e).split())[:160]}) (reinstall it, or use method=lora)")
-    try:
-        speed.forced()  # what a benchmark forces through DDPTUNE_SPEED
-    except ConfigError as e:
-        problems += e.problems
+    if os.environ.get("DDPTUNE_SPEED", "").strip():  # what a benchmark forces (speed.FORCE_ENV; speed imports torch)
+        from ddptune import speed
+
+        try:
+            speed.forced()
+        except ConfigError as e:
+            problems += e.problems
     return problems + model_problems(cfg)
 
 
@@ -254,17 +255,21 @@ def output_problems(cfg: Config, resume: bool, world_size: int | None = None, ov
                 "same command without --resume to start it)"]
     if not (out / "checkpoints").is_dir():
         return [f"output_dir: --resume found no checkpoints in {out} (train with train.save_every or train.save_every_minutes > 0 first)"]
-    states = []
+    states, damaged = [], []
     for path in reversed(checkpoint.list_checkpoints(out / "checkpoints")):
         try:
             state = json.loads((path / "state.json").read_text())
-        except (OSError, ValueError, RecursionError):
+        except (OSError, ValueError, RecursionError) as e:
+            damaged.append(f"{path}/state.json cannot be read ({type(e).__name__})")
             continue  # resume falls back past it
-        if checkpoint.state_problem(path, state) is None:  # a step or process count of 0, text...: damaged likewise
+        if problem := checkpoint.state_problem(path, state):  # a step or process count of 0, text...: damaged likewise
+            damaged.append(f"{path} {problem}")
+        else:
             states.append((path, state))
     if not states:
-        return [f"--resume: no checkpoint in {out / 'checkpoints'} can be read back (a run stopped during "
-                "its first save leaves none): start afresh into a new output_dir"]
+        why = f"the newest, {damaged[0]}" if damaged else "a run stopped during its first save leaves none"
+        return [f"--resume: no checkpoint in {out / 'checkpoints'} can be read back ({why}): start afresh into a new "
+                "output_dir"]
     path, state = states[0]
     if world_size is not None and state.get("shards", world_size) != world_size:  # train.strategy=fsdp
         return [f"--resume: {path} holds the weights and optimizer states of {state['shards']} FSDP processes, "
