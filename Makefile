@@ -23,4 +23,4 @@ demo: setup
 
 # two workers (most tests wait on processes they spawn), grouped by module so a module's fixture is made once
 test: setup
-	$(BIN)/python -m pytest -q -rs -n 2 --dist loadscope --durations=15
+	$(BIN)/python -m pytest -q -rs -n 2 --dist loadscope --durations=15 -m "not slurm"

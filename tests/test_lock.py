@@ -165,3 +165,25 @@ def test_a_run_inside_a_locked_folder_is_refused(tmp_path, capsys, no_work):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"ddptune: invalid config: output_dir: {outer / 'inner'} lies inside {outer}"), err
         assert [p.name for p in outer.iterdir()] == [lock.NAME]
+
+
+def test_a_lock_left_by_an_earlier_start_of_the_same_slurm_job_is_taken_over_on_any_host(tmp_path, capsys, monkeypatch):
+    """A job SLURM requeued after a kill may start on another node: the lock its earlier start left
+    there (its job id, a lower restart count) is stale; another job's, or this start's own, is not."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / lock.NAME).write_text(json.dumps({"pids": [os.getpid()], "host": "node-17", "started": time.time() - 60,
+                                             "token": "earlier", "slurm_job": "4242", "slurm_restart": 0}))
+    monkeypatch.setenv("SLURM_JOB_ID", "4343")  # another job: refused, as any lock from another host
+    with pytest.raises(config.ConfigError, match="is locked by pid .* on host node-17"):
+        lock.acquire(out)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")  # the same start: not an earlier one
+    with pytest.raises(config.ConfigError, match="on host node-17"):
+        lock.acquire(out)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    with lock.acquire(out):
+        holder = json.loads((out / lock.NAME).read_text())
+        assert holder["host"] == socket.gethostname() and (holder["slurm_job"], holder["slurm_restart"]) == ("4242", 1)
+    assert "took over the lock of a run that is no longer running" in capsys.readouterr().err
+    assert not (out / lock.NAME).exists()

@@ -237,3 +237,18 @@ def test_a_verdict_inside_the_plans_error_is_called_close():
     assert plan.table(memory.plan(cfg, shape, 1, 130)).splitlines()[-1].startswith("close: as configured it needs 6% more than the GPU holds")
     far = memory.plan(config.load(CONFIG_8B, ["train.gradient_checkpointing=true"]), shape, 1, memory.DEFAULT_GPU_GIB)
     assert not plan.table(far).splitlines()[-1].startswith("close:")
+
+
+@pytest.mark.parametrize("gib", [0.1, memory.CUDA_CONTEXT_GIB])
+def test_a_gpu_smaller_than_the_cuda_context_is_blamed_on_the_context(gib, capsys):
+    """Below the CUDA context every GPU count is too small, whatever the activations: the line says so."""
+    tiny = config.load(ROOT / "configs" / "tiny.yaml")
+    p = memory.plan(tiny, memory.model_shape(tiny), gpus=1, gpu_gib=gib)
+    assert p["verdict"] == "does_not_fit" and p["options"][0]["activations"] < 0.05
+    assert p["recommendation"] == (f"does not fit on 1 GPU of {gib:g} GiB: the CUDA context alone takes "
+                                   f"{memory.CUDA_CONTEXT_GIB} GiB of each GPU (use GPUs with more memory)")
+    assert "activations" not in p["recommendation"]
+    just_above = memory.plan(tiny, memory.model_shape(tiny), gpus=1, gpu_gib=2 * memory.CUDA_CONTEXT_GIB)
+    assert just_above["verdict"] == "ddp"
+    assert cli.main(["plan", str(ROOT / "configs" / "tiny.yaml"), "--gpu-memory", str(gib)]) == 0
+    assert "the CUDA context alone takes" in capsys.readouterr().out

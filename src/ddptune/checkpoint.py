@@ -6,6 +6,8 @@ in safetensors files, everything else in JSON. Nothing read back is unpickled, s
 checkpoint cannot run code (`torch.load`'s pickle could). The folder is written under a temporary
 name, each file fsynced, and renamed when complete, so a crash never leaves a half-written
 checkpoint that `--resume` would pick up. Only the caller decides which process writes.
+torch, numpy and safetensors are imported by the functions that use them: listing checkpoints and
+judging their state.json (what a refusal before a run reads) needs none of them.
 
 A sharded model (FSDP2: parameters and optimizer states are DTensors, each process holds a part)
 is saved as one weights and optimizer file set per process (`weights.shard-00001.safetensors`, ...),
@@ -20,10 +22,10 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
-from safetensors.torch import load_file, save_file
+if TYPE_CHECKING:
+    import torch
 
 PREFIX = "step-"
 
@@ -35,6 +37,8 @@ PREFIX = "step-"
 def split_tensors(obj, prefix: str, tensors: dict):
     """`obj` with every tensor replaced by {"tensor": key}; the tensors go to `tensors[key]`.
     Dicts keep keys of any JSON type ({"dict": [[key, value], ...]}) and tuples stay tuples."""
+    import torch
+
     if torch.is_tensor(obj):
         tensors[prefix] = local(obj).detach().cpu().contiguous()
         return {"tensor": prefix}
@@ -52,6 +56,8 @@ def numbers(obj):
     """`obj` with one-element tensors as plain numbers: the learning rates of a capturable optimizer
     and its schedule (a step recorded as CUDA graphs keeps them on the GPU) are stored as the numbers
     they are, so that a run with either kind of optimizer resumes them."""
+    import torch
+
     if torch.is_tensor(obj) and obj.numel() == 1:
         return obj.item()
     if isinstance(obj, dict):
@@ -111,6 +117,8 @@ def _write_json(path: Path, obj) -> None:
 
 
 def _write_tensors(path: Path, tensors: dict) -> None:
+    from safetensors.torch import save_file
+
     save_file(tensors, str(path))
     with open(path, "rb") as f:
         os.fsync(f.fileno())
@@ -121,6 +129,9 @@ def _write_tensors(path: Path, tensors: dict) -> None:
 
 
 def rng_state() -> dict:
+    import numpy as np
+    import torch
+
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -128,6 +139,9 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    import numpy as np
+    import torch
+
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     name, keys, pos, has_gauss, cached = state["numpy"]
@@ -256,6 +270,8 @@ def load(path: Path, model, optimizer, scheduler, process_index: int, total_step
     against the folder's name and 1..`total_steps`, the optimizer's parameters and states, the
     scheduler's keys, the RNG states' form): a ValueError naming the checkpoint and what is wrong
     leaves the model, optimizer, scheduler and RNG as they were."""
+    from safetensors.torch import load_file
+
     state = _read(path, lambda: json.loads((path / "state.json").read_text()))
     if problem := state_problem(path, state, total_steps):
         raise ValueError(f"checkpoint {path} {problem}")
@@ -348,6 +364,8 @@ PER_PARAMETER = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "
 def optimizer_problem(saved, optimizer) -> str | None:
     """The saved optimizer state has this optimizer's parameter groups, numbers its parameters as
     it does, holds states only for parameters that exist, each of its parameter's (local) shape."""
+    import torch
+
     if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict) or not isinstance(saved.get("param_groups"), list):
         return "holds an optimizer state without its state and param_groups"
     groups, own = saved["param_groups"], optimizer.param_groups
@@ -393,6 +411,8 @@ def scheduler_problem(saved, scheduler) -> str | None:
 def same_kind(value, ref) -> bool:
     """Whether `value` has the form of `ref`: the same kind of number (an int for an int), the same
     keys, lengths and tensor shapes, all the way down."""
+    import torch
+
     if isinstance(ref, (bool, str)) or ref is None:
         return type(value) is type(ref)
     if isinstance(ref, int):
@@ -411,6 +431,9 @@ def same_kind(value, ref) -> bool:
 def rngs_problem(rngs) -> str | None:
     """The RNG states are a non-empty list of what `rng_state()` writes, each set on a throwaway
     generator first: Python's state tuple, numpy's, torch's ByteTensor and, optionally, CUDA's."""
+    import numpy as np
+    import torch
+
     if not isinstance(rngs, list) or not rngs:
         return "holds no RNG states (rng.json is not a non-empty list)"
     for i, state in enumerate(rngs):
@@ -433,6 +456,8 @@ def rngs_problem(rngs) -> str | None:
 
 def _restore(weights: dict, optimizer_state: dict, scheduler_state: dict, model, optimizer, scheduler) -> None:
     """Put checked weights, optimizer and scheduler states into place."""
+    import torch
+
     params = dict(model.named_parameters())
     with torch.no_grad():
         for k, v in weights.items():

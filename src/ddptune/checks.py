@@ -1,19 +1,24 @@
 """Everything that must hold before a run starts, checked once, by the process that talks to the user.
 
-`validate(cfg, world_size, resume)` collects every problem (values, the model source, the data
-files and their columns, bitsandbytes for QLoRA, the output folder, a resume's saved config, rows
-against the global batch) and raises them together as one `ConfigError`, or returns the batch plan.
-The CLI calls it in the parent before `--nproc` starts any process; under an external launcher,
-rank 0 calls it and the others wait for its answer (`dist.on_main`).
+`validate(cfg, world_size, resume)` collects every problem (values, the model source and tokenizer,
+the data files and their columns, the output folder, a resume's saved config, rows against the
+global batch; then what needs the model's code: its layers against lora.target_modules,
+bitsandbytes for QLoRA) and raises them together as one `ConfigError`, or returns the batch plan.
+The first checks import neither torch nor transformers, so a refusal they find comes at once; the
+model's code is imported only when they all pass. The CLI calls it in the parent before `--nproc`
+starts any process; under an external launcher, rank 0 calls it and the others wait for its
+answer (`dist.on_main`).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import math
 import os
 from pathlib import Path
 
-from ddptune import batchplan, checkpoint, config as config_lib, data as data_lib, lock, model as model_lib, rundir, speed
+from ddptune import batchplan, checkpoint, config as config_lib, data as data_lib, launch, lock, rundir, sources
 from ddptune.batchplan import BatchPlan
 from ddptune.config import Config, ConfigError
 
@@ -23,21 +28,15 @@ def validate(cfg: Config, world_size: int, resume: bool = False, overwrite: bool
     """Every problem of a run's config, its data, its model source and (unless `output` is false: a
     node other than the first of a multi-node job, which writes nothing) its output_dir."""
     problems = config_lib.check_values(cfg)
-    if cfg.train.method == "qlora":
-        try:
-            import bitsandbytes  # noqa: F401
-        except ImportError:
-            problems.append("train.method: qlora needs bitsandbytes (pip install bitsandbytes) or use method=lora")
+    if cfg.train.method == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
+        problems.append("train.method: qlora needs bitsandbytes (pip install bitsandbytes) or use method=lora")
     if cfg.train.log_with != "none":
         if importlib.util.find_spec(cfg.train.log_with) is None:  # the tracker's package, found without importing it
             problems.append(f"train.log_with: {cfg.train.log_with} is not installed (pip install {cfg.train.log_with}) "
                             "or use train.log_with=none")
-    problems += model_problems(cfg)
-    try:
-        speed.forced()  # what a benchmark forces through DDPTUNE_SPEED
-    except ConfigError as e:
-        problems += e.problems
+    problems += sources.source_problems(cfg.model)
     n_train = None
+    problems += data_file_problems(cfg.data)
     if not problems:
         problems += jsonl_problems(cfg.data)
     if not problems:
@@ -52,9 +51,49 @@ def validate(cfg: Config, world_size: int, resume: bool = False, overwrite: bool
         problems += e.problems
     if plan and n_train is not None and not problems:
         problems += rows_problems(n_train, plan)
+    if not problems:  # the rest imports torch and transformers: only once everything above holds
+        problems += code_problems(cfg)
     if problems:
         raise ConfigError(problems)
     return plan
+
+
+def code_problems(cfg: Config) -> list[str]:
+    """What needs the model's code: its layers against lora.target_modules, bitsandbytes importing
+    for QLoRA, and the choices a benchmark forces through DDPTUNE_SPEED."""
+    problems = []
+    if cfg.train.method == "qlora":
+        try:
+            import bitsandbytes  # noqa: F401
+        except Exception as e:  # noqa: BLE001 - installed but broken (a missing CUDA library, say)
+            problems.append(f"train.method: qlora needs bitsandbytes, which cannot be imported ({type(e).__name__}: "
+                            f"{' '.join(str(e).split())[:160]}) (reinstall it, or use method=lora)")
+    if os.environ.get("DDPTUNE_SPEED", "").strip():  # what a benchmark forces (speed.FORCE_ENV; speed imports torch)
+        from ddptune import speed
+
+        try:
+            speed.forced()
+        except ConfigError as e:
+            problems += e.problems
+    return problems + model_problems(cfg)
+
+
+@contextlib.contextmanager
+def loading(m: config_lib.ModelConfig, what: str):
+    """Around loading the tokenizer or the model after validation: what the files or the hub make
+    fail (a hub that cannot be reached, files that are not a tokenizer's or a model's) becomes one
+    line naming the field, not a traceback. For the model only OSError and ValueError: others (out of
+    memory, say) are not the config's."""
+    kinds = Exception if what == "tokenizer" else (OSError, ValueError)
+    try:
+        yield
+    except (ConfigError, launch.Stopped):
+        raise
+    except kinds as e:
+        field = "model.tokenizer" if what == "tokenizer" and m.tokenizer else "model.source"
+        name = m.tokenizer if field == "model.tokenizer" else m.source
+        raise ConfigError([f"{field}: the {what} of {name} cannot be loaded ({type(e).__name__}: "
+                           f"{' '.join(str(e).split())[:200]}) (check the files, the network or HF_HUB_OFFLINE)"]) from None
 
 
 def rows_problems(n_rows: int, plan: BatchPlan) -> list[str]:
@@ -97,15 +136,9 @@ def memory_problems(cfg: Config, world_size: int, gpu_gib: float) -> list[str]:
 def model_problems(cfg: Config) -> list[str]:
     """The model source can be used, and every lora.target_modules name matches one of its layers
     (read from its config on the meta device: no weights are loaded). Hub models are not fetched here."""
-    try:
-        src = model_lib.resolve_source(cfg.model)
-    except ValueError as e:
-        return [f"model.source: {e}"]
-    if src.kind == "gguf":
-        path = Path(src.path) / src.gguf_file
-        with open(path, "rb") as f:
-            if f.read(4) != b"GGUF":
-                return [f"model.source: {path} is not a GGUF file (it does not start with GGUF; re-download it)"]
+    if problems := sources.source_problems(cfg.model):
+        return problems
+    src = sources.resolve_source(cfg.model)
     names = None if cfg.train.method == "full" or cfg.lora.target_modules == ["all-linear"] else layer_names(src, cfg)
     if isinstance(names, str):
         return [names]
@@ -127,6 +160,8 @@ def layer_names(src, cfg: Config) -> list[str] | str | None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from ddptune import model as model_lib
+
     try:
         if src.kind == "preset":
             arch = model_lib.preset_config(src.path, "sdpa")
@@ -141,6 +176,16 @@ def layer_names(src, cfg: Config) -> list[str] | str | None:
         return f"model.source: the model's config cannot be read ({type(e).__name__}: {reason})"
     kinds = (torch.nn.Linear, torch.nn.Embedding)
     return [n for n, m in net.named_modules() if isinstance(m, kinds)]
+
+
+def data_file_problems(d: config_lib.DataConfig) -> list[str]:
+    """A data path that is there but no regular file: a FIFO (reading it would wait for a writer), a
+    folder, a symlink loop or one to nothing (a path that is not there at all: data.check says so)."""
+    problems = []
+    for field, source in (("data.train", d.train), ("data.val", d.val)):
+        if source and source != "demo" and not source.startswith("hub:") and os.path.lexists(source) and not Path(source).is_file():
+            problems.append(f"{field}: {source} {config_lib.not_a_file(Path(source))} (give a .json/.jsonl file, `demo`, or hub:ID)")
+    return problems
 
 
 def jsonl_problems(d: config_lib.DataConfig) -> list[str]:
@@ -170,9 +215,10 @@ def resume_mode(cfg: Config, resume: str | None, overwrite: bool) -> tuple[bool,
     """(resume, overwrite) for `--resume` (yes), `--resume auto` and neither. auto starts the run when
     output_dir holds none, continues it from its newest checkpoint when it holds an unfinished one,
     and starts it again when that one saved no checkpoint yet (its own files cleared, nothing else):
-    what a job a scheduler requeued after preempting it needs."""
+    what a job a scheduler requeued after preempting it needs. Without --resume, a run that stopped
+    or failed before its first step (rundir.untrained) is started again over its own files."""
     if resume is None:
-        return False, overwrite
+        return False, overwrite or rundir.untrained(Path(cfg.output_dir))
     if resume == "yes":
         return True, overwrite
     if overwrite:
@@ -180,7 +226,7 @@ def resume_mode(cfg: Config, resume: str | None, overwrite: bool) -> tuple[bool,
     out = Path(cfg.output_dir)
     if not rundir.entries(out) or not rundir.is_run(out):
         return False, False  # a new run (and output_problems refuses a folder of someone else's files)
-    if (out / "summary.json").is_file() and model_lib.trained_weights_dir(out, cfg.train.method).is_dir():
+    if (out / "summary.json").is_file() and rundir.trained_weights_dir(out, cfg.train.method).is_dir():
         return True, False  # complete: output_problems says so
     return (True, False) if has_checkpoint(out) else (False, True)
 
@@ -203,22 +249,29 @@ def output_problems(cfg: Config, resume: bool, world_size: int | None = None, ov
         return ["--overwrite: cannot be combined with --resume (continue the run, or start it again, not both)"]
     if not resume:
         return fresh_start_problems(out, overwrite)
-    if (out / "summary.json").is_file() and model_lib.trained_weights_dir(out, cfg.train.method).is_dir():
+    if (out / "summary.json").is_file() and rundir.trained_weights_dir(out, cfg.train.method).is_dir():
         return [f"output_dir: the run in {out} is complete (it wrote summary.json and its weights): nothing to resume "
                 "(raise train.max_steps into a new output_dir to train on)"]
+    if rundir.untrained(out):
+        return [f"output_dir: --resume found no checkpoints in {out}: its run stopped before its first step (run the "
+                "same command without --resume to start it)"]
     if not (out / "checkpoints").is_dir():
         return [f"output_dir: --resume found no checkpoints in {out} (train with train.save_every or train.save_every_minutes > 0 first)"]
-    states = []
+    states, damaged = [], []
     for path in reversed(checkpoint.list_checkpoints(out / "checkpoints")):
         try:
             state = json.loads((path / "state.json").read_text())
-        except (OSError, ValueError, RecursionError):
+        except (OSError, ValueError, RecursionError) as e:
+            damaged.append(f"{path}/state.json cannot be read ({type(e).__name__})")
             continue  # resume falls back past it
-        if checkpoint.state_problem(path, state) is None:  # a step or process count of 0, text...: damaged likewise
+        if problem := checkpoint.state_problem(path, state):  # a step or process count of 0, text...: damaged likewise
+            damaged.append(f"{path} {problem}")
+        else:
             states.append((path, state))
     if not states:
-        return [f"--resume: no checkpoint in {out / 'checkpoints'} can be read back (a run stopped during "
-                "its first save leaves none): start afresh into a new output_dir"]
+        why = f"the newest, {damaged[0]}" if damaged else "a run stopped during its first save leaves none"
+        return [f"--resume: no checkpoint in {out / 'checkpoints'} can be read back ({why}): start afresh into a new "
+                "output_dir"]
     path, state = states[0]
     if world_size is not None and state.get("shards", world_size) != world_size:  # train.strategy=fsdp
         return [f"--resume: {path} holds the weights and optimizer states of {state['shards']} FSDP processes, "
@@ -284,7 +337,7 @@ def enclosing_run_problems(out: Path) -> list[str]:
 
 # keys that change no result: a resume may set them anew (output_dir: the run's folder may have been moved)
 RESUME_MAY_CHANGE = {"train.timeout_minutes", "train.save_every", "train.save_every_minutes", "train.keep_checkpoints",
-                     "output_dir"}
+                     "train.save_lead_seconds", "output_dir"}
 # How the global batch is split among processes and forwards: a resume (at another process count too)
 # may change them while the samples per optimizer step stay the same (the loss is a sum over them).
 BATCH_KEYS = {"train.micro_batch_size", "train.grad_accum", "train.effective_batch_size"}
@@ -300,7 +353,7 @@ def trained_run(run_dir: Path, where: str, overrides: list[str] = ()) -> Config:
     cfg = config_lib.load(run_dir / "config.yaml", overrides)
     if problems := config_lib.check_values(cfg):
         raise ConfigError(problems)
-    weights = model_lib.trained_weights_dir(run_dir, cfg.train.method)
+    weights = rundir.trained_weights_dir(run_dir, cfg.train.method)
     if not weights.is_dir():
         raise ConfigError([f"{where}: {weights} not found (has the run finished? train it to the end, or give a finished run)"])
     if problems := trained_weights_problems(run_dir, cfg.train.method, where):
@@ -317,7 +370,7 @@ def trained_weights_problems(run_dir: Path, method: str, where: str = "run") -> 
     a JSON object with the keys peft needs (LoRA's r, lora_alpha, target_modules); for full
     fine-tuning, model/config.json is a JSON object and its safetensors files open and hold tensors.
     One line per damaged file; none when the folder is missing (the caller says that)."""
-    weights = model_lib.trained_weights_dir(run_dir, method)
+    weights = rundir.trained_weights_dir(run_dir, method)
     if not weights.is_dir():
         return []
     if method == "full":
@@ -341,16 +394,43 @@ def trained_weights_problems(run_dir: Path, method: str, where: str = "run") -> 
 
 def safetensors_problem(path: Path, where: str) -> str | None:
     """What keeps `path` from being a safetensors file of at least one tensor (its header alone is read)."""
-    from safetensors import safe_open
-
     if not path.is_file():
         return f"{where}: {path} {'is not a file' if path.exists() else 'not found'} {RESTORE}"
     try:
-        with safe_open(str(path), framework="pt") as f:
-            count = len(list(f.keys()))
-    except Exception as e:  # noqa: BLE001 - safetensors' own error type, or the OS's
+        count = safetensors_count(path)
+    except (OSError, ValueError, RecursionError) as e:
         return f"{where}: {path} is not a safetensors file ({type(e).__name__}: {' '.join(str(e).split())[:160]}) {RESTORE}"
     return None if count else f"{where}: {path} holds no tensors {RESTORE}"
+
+
+ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+              "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
+
+
+def safetensors_count(path: Path) -> int:
+    """The tensors a safetensors file holds, from its header (an 8-byte length, then JSON naming each
+    tensor's dtype, shape and byte range), checked as safetensors checks it: every range inside the
+    file and as long as its shape and dtype say. ValueError when it is not such a file. Reading the
+    header needs neither torch nor the library; no tensor is read."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 2 <= n <= min(size - 8, 100 * 2**20):
+            raise ValueError(f"its header length {n} does not fit the file of {size} bytes")
+        header = json.loads(f.read(n))
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object")
+    data = size - 8 - n
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    for name, t in tensors.items():
+        shape, span = (t.get("shape"), t.get("data_offsets")) if isinstance(t, dict) else (None, None)
+        ok = (isinstance(t, dict) and t.get("dtype") in ITEM_BYTES and isinstance(shape, list)
+              and all(type(d) is int and d >= 0 for d in shape) and isinstance(span, list) and len(span) == 2
+              and all(type(o) is int for o in span) and 0 <= span[0] <= span[1] <= data)
+        if not ok or span[1] - span[0] != math.prod(shape) * ITEM_BYTES[t["dtype"]]:
+            raise ValueError(f"its entry for {name[:60]!r} is not a tensor inside the file")
+    return len(tensors)
 
 
 def json_object(path: Path, where: str) -> tuple[dict | None, str | None]:

@@ -14,14 +14,17 @@ host); under `accelerate launch` or `torchrun` leave --nproc out: the launcher h
 A bad config fails here, before any process starts, with one line naming each field and its fix;
 torch and transformers are imported only once a command needs them, so a refusal is quick.
 A training run holds a lock on its output_dir until it ends (lock.py): a second run or --resume
-into the same folder is refused with one line.
+into the same folder is refused with one line. SIGINT or SIGTERM outside the training loop (which
+saves a step and stops) ends `train` through its lock's release, with a line saying what was saved.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import sys
+from pathlib import Path
 
 from ddptune import config as config_lib, launch
 from ddptune.config import ConfigError
@@ -198,8 +201,26 @@ def _train(args) -> int:
         if nproc < 1:
             problems.append(f"--nproc: must be at least 1 (got {nproc})")
         problems += launch.launch_problems(args.nnodes, args.node_rank, args.master, args.max_restarts)
+    if args.gpu_memory is not None and not (math.isfinite(args.gpu_memory) and args.gpu_memory > 0):
+        problems.append(f"--gpu-memory: must be a positive number of GiB (got {args.gpu_memory})")
     if problems:
         raise ConfigError(problems)
+    # SIGINT or SIGTERM outside the training loop (which stops after a saved step): end through the
+    # lock's release and say what the run saved, instead of dying silently with the lock left behind
+    with launch.stops_raise():
+        try:
+            return _start(cfg, args, nproc)
+        except launch.Stopped as e:
+            from ddptune import rundir
+
+            if launch.is_main_process():
+                print(f"ddptune: stopped by {e}; {rundir.saved_line(Path(cfg.output_dir), cfg.train.method)}", file=sys.stderr)
+            return 128 + e.signum
+
+
+def _start(cfg, args, nproc: int) -> int:
+    """A valid config's run: validated, locked and started here, in --nproc's processes, or under
+    an external launcher."""
     from ddptune import checks, lock
 
     resume, args.overwrite = checks.resume_mode(cfg, args.resume, args.overwrite)
@@ -235,7 +256,7 @@ def _train(args) -> int:
                 return _run(cfg, resume)
         child = ["train", args.config, *args.overrides] + (["--resume"] if resume else [])
         return launch.torchrun(nproc, ["ddptune", *child], nnodes=args.nnodes, node_rank=args.node_rank,
-                               master=args.master, max_restarts=args.max_restarts)
+                               master=args.master, max_restarts=args.max_restarts, run=cfg.output_dir)
 
 
 @contextlib.contextmanager

@@ -152,6 +152,10 @@ class TrainConfig:
     or SIGTERM stops the run, so an interrupted run continues with --resume."""
     keep_checkpoints: int = 2
     """How many of the newest checkpoints to keep."""
+    save_lead_seconds: Optional[float] = None
+    """Seconds a scheduler gives between its stop signal and its kill (sbatch --signal=TERM@N). Set, the
+    first step is saved at once and the run warns when a stop (two more steps, then a save) would take
+    longer. null: no check."""
     val_every: int = 0
     """Validation loss every N optimizer steps (needs data.val); 0: only at the end."""
     profile_steps: int = 0
@@ -340,12 +344,13 @@ def load(path: str | os.PathLike, overrides: list[str] = ()) -> Config:
     """Read a YAML config file and apply overrides."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError([f"config: {quoted(str(p))} {_not_a_file(p)} (give the path of a YAML file, e.g. configs/tiny.yaml)"])
+        raise ConfigError([f"config: {quoted(str(p))} {not_a_file(p)} (give the path of a YAML file, e.g. configs/tiny.yaml)"])
     return from_dict(read_yaml(p), overrides)
 
 
-def _not_a_file(p: Path) -> str:
-    """What stands at `p`, which is not a regular file (nor a symlink to one)."""
+def not_a_file(p: Path) -> str:
+    """What stands at `p`, which is not a regular file (nor a symlink to one), as the rest of a line
+    that names `p`: "not found", "is a symlink loop, ...", "is a folder", "is a FIFO, ..."."""
     import errno
     import stat
 
@@ -430,6 +435,8 @@ def check_values(cfg: Config) -> list[str]:
         problems.append("train.timeout_minutes: must be a positive number of minutes, e.g. 10")
     if not (math.isfinite(t.save_every_minutes) and t.save_every_minutes >= 0):
         problems.append("train.save_every_minutes: must be 0 (off) or a positive number of minutes")
+    if t.save_lead_seconds is not None and not (math.isfinite(t.save_lead_seconds) and t.save_lead_seconds > 0):
+        problems.append("train.save_lead_seconds: must be a positive number of seconds, e.g. 120 (or null: no check)")
     if not 0 <= t.seed < 2**32:
         problems.append(f"train.seed: {t.seed} is outside 0..{2**32 - 1} (numpy and torch seeds are 32-bit)")
     if t.packing and t.tokens_per_forward < d.max_length:

@@ -10,9 +10,10 @@ import json
 import time
 from pathlib import Path
 
-from ddptune import checks, config as config_lib, data, dist, generation, launch, model as model_lib, report, rundir
+from ddptune import checks, config as config_lib, data, launch, report, rundir, sources
 from ddptune.config import ConfigError
-from ddptune.generation import ROUGE_KEYS
+
+ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")  # generation.ROUGE_KEYS (which needs torch to import)
 
 
 def main(args) -> int:
@@ -24,7 +25,8 @@ def main(args) -> int:
             raise ConfigError([f"eval: {run_dir} has no config.yaml (give a folder written by ddptune train, or a YAML config)"])
         cfg = config_lib.load(run_dir / "config.yaml", args.overrides)
     elif not target.is_file():
-        raise ConfigError([f"eval: {target} not found (give a folder written by ddptune train, or a YAML config)"])
+        raise ConfigError([f"eval: {target} {config_lib.not_a_file(target)} (give a folder written by ddptune train, "
+                           "or a YAML config)"])
     else:
         cfg = config_lib.load(target, args.overrides)
     problems = config_lib.check_values(cfg)
@@ -33,24 +35,32 @@ def main(args) -> int:
     if args.nproc is not None and args.nproc < 1:
         problems.append(f"--nproc: must be at least 1 (got {args.nproc})")
     trained = run_dir is not None and not args.base
-    if trained and not model_lib.trained_weights_dir(run_dir, cfg.train.method).is_dir():
-        problems.append(f"eval: {model_lib.trained_weights_dir(run_dir, cfg.train.method)} not found "
+    if trained and not rundir.trained_weights_dir(run_dir, cfg.train.method).is_dir():
+        problems.append(f"eval: {rundir.trained_weights_dir(run_dir, cfg.train.method)} not found "
                         "(has the run finished? or pass --base for the zero-shot base model)")
     problems += checks.trained_weights_problems(run_dir, cfg.train.method, "eval") if trained else []
     out = Path(args.out) if args.out else (run_dir or Path(cfg.output_dir)) / ("eval" if trained else "eval-base")
 
-    def checked_once(data_ok: bool = True) -> list[str]:
-        """The model, the output folder and the data: read once per job, not by every process."""
-        found = checks.model_problems(cfg) + rundir.folder_problems("--out" if args.out else "eval", out)
-        return found + (checks.jsonl_problems(cfg.data) or data.check(cfg.data)[0] if data_ok else [])
+    def checked_once(data_ok: bool = True, found: tuple = ()) -> list[str]:
+        """The output folder, the data and the model (its code is imported only when all else holds):
+        read once per job, not by every process."""
+        found = [*found, *rundir.folder_problems("--out" if args.out else "eval", out)]
+        found += checks.jsonl_problems(cfg.data) or data.check(cfg.data)[0] if data_ok else []
+        return found + (checks.model_problems(cfg) if not found else sources.source_problems(cfg.model))
 
-    if not dist.in_launched_process():  # here, before any process starts (--nproc's workers skip it: we did)
-        problems += checked_once(data_ok=not any(p.startswith("data.") for p in problems))
+    if not launch.in_launched_process():  # here, before any process starts (--nproc's workers skip it: we did)
+        problems = checked_once(not any(p.startswith("data.") for p in problems), tuple(problems))
     if problems:
         raise ConfigError(problems)
-    if args.nproc is not None and not dist.in_launched_process():
+    if args.nproc is not None and not launch.in_launched_process():
         child = ["eval", str(target), *args.overrides, "--out", str(out)] + (["--base"] if args.base else [])
         return launch.torchrun(args.nproc, ["ddptune", *child])
+    return evaluate(cfg, run_dir, trained, out, checked_once)
+
+
+def evaluate(cfg, run_dir: Path | None, trained: bool, out: Path, checked_once) -> int:
+    """Every process: load the model (with the run's trained weights unless zero-shot), generate and score."""
+    from ddptune import dist, generation, model as model_lib
 
     accelerator = dist.setup(cfg.train.precision)
     if not dist.validated_by_parent() and dist.in_launched_process():  # under torchrun or accelerate launch

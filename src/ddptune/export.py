@@ -27,12 +27,10 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
-
-from ddptune import checkpoint, checks, data, model as model_lib, rundir
+from ddptune import checkpoint, checks, data, rundir, sources
 from ddptune.config import Config, ConfigError
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}  # torch's names (torch is imported only to merge)
 METHODS = {"lora": "LoRA", "qlora": "QLoRA", "full": "full"}
 
 
@@ -79,14 +77,14 @@ def main(args) -> int:
 def base_reference(cfg: Config) -> str:
     """The base as the user named it: a hub id, a local folder (absolute), or the source string
     (`preset:NAME`, `pypi:PACKAGE`, a .gguf path) that README.md explains how to build."""
-    src = model_lib.resolve_source(cfg.model)
+    src = sources.resolve_source(cfg.model)
     if src.kind == "local":
         return str(Path(cfg.model.source).expanduser().resolve())
     return cfg.model.source
 
 
 def write_adapter(run_dir: Path, cfg: Config, folder: Path) -> str:
-    weights = model_lib.trained_weights_dir(run_dir, cfg.train.method)
+    weights = rundir.trained_weights_dir(run_dir, cfg.train.method)
     for f in weights.iterdir():
         if f.is_file() and f.name != "README.md":  # peft's model card names the venv path; ours replaces it
             shutil.copy2(f, folder / f.name)
@@ -102,7 +100,7 @@ def write_adapter(run_dir: Path, cfg: Config, folder: Path) -> str:
 def build_base_code(cfg: Config) -> str:
     """Python that builds the base the adapter was trained on (what PeftModel.from_pretrained needs)."""
     m, t = cfg.model, cfg.train
-    src = model_lib.resolve_source(m)
+    src = sources.resolve_source(m)
     quant = ""
     if t.method == "qlora":
         quant = (", quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=\"nf4\",\n"
@@ -131,7 +129,7 @@ def build_base_code(cfg: Config) -> str:
 
 
 def adapter_readme(cfg: Config, tokenizer) -> str:
-    src = model_lib.resolve_source(cfg.model)
+    src = sources.resolve_source(cfg.model)
     hub = src.kind in ("hub", "local")
     note = ("`AutoPeftModelForCausalLM.from_pretrained(\"this-folder\")` also works: `base_model_name_or_path` is that model."
             if hub else
@@ -161,17 +159,21 @@ def prompt_section(cfg: Config, tokenizer) -> str:
 
 
 def write_merged(run_dir: Path, cfg: Config, folder: Path, dtype_name: str) -> str:
+    import torch
+
+    from ddptune import model as model_lib
+
     t = cfg.train
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    dtype = DTYPES[dtype_name] if dtype_name in DTYPES else model_lib.compute_dtype(t.precision, device)
-    tokenizer = _tokenizer(model_lib.trained_weights_dir(run_dir, t.method))
+    dtype = getattr(torch, DTYPES[dtype_name]) if dtype_name in DTYPES else model_lib.compute_dtype(t.precision, device)
+    tokenizer = _tokenizer(rundir.trained_weights_dir(run_dir, t.method))
     net = merged_model(run_dir, cfg, device).to(dtype)
     net.config.use_cache = True  # training turned the KV cache off
     net.generation_config.eos_token_id = _stop_ids(tokenizer, cfg)
     net.generation_config.pad_token_id = tokenizer.pad_token_id
     net.save_pretrained(folder)  # safetensors (tied weights once); config.json does not name ddptune's attention kernel
     tokenizer.save_pretrained(folder)  # with the chat template
-    src = model_lib.resolve_source(cfg.model)
+    src = sources.resolve_source(cfg.model)
     origin = ("fully fine-tuned weights" if t.method == "full" else
               f"{METHODS[t.method]} adapter merged into `{cfg.model.source}`"
               + (" (dequantized from 4-bit NF4 first)" if t.method == "qlora" else "")
@@ -186,9 +188,11 @@ def write_merged(run_dir: Path, cfg: Config, folder: Path, dtype_name: str) -> s
     return f"{origin} ({str(dtype).removeprefix('torch.')})"
 
 
-def merged_model(run_dir: Path, cfg: Config, device: torch.device):
+def merged_model(run_dir: Path, cfg: Config, device):
     """The run's model as one plain transformers model: the adapter merged into the base it was
     trained on (a QLoRA base dequantized first), or a full fine-tune's own weights."""
+    from ddptune import model as model_lib
+
     t = cfg.train
     net = model_lib.load_trained(run_dir, cfg.model, t.method, device, t.precision, t.seed, dequantize=True)
     if t.method != "full":

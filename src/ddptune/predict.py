@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ddptune import checks, dist, generation, launch, model as model_lib, report, rundir
+from ddptune import checks, config as config_lib, launch, report, rundir, sources as source_lib
 from ddptune.config import ConfigError
 
 
@@ -47,14 +47,15 @@ def checked(args) -> tuple:
             problems.append(f"--out: {out} already exists (choose a new file; nothing was overwritten)")
         else:
             problems += rundir.folder_problems("--out", out.parent)
-    if source == "-" and dist.in_launched_process() and not dist.validated_by_parent():
+    if source == "-" and launch.in_launched_process() and not launch.validated_by_parent():
         problems.append("--input: - (stdin) cannot be shared by processes a launcher started (give a .jsonl file, or use --nproc)")
     try:
         cfg = checks.trained_run(run_dir, "predict", overrides)
     except ConfigError as e:
         raise ConfigError(problems + e.problems) from None
-    if not dist.in_launched_process():  # here, before any process starts (--nproc's workers skip it: we did)
-        problems += checks.model_problems(cfg)
+    if not launch.in_launched_process():  # here, before any process starts (--nproc's workers skip it: we did)
+        # the model's code (torch, transformers) is imported only when all else holds
+        problems += source_lib.source_problems(cfg.model) if problems else checks.model_problems(cfg)
     if problems:
         raise ConfigError(problems)
     return cfg, source, out, overrides
@@ -66,7 +67,7 @@ def main(args) -> int:
     column = cfg.data.dialogue_column
     rows = read_rows(source, column)
 
-    if args.nproc is not None and not dist.in_launched_process():
+    if args.nproc is not None and not launch.in_launched_process():
         path = source
         if source == "-":  # the processes cannot all read stdin: hand them its rows in a file
             fd, path = tempfile.mkstemp(prefix="ddptune-predict-", suffix=".jsonl")
@@ -79,7 +80,14 @@ def main(args) -> int:
             if source == "-":
                 os.unlink(path)
 
-    t = cfg.train
+    return predict(cfg, run_dir, rows, out)
+
+
+def predict(cfg, run_dir: Path, rows: list[dict], out: Path | None) -> int:
+    """Every process: load the run's model, generate its share of the summaries; rank 0 writes them."""
+    from ddptune import dist, generation, model as model_lib
+
+    column, t = cfg.data.dialogue_column, cfg.train
     accelerator = dist.setup(t.precision)
     if not dist.validated_by_parent() and dist.in_launched_process():  # under torchrun or accelerate launch
         # rank 0 checks the model once; every process then fails with the same line (no traceback per rank)
@@ -112,7 +120,8 @@ def read_rows(source: str, column: str) -> list[dict]:
     else:
         path = Path(source)
         if not path.is_file():
-            raise ConfigError([f"{where}: {source} not found (give a .jsonl file of {{\"{column}\": ...}} rows, or - for stdin)"])
+            raise ConfigError([f"{where}: {source} {config_lib.not_a_file(path)} (give a .jsonl file of "
+                               f"{{\"{column}\": ...}} rows, or - for stdin)"])
         try:
             text, name = path.read_text(encoding="utf-8"), source
         except (OSError, UnicodeDecodeError) as e:

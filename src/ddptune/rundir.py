@@ -1,7 +1,9 @@
 """Folders ddptune writes: what a run folder holds, and whether a folder or report file can be written.
 
 A run writes its marker first; RUN_ENTRIES names everything it writes there; `is_run` tells a run
-folder from any other, and `--overwrite` deletes a run's own files and nothing else.
+folder from any other, and `--overwrite` deletes a run's own files and nothing else. `untrained`
+tells a run that stopped or failed before its first step (a plain re-run starts it again), and
+`saved_line` says what a stopped run left. Nothing here imports torch: a refusal needs none of it.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ddptune import checkpoint
+
 MARKER = ".ddptune-run"  # written before anything else of a run; a folder without one is not treated as a run
 # Everything a run writes into its output_dir (names, or fnmatch patterns). `--overwrite` deletes these only.
 RUN_ENTRIES = (
@@ -23,6 +27,8 @@ RUN_ENTRIES = (
 LOCK = ".ddptune.lock"  # the lock a live run holds (lock.py), with its helper files beside it
 # what a run folder made before the marker existed held, besides a config.yaml: one of these
 _OLD_RUN_SIGNS = ("metrics.jsonl", "checkpoints", "summary.json", "adapter", "model")
+# what a run writes before its first step: a folder holding only these trained nothing
+BEFORE_TRAINING = (MARKER, "config.yaml", "cache", "eval-base", "tensorboard")
 
 
 def mark(folder: Path) -> None:
@@ -83,8 +89,11 @@ def clear(folder: Path) -> None:
 
 def folder_problems(where: str, folder: Path) -> list[str]:
     """`folder` is, or can be made, a writable folder (nothing is created but a probe, removed at once)."""
-    if folder.exists() and not folder.is_dir():
-        return [f"{where}: {folder} is a file, not a folder (choose a folder path)"]
+    if os.path.lexists(folder) and not folder.is_dir():  # a file, or a FIFO, a symlink loop or to nothing
+        from ddptune import config as config_lib
+
+        kind = "is a file" if folder.is_file() else config_lib.not_a_file(folder).split(",")[0]
+        return [f"{where}: {folder} {kind}, not a folder (choose a folder path)"]
     parent = folder
     while not parent.exists():
         parent = parent.parent
@@ -106,3 +115,29 @@ def report_file_problems(flag: str, value: str | None, example: str) -> list[str
     if target.is_dir():
         return [f"{flag}: {target} is a folder (give a file path, e.g. {target / example})"]
     return folder_problems(flag, target.parent)
+
+
+def untrained(folder: Path) -> bool:
+    """Whether `folder` holds a run that stopped or failed before its first step: nothing of it
+    but what a run writes first (BEFORE_TRAINING), so a new run there loses nothing."""
+    found = entries(folder)
+    return bool(found) and is_run(folder) and all(p.name in BEFORE_TRAINING for p in found)
+
+
+def trained_weights_dir(run_dir: Path, method: str) -> Path:
+    """Where a finished run keeps what it trained: `model/` (full fine-tuning) or `adapter/`."""
+    return Path(run_dir) / ("model" if method == "full" else "adapter")
+
+
+def saved_line(out: Path, method: str) -> str:
+    """What a run that stopped left in `out`, and the command that goes on from there."""
+    weights = trained_weights_dir(out, method)
+    if (out / "summary.json").is_file() and weights.is_dir():
+        return f"the run had finished training and saved {weights} (score it with: ddptune eval {out})"
+    saved = checkpoint.list_checkpoints(out / "checkpoints")
+    if saved:
+        return f"newest checkpoint: {saved[-1]} (continue with the same command and --resume, or --resume auto)"
+    if not entries(out) or untrained(out):
+        return "nothing was saved (run the same command again to start the run)"
+    return ("no checkpoint was saved (start the run again with the same command and --resume auto, which clears "
+            "this run's files, or --overwrite)")

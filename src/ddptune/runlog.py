@@ -121,6 +121,11 @@ class Progress:
             if text:
                 self.bar.write(text)
 
+    def say(self, text: str | None) -> None:
+        """A line above the bar, on the main process (nothing for None)."""
+        if text and self.log:
+            self.bar.write(text)
+
     def close(self) -> None:
         self.bar.close()  # whatever is printed next starts on a line of its own
         if self.log:

@@ -6,6 +6,10 @@ the run (checkpoint.py holds the files' format).
 """
 from __future__ import annotations
 
+import math
+import statistics
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ddptune import checkpoint, config as config_lib, dist, model as model_lib
@@ -37,9 +41,11 @@ def resume_from(r) -> int:
     raise ConfigError([f"--resume: no checkpoint in {r.out / 'checkpoints'} can be read back"] + problems)
 
 
-def save_checkpoint(r, step: int) -> None:
+def save_checkpoint(r, step: int) -> float:
     """Rank 0 writes the checkpoint; sharded (FSDP), every process first writes its own part of the
-    weights and optimizer states into the folder rank 0 made, which rank 0 then completes."""
+    weights and optimizer states into the folder rank 0 made, which rank 0 then completes. Returns
+    the seconds it took, until every process had it."""
+    t0 = time.perf_counter()
     acc, folder = r.accelerator, r.out / "checkpoints"
     rngs = dist.gather(checkpoint.rng_state())  # every process's RNG, in rank order
     extra = {"world_size": acc.num_processes, "global_batch": r.plan.global_batch}
@@ -53,6 +59,35 @@ def save_checkpoint(r, step: int) -> None:
         checkpoint.save(folder, step, weights, optimizer, r.scheduler, rngs, extra, tmp)
         checkpoint.prune(folder, r.cfg.train.keep_checkpoints)
     acc.wait_for_everyone()
+    return time.perf_counter() - t0
+
+
+@dataclass
+class SaveTimes:
+    """What a run says of its checkpoints' save times: the first one's, and a warning (once) when a
+    stop would outlast train.save_lead_seconds. A stop signal is acted on after the step it reaches
+    and the next (every process must agree on it, one step late), then that step is saved: a stop
+    takes a save and two steps, timed as the median of this run's recent steps (its first step, which
+    warms up and may compile, is not one of them; until another is timed, the save alone counts)."""
+    lead: float | None
+    said: bool = False
+    warned: bool = False
+
+    def note(self, step: int, seconds: float, step_times: list[float]) -> str | None:
+        typical = statistics.median(step_times[1:][-20:]) if len(step_times) > 1 else 0.0
+        stop_s = seconds + 2 * typical
+        steps = f"two more steps of {typical:.2f} s, then a save" if typical else "a save"
+        if self.lead is not None and stop_s > self.lead and not self.warned:
+            self.said = self.warned = True
+            return (f"ddptune: warning: saving step {step} took {seconds:.1f} s: a stop ({steps}) needs about "
+                    f"{stop_s:.1f} s, more than train.save_lead_seconds={self.lead:g}; send the stop signal earlier "
+                    f"(sbatch --signal=TERM@{math.ceil(1.5 * stop_s)}) or save less")
+        if self.said:
+            return None
+        self.said = True
+        spare = (f"; a stop ({steps}) needs about {stop_s:.1f} s of the {self.lead:g} s train.save_lead_seconds gives"
+                 if self.lead is not None else "")
+        return f"ddptune: a checkpoint (step {step}) took {seconds:.2f} s to save{spare}"
 
 
 def save_final(r, final: Path) -> None:

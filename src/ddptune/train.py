@@ -105,7 +105,8 @@ def setup(cfg: Config, resume: bool = False) -> Run:
         rundir.mark(out)  # first: whatever happens next, this folder is a run that --overwrite may clear
         (out / "config.yaml").write_text(config_lib.dump(cfg))
     t0 = time.perf_counter()
-    tokenizer = model_lib.load_tokenizer(cfg.model)
+    with checks.loading(cfg.model, "tokenizer"):  # a hub that cannot be reached: one line, not a traceback
+        tokenizer = model_lib.load_tokenizer(cfg.model)
     with acc.main_process_first():  # the main process tokenizes, the others read its cache
         train_set, val_set = data.load(cfg.data, tokenizer, out / "cache", progress=acc.is_main_process)
     acc.print(f"ddptune: data ready in {time.perf_counter() - t0:.1f}s; loading {cfg.model.source} ...")
@@ -116,7 +117,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
         raise ConfigError([f"train.profile_steps: {cfg.train.profile_steps} steps after the first {config_lib.PROFILE_AFTER} "
                            f"do not fit a run of {total} steps (profile fewer steps or train longer)"])
     t1 = time.perf_counter()
-    with acc.main_process_first():  # a preset checkpoint or hub download is made once
+    with acc.main_process_first(), checks.loading(cfg.model, "model"):  # a preset checkpoint or hub download is made once
         base = model_lib.load_model(cfg.model, cfg.train.method, acc.device, cfg.train.precision, cfg.train.seed,
                                     sharded=cfg.train.strategy == "fsdp")
     shape = memory.shape_of(base.config)
@@ -266,10 +267,9 @@ def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
     except RuntimeError as e:
         if not dist.collective_failed(e):
             raise
-        saved = checkpoint.list_checkpoints(r.out / "checkpoints")
         raise dist.Stalled(f"step {step + 1}: {dist.first_line(e)}: another process hung (it waited more than "
-                           f"train.timeout_minutes={cfg.train.timeout_minutes:g}) or died; newest checkpoint: "
-                           f"{saved[-1] if saved else 'none'} (see that process's output, then continue with --resume)") from None
+                           f"train.timeout_minutes={cfg.train.timeout_minutes:g}) or died (see that process's output); "
+                           f"{rundir.saved_line(r.out, cfg.train.method)}") from None
     finally:
         loop.close()
         gc.unfreeze()
@@ -304,6 +304,7 @@ class Loop:
         self.peak = metrics.peak_tflops(r.accelerator.device)
         self.control = dist.ControlChannel(r.cfg.train.timeout_minutes)  # SIGINT/SIGTERM, checkpoint times
         self.last_save, self.asked = time.monotonic(), 0
+        self.saves = saving.SaveTimes(r.cfg.train.save_lead_seconds)
 
     def launched(self, p: dict) -> None:
         previous, self.pending = self.pending, p
@@ -339,7 +340,8 @@ class Loop:
                                f"ddptune: warning: step {answered}: rank {slow[0]} was busy for {slow[1]:.2f} s, the others "
                                f"{slow[2]:.2f} s (a slow or busy machine, or a straggling GPU?)")
         validate = t.val_every and r.val_set and done % t.val_every == 0 and done < r.total_steps
-        save = (t.save_every and done % t.save_every == 0) or due or stop
+        # with a lead time set, the first step is saved at once: its save's time is checked against it
+        save = (t.save_every and done % t.save_every == 0) or due or stop or (t.save_lead_seconds and done == r.start + 1)
         if validate or save:
             self.read_pending()
         if validate:
@@ -348,7 +350,8 @@ class Loop:
             r.times["eval_s"] += time.perf_counter() - t0
             self.progress.line({"step": done, "val_loss": val}, f"step {done}: val_loss {val:.4f}")
         if save:
-            saving.save_checkpoint(r, done)
+            seconds = saving.save_checkpoint(r, done)
+            self.progress.say(self.saves.note(done, seconds, [row["step_time_s"] for row in self.history]))
             self.last_save = time.monotonic()
         if validate or save:
             r.clock.pause()  # their time is eval or saving, not the next step's

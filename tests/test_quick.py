@@ -1,0 +1,109 @@
+"""Refusals are quick: `--version`, `--help` and every config error answer before torch or
+transformers is imported (they cost seconds to import), timed against 0.5 s as a user runs them."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT
+from ddptune import evaluate, generation
+
+TINY = str(ROOT / "configs" / "tiny.yaml")
+BOUND_S = 0.5  # what a user waits for a refusal at most
+MARGIN = 2.0   # for a machine that other work keeps busy: importing torch alone takes several times more
+HEAVY = ("torch", "transformers", "peft", "accelerate", "safetensors", "bitsandbytes")
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def _seconds(*args: str) -> tuple[float, subprocess.CompletedProcess]:
+    """The quickest of three runs of `python -m ddptune ARGS` (a busy machine slows some runs), and the last run."""
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "ddptune", *args], env=_env(), capture_output=True, text=True, timeout=120)
+        best = min(best, time.perf_counter() - t0)
+    return best, proc
+
+
+def test_version_answers_within_the_bound():
+    seconds, proc = _seconds("--version")
+    assert proc.returncode == 0 and proc.stdout.startswith("ddptune "), proc
+    assert seconds < BOUND_S * MARGIN, f"ddptune --version took {seconds:.2f} s"
+
+
+def test_a_config_error_answers_within_the_bound(tmp_path):
+    seconds, proc = _seconds("train", TINY, "train.learning_rate=1e-4", f"output_dir={tmp_path / 'run'}")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "train.learning_rate: unknown key" in lines[0], proc
+    assert seconds < BOUND_S * MARGIN, f"the refusal took {seconds:.2f} s"
+    assert not (tmp_path / "run").exists()
+
+
+def _refusals(tmp_path) -> list[list[str]]:
+    done = tmp_path / "done"  # a finished run's folder, as far as a refusal reads it
+    (done / "adapter").mkdir(parents=True)
+    (done / "config.yaml").write_text(f"output_dir: {done}\n")
+    (done / ".ddptune-run").write_text("{}\n")
+    (done / "summary.json").write_text("{}\n")
+    (done / "adapter" / "adapter_model.safetensors").write_bytes(b"\0" * 40)  # torn
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine\n")
+    out = f"output_dir={tmp_path / 'run'}"
+    return [["--help"], ["train", "--help"], ["train", TINY, "train.lr=fast", out],
+            ["train", TINY, f"data.train={tmp_path / 'none.jsonl'}", out],
+            ["train", TINY, f"model.tokenizer={tmp_path / 'no-tokenizer'}", out],
+            ["train", TINY, "model.source=nobody/no-such-model", out],  # offline (below): not in the cache
+            ["train", TINY, f"output_dir={tmp_path / 'busy'}"], ["train", TINY, out, "--resume"],
+            ["train", TINY, f"output_dir={done}", "--resume"], ["train", TINY, out, "--gpu-memory", "nan"],
+            ["plan", TINY, "--gpu-memory", "inf"], ["eval", str(tmp_path / "nowhere")], ["eval", str(done)],
+            ["predict", str(done), "-"], ["export", str(done), str(tmp_path / "out")], ["compare", str(done)]]
+
+
+def test_no_refusal_imports_torch_or_transformers(tmp_path):
+    """Each refusal runs in a fresh interpreter, which then lists what it imported."""
+    probe = ("import json, sys\nfrom ddptune import cli\ntry:\n    code = cli.main(sys.argv[1:])\n"
+             "except SystemExit as e:\n    code = e.code\n"
+             f"print(json.dumps([code, [m for m in {HEAVY!r} if m in sys.modules]]), file=sys.stderr)\n")
+    env = dict(_env(), HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path / "hub-cache"))
+    for args in _refusals(tmp_path):
+        proc = subprocess.run([sys.executable, "-c", probe, *args], env=env, capture_output=True, text=True, timeout=120,
+                              stdin=subprocess.DEVNULL)
+        code, heavy = json.loads(proc.stderr.strip().splitlines()[-1])
+        assert code == (0 if "--help" in args else 2), (args, proc.stderr[-2000:])
+        assert heavy == [], (args, heavy)
+
+
+def test_evaluate_names_the_rouge_scores_generation_writes():
+    assert evaluate.ROUGE_KEYS == generation.ROUGE_KEYS
+
+
+@pytest.mark.parametrize("content", [b"", b"\x10\x00\x00\x00\x00\x00\x00\x00{}", b"\x02\x00\x00\x00\x00\x00\x00\x00[]",
+                                     b"\x40\x00\x00\x00\x00\x00\x00\x00" + b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}   '])
+def test_a_safetensors_header_that_does_not_hold_is_damage(tmp_path, content):
+    """The header check without the library: a file too short for its header, a header that is not a
+    JSON object, a tensor whose bytes lie past the end of the file (what a torn copy is)."""
+    from ddptune import checks
+
+    path = tmp_path / "w.safetensors"
+    path.write_bytes(content)
+    assert checks.safetensors_problem(path, "x").startswith(f"x: {path} is not a safetensors file")
+
+
+def test_the_header_check_counts_what_safetensors_reads(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from ddptune import checks
+
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.zeros(3, 5), "b": torch.ones(2, dtype=torch.bfloat16), "c": torch.zeros(0)}, str(path),
+              metadata={"format": "pt"})
+    assert checks.safetensors_count(path) == 3 and checks.safetensors_problem(path, "x") is None

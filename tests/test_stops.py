@@ -1,0 +1,200 @@
+"""Stops at the edges of a run, and what is left after them: a stop before the first step says
+that nothing was saved and releases the lock, and a plain re-run (or --resume auto) starts the run;
+a failure after validation leaves a folder a plain re-run accepts; a kill in the final save keeps
+the run's figures; --resume auto starts, continues or starts again what it finds."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import multiproc
+from conftest import ROOT, metrics
+from ddptune import cli, config, launch, lock, rundir, train
+
+TINY = str(ROOT / "configs" / "tiny.yaml")
+SHORT = ["train.max_steps=4", "data.val=null", "lora.dropout=0.0"]
+
+
+def _train(out, *extra: str) -> list[str]:
+    return ["train", TINY, f"output_dir={out}", *SHORT, *extra]
+
+
+def _names(folder) -> set[str]:
+    return {p.name for p in folder.iterdir()}
+
+
+@pytest.fixture
+def stopped_while_loading(monkeypatch):
+    """SIGTERM reaches this process while the model loads, as a scheduler's would."""
+    from ddptune import model as model_lib
+
+    real = model_lib.load_model
+
+    def load_model(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model_lib, "load_model", load_model)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("again", [[], ["--resume", "auto"]], ids=["plain re-run", "--resume auto"])
+def test_a_stop_before_the_first_step_says_nothing_was_saved_and_the_run_starts_again(tmp_path, capsys,
+                                                                                      stopped_while_loading, again):
+    out = tmp_path / "run"
+    assert cli.main(_train(out)) == 128 + signal.SIGTERM
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("ddptune: stopped by SIGTERM; nothing was saved (run the same command again to start the run)"), err
+    assert not os.path.lexists(out / lock.NAME) and _names(out) <= set(rundir.BEFORE_TRAINING)
+    assert rundir.untrained(out)
+    stopped_while_loading.undo()
+    assert cli.main(_train(out, *again)) == 0
+    assert [r["step"] for r in metrics(out) if "loss" in r] == [1, 2, 3, 4]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4 and not os.path.lexists(out / lock.NAME)
+
+
+def test_a_stop_of_the_launcher_while_its_processes_load_says_nothing_was_saved(tmp_path):
+    """--nproc 2: SIGTERM to the launcher while the workers build a 135M-parameter model."""
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "ddptune", *_train(out, "model.source=preset:smollm2-135m"), "--nproc", "2"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not (out / "config.yaml").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "nothing was saved (run the same command again to start the run)" in err, err[-3000:]
+    assert "newest checkpoint" not in err and "Traceback" not in err, err[-3000:]
+    assert not os.path.lexists(out / lock.NAME) and rundir.untrained(out)
+
+
+def test_a_run_that_fails_after_validation_leaves_a_folder_a_plain_rerun_accepts(tmp_path, capsys):
+    """A tokenizer folder that passes the checks but does not load: one line, exit 2, and the next
+    run into that folder starts without --overwrite."""
+    broken = tmp_path / "tokenizer"
+    broken.mkdir()
+    (broken / "tokenizer_config.json").write_text("{}")
+    (broken / "tokenizer.json").write_text('{"not": "a tokenizer"}')
+    out = tmp_path / "run"
+    assert cli.main(_train(out, f"model.tokenizer={broken}")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"ddptune: invalid config: model.tokenizer: the tokenizer of {broken} "
+                                               "cannot be loaded (KeyError: "), err
+    assert rundir.untrained(out) and not os.path.lexists(out / lock.NAME)
+    assert cli.main(_train(out)) == 0
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
+
+
+def _killed_in_the_final_save(overrides: list[str]) -> None:
+    """Train to the end, and die by SIGKILL once the adapter's files are written, before they are renamed into place."""
+    from ddptune import model as model_lib
+
+    real = model_lib.save_trained
+
+    def save_trained(model, folder, state_dict=None):
+        real(model, folder, state_dict)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    model_lib.save_trained = save_trained
+    train.run(config.load(TINY, overrides))
+
+
+def test_a_kill_in_the_final_save_keeps_the_runs_figures_and_resume_finishes_it(tmp_path):
+    out = tmp_path / "run"
+    overrides = [f"output_dir={out}", *SHORT, "train.save_every=2"]
+    procs, _ = multiproc.start(_killed_in_the_final_save, 1, overrides)
+    procs[0].join(timeout=300)
+    assert procs[0].exitcode == -signal.SIGKILL
+    assert not (out / "adapter").exists() and list(out.glob(".adapter.tmp-*"))  # the killed save's folder
+    before = json.loads((out / "summary.json").read_text())  # written before the save
+    rows = [r for r in metrics(out) if "loss" in r]
+    assert before["final_loss"] == rows[-1]["loss"] and before["train_time_s"] == pytest.approx(sum(r["step_time_s"] for r in rows))
+    assert cli.main(["train", TINY, *overrides, "--resume"]) == 0  # from step-000004: no step left to run
+    after = json.loads((out / "summary.json").read_text())
+    assert after["final_loss"] == before["final_loss"] and after["train_time_s"] == pytest.approx(before["train_time_s"])
+    assert after["steps"] == 4 and after["tokens_per_s_per_gpu"] > 0
+    assert (out / "adapter" / "adapter_model.safetensors").is_file() and not list(out.glob(".adapter.tmp-*"))
+
+
+def test_resume_auto_starts_continues_and_refuses_what_it_should(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert cli.main(_train(out, "train.save_every=2", "train.max_steps=2", "--resume", "auto")) == 0  # nothing there: starts
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    assert cli.main(_train(out, "train.save_every=2", "train.max_steps=2", "--resume", "auto")) == 2  # complete
+    assert "is complete" in capsys.readouterr().err
+    part = tmp_path / "part"  # interrupted after its step-2 checkpoint: continued from there
+    assert cli.main(_train(part, "train.save_every=2")) == 0
+    a = load_file(part / "adapter" / "adapter_model.safetensors")
+    for name in ("adapter", "summary.json", "ranks.jsonl"):
+        path = part / name
+        path.unlink() if path.is_file() else __import__("shutil").rmtree(path)
+    (part / "checkpoints" / "step-000004").rename(part / "checkpoints" / ".step-000004.tmp-x")  # a save killed midway
+    assert cli.main(_train(part, "train.save_every=2", "--resume", "auto")) == 0
+    assert "resuming after step 2" in capsys.readouterr().out
+    b = load_file(part / "adapter" / "adapter_model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    busy = tmp_path / "busy"  # a folder of someone else's files: refused, as without auto
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine\n")
+    assert cli.main(_train(busy, "--resume", "auto")) == 2
+    assert "holds files that are not a ddptune run" in capsys.readouterr().err and _names(busy) == {"notes.txt"}
+
+
+def test_a_killed_workers_line_says_what_its_run_saved(tmp_path, monkeypatch):
+    """The launcher's line for a worker a signal killed (the kernel's OOM killer), with and without a checkpoint."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    failure = ProcessFailure(local_rank=1, pid=1, exitcode=-signal.SIGKILL, error_file=str(tmp_path / "none.json"))
+    monkeypatch.delenv(launch.RUN, raising=False)
+    assert launch.killed(1, failure)[0].endswith("(the kernel's out-of-memory killer sends SIGKILL: see dmesg)")
+    monkeypatch.setenv(launch.RUN, str(tmp_path))
+    assert launch.killed(1, failure)[0].endswith("; no checkpoint was saved (start the run again with the same command "
+                                                  "and --resume auto)")
+    (tmp_path / "checkpoints" / "step-000006").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-000006" / "state.json").write_text('{"step": 6}')
+    assert launch.killed(1, failure)[0].endswith(f"; newest checkpoint: {tmp_path / 'checkpoints' / 'step-000006'} "
+                                                  "(continue with the same command and --resume)")
+    assert launch.killed(1, ProcessFailure(local_rank=1, pid=1, exitcode=2, error_file=str(tmp_path / "none.json"))) == []
+
+
+def test_a_lead_time_saves_the_first_step_at_once_and_warns_when_a_stop_would_outlast_it(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert cli.main(_train(out, "train.max_steps=3", "train.save_lead_seconds=3600")) == 0
+    said = capsys.readouterr()
+    lines = [l for l in (said.out + said.err).replace("\r", "\n").splitlines() if l.startswith("ddptune: a checkpoint")]
+    assert len(lines) == 1 and lines[0].startswith("ddptune: a checkpoint (step 1) took "), lines
+    assert lines[0].endswith("; a stop (a save) needs about " + lines[0].split("needs about ")[1].split()[0]
+                             + " s of the 3600 s train.save_lead_seconds gives")  # no step timed yet but the first
+    assert "warning" not in said.out + said.err
+    assert (out / "checkpoints" / "step-000001" / "state.json").is_file()  # saved after the first step, timed
+    late = tmp_path / "late"
+    assert cli.main(_train(late, "train.max_steps=3", "train.save_lead_seconds=1e-6", "train.save_every=1")) == 0
+    said = capsys.readouterr()
+    warned = [l for l in (said.out + said.err).replace("\r", "\n").splitlines() if l.startswith("ddptune: warning: saving")]
+    assert len(warned) == 1 and warned[0].startswith("ddptune: warning: saving step 1 took "), warned  # once, not per save
+    assert "more than train.save_lead_seconds=1e-06; send the stop signal earlier (sbatch --signal=TERM@" in warned[0]
+
+
+def test_a_stop_is_timed_from_recent_steps_not_the_first():
+    """The first step warms up (on a GPU it compiles the layers): a stop's two steps are the median of the later ones."""
+    from ddptune import saving
+
+    times = saving.SaveTimes(lead=10.0)
+    assert times.note(1, 0.5, [90.0]) == ("ddptune: a checkpoint (step 1) took 0.50 s to save; a stop (a save) needs "
+                                          "about 0.5 s of the 10 s train.save_lead_seconds gives")
+    assert times.note(2, 0.5, [90.0, 1.0, 2.0, 3.0]) is None  # said once; within the lead
+    late = times.note(3, 0.5, [90.0, 1.0, 5.0, 6.0])
+    assert late.startswith("ddptune: warning: saving step 3 took 0.5 s: a stop (two more steps of 5.00 s, then a save) "
+                           "needs about 10.5 s, more than train.save_lead_seconds=10")
+    assert times.note(4, 9.0, [90.0, 1.0, 5.0, 6.0]) is None  # warned once
+    assert saving.SaveTimes(lead=None).note(1, 0.25, []) == "ddptune: a checkpoint (step 1) took 0.25 s to save"
