@@ -30,12 +30,13 @@ def main(args) -> int:
         model_lib.resolve_source(cfg.model)
     except ValueError as e:
         problems.append(f"model.source: {e}")
-    problems = problems or checks.jsonl_problems(cfg.data) or data.check(cfg.data)[0] or checks.template_problems(cfg)
-    if problems:
+    if problems := problems or checks.jsonl_problems(cfg.data) or data.check(cfg.data)[0]:
         raise ConfigError(problems)
     started = time.perf_counter()
     tokenizer = model_lib.load_tokenizer(cfg.model)
     loaded = time.perf_counter()
+    if problems := data.template_problems(cfg.data, tokenizer):  # every conversation's mask, as a run checks them
+        raise ConfigError(problems)
     table, shown, rows_done, mix_rows = [], [], 0, []
     for split in ("train", "val"):
         for s in data.sources(cfg.data, split):
