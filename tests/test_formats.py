@@ -214,3 +214,19 @@ def test_shares_of_multi_turn_steps_cost_the_same(lengths, ranks):
             assert busiest / mean <= 1.02, (ranks, batch, busiest / mean)
         else:
             assert busiest / bound <= 1.04, (ranks, batch, busiest / bound, bound / mean)
+
+
+def test_a_mixture_resumes_where_it_stopped(tmp_path):
+    """The mixture's stream is a function of seed and step: a run resumed from its step-3 checkpoint
+    ends with the weights of the unbroken run."""
+    from test_train import assert_ended_as, died_after
+
+    paths = forms(tmp_path, data.read_rows("demo"))
+    args = [f"data.train=[{{source: demo, rows: '0:200', weight: 2}}, {{source: {paths['messages']}, rows: '200:260'}}]",
+            "data.train_rows=null", "data.val=null", "train.max_steps=6", "train.save_every=3", "train.keep_checkpoints=5",
+            "lora.dropout=0.0"]
+    full = tmp_path / "full"
+    train.run(config.load(TINY, [f"output_dir={full}", *args]))
+    part = died_after(full, tmp_path / "part", checkpoint_step=3, metric_lines=3)
+    train.run(config.load(TINY, [f"output_dir={part}", *args]), resume=True)
+    assert_ended_as(full, part, loss_tol=1e-6, weight_tol=0.0)
