@@ -114,6 +114,24 @@ def make_data(tmp: Path) -> None:
     (tmp / "ggufs").mkdir()
     (tmp / "ggufs" / "a.gguf").write_bytes(b"GGUF")
     (tmp / "ggufs" / "b.gguf").write_bytes(b"GGUF")
+    turns = [{"role": "user", "content": "A: hi"}, {"role": "assistant", "content": "They greet."}]
+    conversations = {"noroles": [turns[0], {"content": "They greet."}], "emptyturn": [turns[0], {"role": "assistant", "content": " "}],
+                     "replyfirst": turns[::-1], "botrole": [turns[0], {"role": "bot", "content": "x"}], "noreply": turns[:1],
+                     "toolturn": [turns[0], {"role": "tool", "content": "{}"}, turns[1]]}
+    for name, conv in conversations.items():  # row 2 of each is bad
+        (tmp / f"{name}.jsonl").write_text("".join(json.dumps({"messages": turns if i != 2 else conv}) + "\n" for i in range(8)))
+    (tmp / "chats.jsonl").write_text(json.dumps({"messages": turns}) + "\n")
+    for name, template in (("nopromptok", "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"),
+                           ("rewritingtok", "{% for m in messages %}{% if m['role'] == 'assistant' and 'hi' in m['content'] %}"
+                                            "<|old|>{% else %}<|{{ m['role'] }}|>{% endif %}{{ m['content'] }}<|end|>{% endfor %}"
+                                            "{% if add_generation_prompt %}<|assistant|>{% endif %}")):
+        from ddptune import model as model_lib
+
+        tok = model_lib.byte_tokenizer()
+        tok.chat_template = template
+        tok.save_pretrained(tmp / name)
+    (tmp / "hichats.jsonl").write_text("".join(json.dumps({"messages": turns + [
+        {"role": "user", "content": "and?"}, {"role": "assistant", "content": "hi again" if i == 5 else "ok"}]}) + "\n" for i in range(8)))
     (tmp / "nomodel").mkdir()
     (tmp / "nomodel" / "README.md").write_text("weights went missing\n")
     (tmp / "brokenmodel").mkdir()
@@ -241,6 +259,46 @@ CASES = [
     ("row slice not a slice", [*TRAIN, "data.train_rows=abc"], ["data.train_rows: 'abc' is not a row slice (write START:STOP"]),
     ("row slice selects nothing", [*TRAIN, "data.train_rows=5000:6000"], ["data.train: rows '5000:6000' select nothing"]),
     ("fewer rows than a batch", [*TRAIN, "data.train={few}", "data.train_rows=null"], ["data.train: 3 rows are fewer than one global batch of 4"]),
+    # --- chat data
+    ("turn without a role", [*TRAIN, "data.train={noroles}", "data.train_rows=null"],
+     ["data.train: row 2 of ", "(messages): turn 1 has no 'role'"]),
+    ("turn with empty content", [*TRAIN, "data.train={emptyturn}", "data.train_rows=null"],
+     ["data.train: row 2 of ", "(messages): turn 1 is empty"]),
+    ("assistant turn first", [*TRAIN, "data.train={replyfirst}", "data.train_rows=null"],
+     ["data.train: row 2 of ", "starts with an assistant turn"]),
+    ("unknown role", [*TRAIN, "data.train={botrole}", "data.train_rows=null"],
+     ["data.train: row 2 of ", "turn 1 has the unknown role 'bot' (use system, user, assistant)"]),
+    ("no assistant turn", [*TRAIN, "data.train={noreply}", "data.train_rows=null"], ["data.train: row 2 of ", "has no assistant turn"]),
+    ("tool turn", [*TRAIN, "data.train={toolturn}", "data.train_rows=null"], ["data.train: row 2 of ", "turn 1 is a tool turn ('tool')"]),
+    ("validation row without a reply", [*TRAIN, "data.val={noreply}", "data.val_rows=null"], ["data.val: row 2 of ", "has no assistant turn"]),
+    ("format that the rows are not", [*TRAIN, "data.format=sharegpt"], ["data.train: row 0 of demo (sharegpt): has no 'conversations'"]),
+    ("template without a generation prompt", [*TRAIN, "data.train={chats}", "data.train_rows=null",
+                                              "model.tokenizer={nopromptok}", "data.val=null"],
+     ["model.tokenizer: the chat template of ", "adds nothing for add_generation_prompt"]),
+    ("template that rewrites earlier turns", [*TRAIN, "data.train={hichats}", "data.train_rows=null", "model.tokenizer={rewritingtok}",
+                                              "data.val=null"],
+     ["data.train: row 5 of ", "does not begin the whole conversation", "set data.loss_on=last_assistant"]),
+    # --- several sources
+    ("sources an empty list", [*TRAIN, "data.train=[]", "data.train_rows=null"], ["data.train: an empty list"]),
+    ("sources with one row slice", [*TRAIN, "data.train=[{{source: demo}}]"], ["data.train_rows: a list of sources gives each its own rows"]),
+    ("source without a file", [*TRAIN, "data.train=[{{rows: '0:10'}}]", "data.train_rows=null"], ["data.train[0].source: missing"]),
+    ("source weight zero", [*TRAIN, "data.train=[{{source: demo, weight: 0}}, {{source: demo}}]", "data.train_rows=null"],
+     ["data.train[0].weight: must be a positive number"]),
+    ("source file missing", [*TRAIN, "data.train=[{{source: demo}}, {{source: '{tmp}/nope.jsonl'}}]", "data.train_rows=null"],
+     ["data.train[1]: file ", "nope.jsonl' not found"]),
+    ("source rows not a slice", [*TRAIN, "data.train=[{{source: demo, rows: abc}}]", "data.train_rows=null"],
+     ["data.train[0].rows: 'abc' is not a row slice"]),
+    ("source unknown key", [*TRAIN, "data.train=[{{source: demo, share: 2}}]", "data.train_rows=null"],
+     ["data.train[0].share: unknown key (known: name, rows, source, weight)"]),
+    ("sources sharing a name", [*TRAIN, "data.val=[{{source: demo, name: a}}, {{source: demo, name: a}}]", "data.val_rows=null"],
+     ["data.val: two sources share a name"]),
+    ("validation source weight", [*TRAIN, "data.val=[{{source: demo, rows: '0:9', weight: 2}}]", "data.val_rows=null"],
+     ["data.val[0].weight: validation sources are scored whole"]),
+    ("unknown format", [*TRAIN, "data.format=chatml"], ["data.format: 'chatml' is not allowed (use one of auto, dialogue"]),
+    # --- data
+    ("data bad file", ["data", "{cfg}", "data.train={noroles}", "data.train_rows=null"], ["data.train: row 2 of "]),
+    ("data show negative", ["data", "{cfg}", "--show", "-1"], ["--show: must be 0 or more (got -1)"]),
+    ("data config missing", ["data", "{tmp}/nope.yaml"], ["config: ", "not found"]),
     # --- the output folder
     ("output_dir is a file", ["train", "{cfg}", "output_dir={afile}"], ["output_dir: ", "afile is a file, not a folder"]),
     ("output_dir under a file", ["train", "{cfg}", "output_dir={afile}/run"], ["output_dir: ", "cannot be made: ", "afile is a file"]),

@@ -93,3 +93,38 @@ def test_a_damaged_adapter_is_refused_by_predict_and_eval(run, tmp_path, capsys,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"eval: {damaged} " in err[0], err
     assert not (copy / "eval").exists()
+
+
+def test_conversations_are_prompted_up_to_their_last_user_turn_and_eval_scores_their_last_reply(run, tmp_path, monkeypatch,
+                                                                                                  capsys):
+    """Rows of messages (the run's data.format is auto: their keys name it): predict answers the last
+    user turn, dropping a reply that follows it; eval scores the generated last assistant turn of
+    data.val's conversations against theirs, from the same prompts."""
+    convs = []
+    for r in demo_rows(560, 564):
+        lines = r["dialogue"].splitlines()
+        convs.append([{"role": "system", "content": "Summarize when asked."}, {"role": "user", "content": lines[0]},
+                      {"role": "assistant", "content": lines[1]}, {"role": "user", "content": "Summarize the dialogue."},
+                      {"role": "assistant", "content": r["summary"]}])
+    asked = [{"id": str(i), "messages": c[:-1]} for i, c in enumerate(convs)]  # ending with the user's turn
+    answered = [{"id": str(i), "messages": c} for i, c in enumerate(convs)]  # and with the reference reply after it
+    outputs = []
+    for rows in (asked, answered):
+        monkeypatch.setattr("sys.stdin", io.StringIO(jsonl(rows)))
+        assert cli.main(["predict", str(run), "-", *GEN]) == 0
+        outputs.append([json.loads(line) for line in capsys.readouterr().out.splitlines()])
+    assert [r["prediction"] for r in outputs[0]] == [r["prediction"] for r in outputs[1]]
+    assert [r["messages"] for r in outputs[1]] == [c for c in convs]  # the row's own fields pass through
+    val = tmp_path / "val.jsonl"
+    val.write_text(jsonl(answered))
+    assert cli.main(["eval", str(run), f"data.val={val}", "data.val_rows=null", *GEN, "--out", str(tmp_path / "eval")]) == 0
+    scored = [json.loads(line) for line in (tmp_path / "eval" / "predictions.jsonl").read_text().splitlines()]
+    assert [r["reference"] for r in scored] == [c[-1]["content"] for c in convs]
+    assert [r["messages"] for r in scored] == [c[:-1] for c in convs]
+    assert [r["prediction"] for r in scored] == [r["prediction"] for r in outputs[0]]
+    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert metrics["n"] == 4 and 0 <= metrics["rouge1"] <= 100
+    monkeypatch.setattr("sys.stdin", io.StringIO(jsonl([{"messages": [{"role": "assistant", "content": "hi"}]}])))
+    assert cli.main(["predict", str(run), "-"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--input: line 1 of stdin (messages): starts with an assistant turn" in err

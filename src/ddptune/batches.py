@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddptune.data import IGNORE
+from ddptune.tokens import IGNORE
 
 TARGET_PAD = 64  # for CUDA graphs: the loss's target rows come in multiples of this (collate_packed's pad_to)
 GRAPH_PAD = 256  # for CUDA graphs: packed rows are padded to multiples of this many tokens
@@ -40,11 +40,51 @@ _PERMS: dict = {}
 def _permutation(n_rows: int, seed: int, epoch: int) -> list[int]:
     key = (n_rows, seed, epoch)
     if key not in _PERMS:
-        if len(_PERMS) > 4:
-            _PERMS.clear()
+        if len(_PERMS) > 8:  # a few: two epochs of each source of a mixture
+            _PERMS.pop(next(iter(_PERMS)))
         g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
         _PERMS[key] = torch.randperm(n_rows, generator=g).tolist()
     return _PERMS[key]
+
+
+def mixed_step_samples(mix: tuple[tuple[int, int], ...], global_batch: int, step: int, seed: int) -> list[int]:
+    """step_samples over several sources, their rows one after another: `mix` holds each source's
+    (rows, draws per epoch). Each source is an endless stream of its own (step_samples' with its own
+    seed; the first's is the run's), and each epoch of the mixture, sum(draws) samples long, takes
+    `draws` samples from each, interleaved by a seeded permutation: the stated shares hold exactly
+    over an epoch and about so in every step. A pure function of the seed and the step, of one
+    endless stream of samples, as step_samples is (resume needs no state; batches of 2B are pairs of B's)."""
+    offsets = [sum(rows for rows, _ in mix[:j]) for j in range(len(mix))]
+    period = sum(n for _, n in mix)
+    out = []
+    for pos in range(step * global_batch, (step + 1) * global_batch):
+        epoch, i = divmod(pos, period)
+        labels, ranks = _interleaving(tuple(n for _, n in mix), seed, epoch)
+        j = labels[i]
+        rows, draws = mix[j]
+        source_epoch, k = divmod(epoch * draws + ranks[i], rows)
+        out.append(offsets[j] + _permutation(rows, seed + 7_919 * j, source_epoch)[k])
+    return out
+
+
+_MIXES: dict = {}
+
+
+def _interleaving(draws: tuple[int, ...], seed: int, epoch: int) -> tuple[list[int], list[int]]:
+    """(the source of each sample of a mixture's epoch, how many of that source's come before it)."""
+    key = (draws, seed, epoch)
+    if key not in _MIXES:
+        if len(_MIXES) > 2:
+            _MIXES.pop(next(iter(_MIXES)))
+        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch + 500_009)
+        order = torch.repeat_interleave(torch.arange(len(draws)), torch.tensor(draws))
+        labels = order[torch.randperm(len(order), generator=g)].tolist()
+        seen, ranks = [0] * len(draws), []
+        for j in labels:
+            ranks.append(seen[j])
+            seen[j] += 1
+        _MIXES[key] = (labels, ranks)
+    return _MIXES[key]
 
 
 def balance(costs: list[float], parts: int, equal_sizes: bool = False) -> list[list[int]]:
@@ -255,12 +295,19 @@ class Stream:
     max_length: int
     lockstep: bool = False
     graph_lengths: tuple[int, ...] = ()
+    mix: tuple[tuple[int, int], ...] = ()  # several sources: each one's (rows, draws per epoch), data.mixture
+
+    def samples(self, step: int) -> list[int]:
+        """The examples (indices) of optimizer step `step`."""
+        if self.mix:
+            return mixed_step_samples(self.mix, self.global_batch, step, self.seed)
+        return step_samples(len(self.examples), self.global_batch, step, self.seed)
 
     def with_lengths(self, lengths: list[int]) -> "Stream":
         return dataclasses.replace(self, graph_lengths=tuple(lengths))
 
     def share(self, step: int) -> Share:
-        idx = step_samples(len(self.examples), self.global_batch, step, self.seed)
+        idx = self.samples(step)
         groups = balance([self.costs[i] for i in idx], self.parts, equal_sizes=not self.packing)
         shares = [[self.examples[idx[j]] for j in g] for g in groups]
         forwards = [self.layout(s) for s in shares]

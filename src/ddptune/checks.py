@@ -41,7 +41,7 @@ def validate(cfg: Config, world_size: int, resume: bool = False, overwrite: bool
         problems += jsonl_problems(cfg.data)
     if not problems:
         data_problems, n_train = data_lib.check(cfg.data)
-        problems += data_problems
+        problems += data_problems or template_problems(cfg)
     if output:
         problems += output_problems(cfg, resume, world_size, overwrite)
     plan = None
@@ -191,7 +191,7 @@ def data_file_problems(d: config_lib.DataConfig) -> list[str]:
 def jsonl_problems(d: config_lib.DataConfig) -> list[str]:
     """The first line of each .jsonl data file that is not JSON, by its line number in the file."""
     problems = []
-    for field, source in (("data.train", d.train), ("data.val", d.val)):
+    for field, source in ((s.field, s.source) for split in ("train", "val") for s in data_lib.sources(d, split)):
         if not source or not source.endswith(".jsonl") or not Path(source).is_file():
             continue
         try:
@@ -209,6 +209,26 @@ def jsonl_problems(d: config_lib.DataConfig) -> list[str]:
                                 f"{getattr(e, 'colno', '?')}) (fix or remove that line)")
                 break
     return problems
+
+
+def profile_problems(t, total: int) -> list[str]:
+    """train.profile_steps after the first PROFILE_AFTER must fit the run's `total` steps (known once the data is)."""
+    if t.profile_steps and total < config_lib.PROFILE_AFTER + t.profile_steps:
+        return [f"train.profile_steps: {t.profile_steps} steps after the first {config_lib.PROFILE_AFTER} "
+                f"do not fit a run of {total} steps (profile fewer steps or train longer)"]
+    return []
+
+
+def template_problems(cfg: Config) -> list[str]:
+    """Chat data: every conversation's loss mask through the tokenizer's chat template (data.template_problems),
+    when the tokenizer is here to read (a hub one is checked as the run tokenizes)."""
+    from ddptune import model as model_lib  # (the model's code: only once the light checks have passed)
+
+    m = cfg.model
+    if not (Path(m.tokenizer).is_dir() if m.tokenizer else sources.resolve_source(m).kind != "hub") \
+            or not data_lib.chat_sources(cfg.data):
+        return []
+    return data_lib.template_problems(cfg.data, model_lib.load_tokenizer(m))
 
 
 def resume_mode(cfg: Config, resume: str | None, overwrite: bool) -> tuple[bool, bool]:

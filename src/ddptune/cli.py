@@ -2,6 +2,7 @@
 
     ddptune train CONFIG.yaml [key=value ...] [--nproc N] [--resume]
     ddptune eval RUN_DIR|CONFIG.yaml [key=value ...] [--nproc N] [--base]
+    ddptune data CONFIG.yaml [key=value ...] [--show N]
     ddptune compare RUN_DIR ... [--json PATH]
     ddptune scale CONFIG.yaml --nproc 1,2,4 [--mode same-per-device|same-global|both]
     ddptune plan CONFIG.yaml [key=value ...] [--gpus N] [--gpu-memory GiB] [--json PATH]
@@ -108,6 +109,10 @@ def _parser(with_reference: bool = False) -> argparse.ArgumentParser:
     r.add_argument("--input", default=None, help="the .jsonl file, or - for stdin (default: stdin when it is piped)")
     r.add_argument("--out", default=None, help="write the JSON lines to this new file (default: stdout)")
     r.add_argument("--nproc", type=int, default=None, help="share the dialogues out over N processes")
+    dt = sub.add_parser("data", help="check and tokenize the data as a run would, and show what is trained")
+    dt.add_argument("config")
+    dt.add_argument("overrides", nargs="*")
+    dt.add_argument("--show", type=int, default=2, metavar="N", help="examples of each source to print, trained tokens marked")
     sub.add_parser("env", help="devices, interconnect and versions for a bug report", add_help=False)
     return p
 
@@ -124,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 COMMANDS = {"eval": ("evaluate", "main"), "compare": ("evaluate", "compare_command"), "scale": ("scale", "main"),
-            "export": ("export", "main"), "predict": ("predict", "main"), "plan": ("plan", "main")}
+            "export": ("export", "main"), "predict": ("predict", "main"), "plan": ("plan", "main"), "data": ("datacmd", "main")}
 
 
 def _main(argv: list[str] | None) -> int:

@@ -188,6 +188,11 @@ def topology() -> str:
         return f"nvidia-smi topo -m failed: {exc}"
 
 
+def link(device, world: int) -> str:
+    """How this machine's GPUs are linked (NVLink, PCIe), where several processes run on GPUs; else ""."""
+    return interconnect(topology()) if device.type == "cuda" and world > 1 else ""
+
+
 def interconnect(topo_text: str) -> str:
     """Short label for a `nvidia-smi topo -m` matrix: "NVLink", "PCIe", "single GPU",
     "CPU (gloo)" (for the no-GPU note) or "unknown"."""

@@ -1,11 +1,8 @@
 """The typed run configuration: dataclasses mirrored one-to-one by the YAML files in configs/.
 
-`load(path, overrides)` reads a YAML file, applies `section.key=value` overrides and returns a
-`Config`; `check_values` finds bad values (batchplan.py does the batch arithmetic). Every problem
-found is collected and raised together as one `ConfigError`, whose message is a single line naming
-each field and its fix. Each field's docstring is its documentation: configref.py turns them into
-the README's table and `ddptune train --help`. This module imports nothing of ddptune and touches
-no files but the config itself (the checks that read data files or models are in `checks.py`).
+`load(path, overrides)` reads a YAML file and applies `section.key=value` overrides; `check_values`
+finds bad values. Every problem is raised together in one `ConfigError`: one line naming each field
+and its fix. Field docstrings are the documentation (configref.py). Only the config file is read here.
 """
 from __future__ import annotations
 
@@ -16,7 +13,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 
@@ -71,23 +68,42 @@ class LoraConfig:
 
 
 @dataclass
+class SourceConfig:
+    source: str = ""
+    """`demo`, a .json/.jsonl file or `hub:ID[:SPLIT]`."""
+    rows: Optional[str] = None
+    """Row slice of this source, e.g. "0:700"; null: every row."""
+    weight: float = 1.0
+    """Training sources: the share of each step's samples drawn from this one, relative to the others' weights."""
+    name: Optional[str] = None
+    """Its name in the logs (val_loss/NAME); null: the file's stem."""
+
+
+@dataclass
 class DataConfig:
-    train: str = "demo"
-    """`demo` (built-in), a .json/.jsonl file, or `hub:ID[:SPLIT]` (needs the `datasets` package)."""
+    train: Union[str, list[SourceConfig]] = "demo"
+    """`demo` (built-in), a .json/.jsonl file, `hub:ID[:SPLIT]` (needs the `datasets` package), or a list of
+    {source, rows, weight, name}: several sources, each step's samples drawn from them by weight."""
     train_rows: Optional[str] = None
-    """Python-style row slice of the training data, e.g. "0:700"."""
-    val: Optional[str] = None
-    """Validation data (same forms as `train`); null: no validation set."""
+    """Python-style row slice of the training data, e.g. "0:700" (one source; a list gives each its rows)."""
+    val: Optional[Union[str, list[SourceConfig]]] = None
+    """Validation data (same forms as `train`; a list also logs each source's val_loss/NAME); null: none."""
     val_rows: Optional[str] = None
     """Row slice of the validation data, e.g. "700:818"."""
+    format: Literal["auto", "dialogue", "prompt_completion", "messages", "alpaca", "sharegpt"] = "auto"
+    """Rows: dialogue (dialogue and summary columns, data.instruction), prompt_completion, messages (turns of role and
+    content), alpaca (instruction, input, output), sharegpt (conversations of from, value); auto: by the first rows' keys."""
+    loss_on: Literal["assistant", "last_assistant"] = "assistant"
+    """Chat formats (all but dialogue): train every assistant turn with its end-of-turn token, or the last one only."""
     dialogue_column: str = "dialogue"
-    """Column holding the dialogue (the model's input)."""
+    """Column holding the dialogue (the model's input; dialogue format)."""
     summary_column: str = "summary"
-    """Column holding the reference summary (the loss targets)."""
+    """Column holding the reference summary (the loss targets; dialogue format)."""
     instruction: str = "Summarize the following dialogue."
-    """Put before the dialogue in the prompt."""
+    """Put before the dialogue in the prompt (dialogue format)."""
     max_length: int = 512
-    """Tokens per example; longer dialogues are cut at their end so the summary survives."""
+    """Tokens per example. dialogue: a longer dialogue is cut at its end so the summary survives; chat formats: the
+    earliest context is cut, the final assistant turn kept whole (a row whose final turn cannot fit is dropped)."""
 
 
 @dataclass
@@ -207,6 +223,9 @@ def _convert(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None and len(args) < len(typing.get_args(tp)):
             return None
+        listed = [a for a in args if typing.get_origin(a) is list]
+        if isinstance(value, list) and listed:  # a list's own problems, item by item
+            return _convert(value, listed[0], where, problems)
         for alt in args:  # the first alternative that takes the value
             trial: list[str] = []
             out = _convert(value, alt, where, trial)
@@ -260,6 +279,8 @@ def _convert(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
 def _describe(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
         return " or ".join(map(repr, typing.get_args(tp)))
+    if typing.get_origin(tp) is list and dataclasses.is_dataclass(typing.get_args(tp)[0]):
+        return "a list of {" + ", ".join(f.name for f in dataclasses.fields(typing.get_args(tp)[0])) + "}"
     return {bool: "true/false", int: "a whole number", float: "a number", str: "text"}.get(tp, str(tp))
 
 

@@ -27,7 +27,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ddptune import checkpoint, checks, data, rundir, sources
+from ddptune import chat, checkpoint, checks, data, rundir, sources
 from ddptune.config import Config, ConfigError
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}  # torch's names (torch is imported only to merge)
@@ -145,6 +145,12 @@ def adapter_readme(cfg: Config, tokenizer) -> str:
 
 
 def prompt_section(cfg: Config, tokenizer) -> str:
+    if data.trains_conversations(cfg.data):
+        template = "the tokenizer's chat template" if getattr(tokenizer, "chat_template", None) else \
+            f"this plain chat template (the tokenizer has none):\n\n```jinja\n{chat.PLAIN_CHAT}\n```\n"
+        return (f"## Prompt\n\nThe run trained on conversations rendered with {template}. Prompt with the turns up to "
+                "the user's last, rendered with the generation prompt; generate greedily until the end-of-turn text "
+                f"`{json.dumps(chat.end_of_turn(tokenizer))}`.\n")
     before, after, end = data.prompt_pieces(tokenizer, cfg.data.instruction)
     how = ("the tokenizer's chat template, with one user turn `instruction + \"\\n\\n\" + dialogue` and the generation prompt"
            if getattr(tokenizer, "chat_template", None) else "a plain template (this tokenizer has no chat template)")

@@ -20,8 +20,8 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from ddptune import config as config_lib, data, report
-from ddptune.config import Config
+from ddptune import chat, config as config_lib, data, formats, report
+from ddptune.config import Config, ConfigError
 
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 
@@ -55,12 +55,26 @@ def rouge(predictions: list[str], references: list[str]) -> dict[str, float]:
 
 
 def prompt_ids(rows: list[dict], tokenizer, d: config_lib.DataConfig) -> list[list[int]]:
-    pieces = data.prompt_pieces(tokenizer, d.instruction)
-    out = []
+    """What each row's generation starts from: a dialogue's prompt as training built it, or a
+    conversation's turns up to its last user turn (before its last assistant turn, when it has one)
+    with the generation prompt, in the pieces training tokenized them in (chat.prompt_ids)."""
+    pieces, out = None, []
     for r in rows:
+        if "messages" in r:
+            try:
+                out.append(chat.prompt_ids(tokenizer, formats.context_and_answer(r["messages"])[0], d.loss_on, d.max_length))
+            except chat.TemplateProblem as e:
+                raise ConfigError([f"row {r['id']}: {e}"]) from None
+            continue
+        pieces = pieces or data.prompt_pieces(tokenizer, d.instruction)
         ex = data.tokenize_example(tokenizer, pieces, r["dialogue"], r["summary"], d.max_length)
         out.append(ex["input_ids"][: ex["prompt_len"]])
     return out
+
+
+def reference(row: dict) -> str:
+    """What a row's generation is scored against: its summary, or its last assistant turn."""
+    return formats.context_and_answer(row["messages"])[1] if "messages" in row else row["summary"]
 
 
 def stop_ids(tokenizer, d: config_lib.DataConfig) -> list[int]:
@@ -135,7 +149,7 @@ def evaluate(model, tokenizer, rows: list[dict], cfg: Config, accelerator: Accel
                                       f"generate ({label.split(' (')[0]})")
     if not accelerator.is_main_process:
         return {}
-    scores = rouge(predictions, [r["summary"] for r in rows])
+    scores = rouge(predictions, [reference(r) for r in rows])
     result = {
         "label": label, **scores, "n": len(rows), "world_size": world,
         "generation_time_s": gen_s, "samples_per_s": len(rows) / gen_s if gen_s else None,
@@ -144,7 +158,8 @@ def evaluate(model, tokenizer, rows: list[dict], cfg: Config, accelerator: Accel
         "model": cfg.model.source,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    lines = [json.dumps({"id": r["id"], "dialogue": r["dialogue"], "reference": r["summary"], "prediction": p})
+    asked = lambda r: {"messages": formats.context_and_answer(r["messages"])[0]} if "messages" in r else {"dialogue": r["dialogue"]}  # noqa: E731
+    lines = [json.dumps({"id": r["id"], **asked(r), "reference": reference(r), "prediction": p})
              for r, p in zip(rows, predictions)]
     report.write_text(out_dir / "predictions.jsonl", "\n".join(lines) + "\n")
     report.write_json(out_dir / "metrics.json", result)
@@ -157,5 +172,6 @@ def evaluate(model, tokenizer, rows: list[dict], cfg: Config, accelerator: Accel
 
 
 def eval_rows(cfg: Config) -> list[dict]:
-    rows = data.load_split(cfg.data.val, cfg.data.val_rows, cfg.data)
+    """The validation rows of every data.val source, in order (the first eval.max_samples)."""
+    rows = [r for s in data.sources(cfg.data, "val") for r in data.load_split(s.source, s.rows, cfg.data, s.field)]
     return rows[: cfg.eval.max_samples] if cfg.eval.max_samples else rows

@@ -2,9 +2,11 @@
 summaries of new dialogues with a finished run's model. No references, no ROUGE: just outputs.
 
 Each input line is a JSON object holding the dialogue in the run's `data.dialogue_column`
-(`dialogue` unless the run set another); `-` reads the lines from stdin. Prompts are built as in
-training (the run's config.yaml: data.instruction, data.max_length — a longer dialogue is cut at its
-end — through data.prompt_pieces); generation is `ddptune eval`'s (generation.generate_all: greedy,
+(`dialogue` unless the run set another), or a row of another format (formats.py: the run's
+data.format, or the one the rows' keys name), whose turns up to the last user turn are the prompt;
+`-` reads the lines from stdin. Prompts are built as in training (the run's config.yaml:
+data.instruction, data.max_length — a longer dialogue is cut at its end, a conversation loses its
+earliest turns — through data.prompt_pieces or chat.prompt_ids); generation is `ddptune eval`'s (generation.generate_all: greedy,
 batched by eval.batch_size, at most eval.max_new_tokens, shared out over the processes). Rank 0
 writes one JSON line per input row, in input order: the row's own fields plus `prediction`, to
 --out or to stdout. Messages go to stderr, so stdout holds only the JSON lines.
@@ -17,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ddptune import checks, config as config_lib, launch, report, rundir, sources as source_lib
+from ddptune import checks, config as config_lib, formats, launch, report, rundir, sources as source_lib
 from ddptune.config import ConfigError
 
 
@@ -64,8 +66,7 @@ def checked(args) -> tuple:
 def main(args) -> int:
     run_dir = Path(args.run)
     cfg, source, out, overrides = checked(args)
-    column = cfg.data.dialogue_column
-    rows = read_rows(source, column)
+    rows, asked = read_rows(source, cfg.data)
 
     if args.nproc is not None and not launch.in_launched_process():
         path = source
@@ -80,14 +81,14 @@ def main(args) -> int:
             if source == "-":
                 os.unlink(path)
 
-    return predict(cfg, run_dir, rows, out)
+    return predict(cfg, run_dir, rows, asked, out)
 
 
-def predict(cfg, run_dir: Path, rows: list[dict], out: Path | None) -> int:
+def predict(cfg, run_dir: Path, rows: list[dict], asked: list[dict], out: Path | None) -> int:
     """Every process: load the run's model, generate its share of the summaries; rank 0 writes them."""
     from ddptune import dist, generation, model as model_lib
 
-    column, t = cfg.data.dialogue_column, cfg.train
+    t = cfg.train
     accelerator = dist.setup(t.precision)
     if not dist.validated_by_parent() and dist.in_launched_process():  # under torchrun or accelerate launch
         # rank 0 checks the model once; every process then fails with the same line (no traceback per rank)
@@ -96,8 +97,11 @@ def predict(cfg, run_dir: Path, rows: list[dict], out: Path | None) -> int:
     tokenizer = model_lib.load_tokenizer(cfg.model)
     with accelerator.main_process_first():
         net = model_lib.load_trained(run_dir, cfg.model, t.method, accelerator.device, t.precision, t.seed)
-    # no reference: the dialogue is cut (if too long) as for an empty summary
-    prompts = generation.prompt_ids([{"dialogue": r[column], "summary": ""} for r in rows], tokenizer, cfg.data)
+    # no reference: a dialogue is cut (if too long) as for an empty summary, a conversation's earliest turns
+    try:
+        prompts = generation.prompt_ids(asked, tokenizer, cfg.data)
+    except ConfigError as e:
+        raise ConfigError([f"--input: {e.problems[0]}"]) from None
     texts, gen_s = generation.generate_all(net, tokenizer, prompts, cfg, accelerator)
     if accelerator.is_main_process:
         lines = "".join(json.dumps({**r, "prediction": p}, ensure_ascii=False) + "\n" for r, p in zip(rows, texts))
@@ -112,9 +116,11 @@ def predict(cfg, run_dir: Path, rows: list[dict], out: Path | None) -> int:
     return 0
 
 
-def read_rows(source: str, column: str) -> list[dict]:
-    """The JSON-object rows of a .jsonl file or of stdin (`-`); ConfigError naming the first bad line."""
-    where = "--input"
+def read_rows(source: str, d) -> tuple[list[dict], list[dict]]:
+    """The JSON-object rows of a .jsonl file or of stdin (`-`), and each as generation takes it: a
+    dialogue (d.dialogue_column) or, in a chat format (formats.py; d.format, or named by the rows'
+    keys), the turns up to the last user turn. ConfigError naming the first bad line."""
+    where, column = "--input", d.dialogue_column
     if source == "-":
         text, name = sys.stdin.read(), "stdin"
     else:
@@ -126,20 +132,27 @@ def read_rows(source: str, column: str) -> list[dict]:
             text, name = path.read_text(encoding="utf-8"), source
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError([f"{where}: cannot read {source} ({type(e).__name__}) (give a UTF-8 JSON-lines file)"]) from None
-    rows = []
+    rows, numbers = [], []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            rows.append(json.loads(line))
         except ValueError as e:
             raise ConfigError([f"{where}: line {number} of {name} is not JSON ({getattr(e, 'msg', e)}) "
                                "(one JSON object per line)"]) from None
-        if not isinstance(row, dict) or not isinstance(row.get(column), str):
-            keys = ", ".join(sorted(row)) if isinstance(row, dict) else type(row).__name__
-            raise ConfigError([f"{where}: line {number} of {name} has no text field {column!r} (it has: {keys or 'nothing'}; "
-                               f"give each row a {column!r} string, or set data.dialogue_column=NAME)"])
-        rows.append(row)
+        numbers.append(number)
     if not rows:
         raise ConfigError([f"{where}: {name} holds no rows (give one JSON object per line, with a {column!r} field)"])
-    return rows
+    fmt = formats.detect(rows, d)
+    for number, row in zip(numbers, rows):
+        if fmt != "dialogue" and (problem := formats.problem(row, fmt, answer=False)):
+            raise ConfigError([f"{where}: line {number} of {name} ({fmt}): {problem}"])
+        if fmt == "dialogue" and (not isinstance(row, dict) or not isinstance(row.get(column), str)):
+            keys = ", ".join(sorted(row)) if isinstance(row, dict) else type(row).__name__
+            raise ConfigError([f"{where}: line {number} of {name} has no text field {column!r} (it has: {keys or 'nothing'}; "
+                               f"give each row a {column!r} string, set data.dialogue_column=NAME, or data.format to "
+                               "the rows' format)"])
+    if fmt == "dialogue":
+        return rows, [{"id": str(i), "dialogue": r[column], "summary": ""} for i, r in enumerate(rows)]
+    return rows, [formats.normalise(r, i, fmt, d) for i, r in enumerate(rows)]

@@ -136,31 +136,39 @@ def to_device(batch: dict, device: torch.device) -> dict:
 
 @torch.no_grad()
 @torch.compiler.set_stance("force_eager")  # padded batches without gradients: not what train.compile compiled
-def validation_loss(accelerator, net, examples: list[dict], micro: int, pad_id: int) -> float:
+def validation_loss(accelerator, net, examples: list[dict], micro: int, pad_id: int, by_source: dict | None = None) -> float:
     """Token-weighted loss over all validation examples: each process sums its share's token
     losses and counts, the sums are reduced, then divided (never an average of averages). Runs
     through the loss model, not the DDP wrapper: processes may run different numbers of batches.
     Sharded (FSDP), every forward gathers weights from all processes: each runs as many forwards as
-    the busiest one, the extra ones (on one validation example) counting nothing."""
+    the busiest one, the extra ones (on one validation example) counting nothing. Examples of several
+    sources (each naming its `"source"`) are batched source by source, and `by_source` gets each one's loss."""
     acc = accelerator
     was_training = net.training
     net.eval()
     world = acc.num_processes
-    mine = examples[acc.process_index::world]
-    chunks = [mine[i:i + micro] for i in range(0, len(mine), micro)]
-    rounds = math.ceil(math.ceil(len(examples) / world) / micro) if dist.sharded(net) else len(chunks)
-    loss_total = torch.zeros((), dtype=torch.float64, device=acc.device)  # summed on the device: no sync a batch
-    targets = 0  # counted on the host
+    names = list(dict.fromkeys(e.get("source") for e in examples))
+    groups = [[e for e in examples if e.get("source") == name] for name in names]
+    chunks = []  # (source index, the examples of one forward)
+    for j, group in enumerate(groups):
+        mine = group[acc.process_index::world]
+        chunks += [(j, mine[i:i + micro]) for i in range(0, len(mine), micro)]
+    rounds = sum(math.ceil(math.ceil(len(g) / world) / micro) for g in groups) if dist.sharded(net) else len(chunks)
+    loss_total = torch.zeros(len(groups), dtype=torch.float64, device=acc.device)  # summed on the device: no sync a batch
+    targets = [0] * len(groups)  # counted on the host
     for k in tqdm(range(rounds), desc="validation", unit="batch", disable=not acc.is_main_process, leave=False,
                   dynamic_ncols=True):
-        chunk = chunks[k] if k < len(chunks) else None
+        j, chunk = chunks[k] if k < len(chunks) else (0, None)
         batch = to_device(batches.collate(chunk or examples[:1], pad_id), acc.device)
         with acc.autocast():
             loss = net(**batch, num_items=1).double()
         if chunk:
-            loss_total += loss
-            targets += batches.target_tokens(chunk)
+            loss_total[j] += loss
+            targets[j] += batches.target_tokens(chunk)
     net.train(was_training)
-    sums = torch.stack([loss_total, torch.tensor(float(targets), dtype=torch.float64, device=acc.device)])
+    sums = torch.cat([loss_total, torch.tensor(targets, dtype=torch.float64, device=acc.device)])
     sums = acc.reduce(sums, "sum")
-    return (sums[0] / sums[1]).item()
+    losses, counts = sums[:len(groups)], sums[len(groups):]
+    if by_source is not None and len(groups) > 1:
+        by_source.update({name: (loss / count).item() for name, loss, count in zip(names, losses, counts)})
+    return (losses.sum() / counts.sum()).item()

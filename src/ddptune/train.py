@@ -107,15 +107,16 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     t0 = time.perf_counter()
     with checks.loading(cfg.model, "tokenizer"):  # a hub that cannot be reached: one line, not a traceback
         tokenizer = model_lib.load_tokenizer(cfg.model)
-    with acc.main_process_first():  # the main process tokenizes, the others read its cache
-        train_set, val_set = data.load(cfg.data, tokenizer, out / "cache", progress=acc.is_main_process)
-    acc.print(f"ddptune: data ready in {time.perf_counter() - t0:.1f}s; loading {cfg.model.source} ...")
-    if cfg.data.train.startswith("hub:") and (problems := checks.rows_problems(len(train_set), plan)):
-        raise ConfigError(problems)  # file data was counted by checks.validate
+    # the main process tokenizes and checks every row (a refusal stops every process), the others read its cache
+    notes = dist.on_main(acc, lambda: data.prepare(cfg.data, tokenizer, out / "cache", progress=True))
+    train_set, val_set = data.load(cfg.data, tokenizer, out / "cache")
+    acc.print("\n".join(f"ddptune: {line}" for line in [*notes, f"data ready in {time.perf_counter() - t0:.1f}s; "
+                                                           f"loading {cfg.model.source} ..."]))
+    if problems := checks.rows_problems(len(train_set), plan):  # hub data, or rows dropped as too long
+        raise ConfigError(problems)
     total = cfg.train.max_steps or max(1, math.floor(cfg.train.epochs * len(train_set) / plan.global_batch))
-    if cfg.train.profile_steps and total < config_lib.PROFILE_AFTER + cfg.train.profile_steps:
-        raise ConfigError([f"train.profile_steps: {cfg.train.profile_steps} steps after the first {config_lib.PROFILE_AFTER} "
-                           f"do not fit a run of {total} steps (profile fewer steps or train longer)"])
+    if problems := checks.profile_problems(cfg.train, total):
+        raise ConfigError(problems)
     t1 = time.perf_counter()
     with acc.main_process_first(), checks.loading(cfg.model, "model"):  # a preset checkpoint or hub download is made once
         base = model_lib.load_model(cfg.model, cfg.train.method, acc.device, cfg.train.precision, cfg.train.seed,
@@ -125,11 +126,11 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     stream = batches.Stream(train_set, [flops.sample(len(e["input_ids"]), batches.target_tokens([e])) for e in train_set],
                             [batches.target_tokens([e]) for e in train_set], plan.global_batch, world, cfg.train.seed,
                             cfg.train.packing, cfg.train.micro_batch_size, cfg.train.tokens_per_forward, cfg.data.max_length,
-                            lockstep=cfg.train.strategy == "fsdp")
+                            lockstep=cfg.train.strategy == "fsdp", mix=data.mixture(cfg.data, train_set))
     first = checkpoint.newest_step(out / "checkpoints") if resume else 0
     chosen = dist.on_main(acc, lambda: speed_lib.decide(cfg, acc.device.type == "cuda", shape, world, free,
                                                         speed_lib.Work.of(stream, min(first, total), total),
-                                                        metrics.matrix_tflops(acc.device), interconnect(acc), dist.one_machine()))
+                                                        metrics.matrix_tflops(acc.device), comm.link(acc.device, world), dist.one_machine()))
     model = build_model(cfg, base, chosen, acc.device)
     acc.print(f"ddptune: model loaded in {time.perf_counter() - t1:.1f}s")
     r = prepare(cfg, plan, acc, out, tokenizer, train_set, val_set, model, stream, chosen, flops, total)
@@ -172,11 +173,6 @@ def free_gib(cfg: Config, acc: Accelerator) -> float | None:
     if problems := dist.on_main(acc, lambda: checks.memory_problems(cfg, acc.num_processes, free)):
         raise ConfigError(problems)
     return free
-
-
-def interconnect(acc: Accelerator) -> str:
-    """How this machine's GPUs are linked (NVLink, PCIe), where there are several processes on GPUs."""
-    return comm.interconnect(comm.topology()) if acc.device.type == "cuda" and acc.num_processes > 1 else ""
 
 
 def build_model(cfg: Config, base, chosen: speed_lib.Speed, device: torch.device):
@@ -346,9 +342,11 @@ class Loop:
             self.read_pending()
         if validate:
             t0 = time.perf_counter()
-            val = step_lib.validation_loss(r.accelerator, r.loss_model, r.val_set, t.micro_batch_size, r.tokenizer.pad_token_id)
+            val = step_lib.validation_loss(r.accelerator, r.loss_model, r.val_set, t.micro_batch_size, r.tokenizer.pad_token_id,
+                                           each := {})
             r.times["eval_s"] += time.perf_counter() - t0
-            self.progress.line({"step": done, "val_loss": val}, f"step {done}: val_loss {val:.4f}")
+            self.progress.line({"step": done, "val_loss": val, **{f"val_loss/{k}": v for k, v in each.items()}},
+                               f"step {done}: val_loss {val:.4f}" + "".join(f", {k} {v:.4f}" for k, v in each.items()))
         if save:
             seconds = saving.save_checkpoint(r, done)
             self.progress.say(self.saves.note(done, seconds, [row["step_time_s"] for row in self.history]))
@@ -412,11 +410,13 @@ def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
     val_loss = None  # no validation set: null in summary.json (NaN is not JSON)
     t0 = time.perf_counter()
     if r.val_set:
-        val_loss = step_lib.validation_loss(acc, r.loss_model, r.val_set, cfg.train.micro_batch_size, r.tokenizer.pad_token_id)
+        val_loss = step_lib.validation_loss(acc, r.loss_model, r.val_set, cfg.train.micro_batch_size, r.tokenizer.pad_token_id,
+                                            each := {})
         if acc.is_main_process:
+            row = {"step": r.total_steps, "val_loss": val_loss, **{f"val_loss/{k}": v for k, v in each.items()}}
             with open(out / "metrics.jsonl", "a") as f:
-                f.write(json.dumps({"step": r.total_steps, "val_loss": val_loss}) + "\n")
-            r.trackers.log({"step": r.total_steps, "val_loss": val_loss})
+                f.write(json.dumps(row) + "\n")
+            r.trackers.log(row)
     r.times["eval_s"] += time.perf_counter() - t0
     sharded = dist.sharded(r.loss_model)  # FSDP: each process holds a part, there are no replicas to compare
     fingerprints = None if sharded else dist.gather(model_lib.weights_fingerprint(r.model))

@@ -1,0 +1,128 @@
+"""Row formats: which one a source holds, each row's problem, and rows normalised to dialogues or conversations.
+
+Formats (data.format; `auto` names one from the first rows' keys, dialogue when none match):
+- dialogue: a dialogue and a summary column, put in a prompt around data.instruction (data.py);
+- prompt_completion: `prompt` and `completion` text;
+- messages: `messages`, a list of {role, content}, roles system (first only), user and assistant;
+- alpaca: `instruction`, an optional `input` and `output` (and an optional `system`);
+- sharegpt: `conversations`, a list of {from, value}, from system, human or gpt.
+Every format but dialogue becomes a conversation, {"id", "messages"} of system, user and assistant
+turns (chat.py renders them); a dialogue row stays {"id", "dialogue", "summary"}. Rows for
+generation (`answer=False`: predict's input) need no assistant turn.
+"""
+from __future__ import annotations
+
+FORMATS = ("dialogue", "prompt_completion", "messages", "alpaca", "sharegpt")
+ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+TOOLS = ("tool", "function", "ipython", "observation", "function_call", "tool_call")
+AUTO_ROWS = 8  # data.format=auto reads the keys of this many first rows
+KINDS = {bool: "true/false", int: "a number", float: "a number", list: "a list", dict: "an object", type(None): "null"}
+
+
+def keys_of(fmt: str, d) -> tuple[str, ...]:
+    """The keys a row of `fmt` must hold (`d`: the DataConfig, for the dialogue columns)."""
+    return {"dialogue": (d.dialogue_column, d.summary_column), "prompt_completion": ("prompt", "completion"),
+            "messages": ("messages",), "alpaca": ("instruction", "output"), "sharegpt": ("conversations",)}[fmt]
+
+
+def detect(rows: list, d, fmt: str | None = None) -> str:
+    """The format of a source's rows: `fmt` (or data.format) unless auto; else the first format whose
+    keys every one of the first rows holds (dialogue first, so what ran before runs as before), dialogue when none."""
+    fmt = fmt or d.format
+    if fmt != "auto":
+        return fmt
+    first = rows[:AUTO_ROWS]
+    if first and all(isinstance(r, dict) for r in first):
+        for name in FORMATS:
+            if all(set(keys_of(name, d)) <= r.keys() for r in first):
+                return name
+    return "dialogue"
+
+
+def kind(value) -> str:
+    """What a JSON value is, in words, shown briefly."""
+    shown = repr(value)
+    return f"{KINDS.get(type(value), type(value).__name__)} ({shown if len(shown) <= 40 else shown[:37] + '...'})"
+
+
+def turns_of(row: dict, fmt: str) -> tuple[list | None, str | None]:
+    """(the row's turns as [role, content, original] triples, None) or (None, what is wrong)."""
+    if fmt == "prompt_completion":
+        return [["user", row.get("prompt"), "prompt"], ["assistant", row.get("completion"), "completion"]], None
+    if fmt == "alpaca":
+        instruction, extra = row.get("instruction"), row.get("input") or ""
+        if not isinstance(extra, str):
+            return None, f"'input' holds {kind(extra)}, not text (write it as a string)"
+        user = f"{instruction}\n\n{extra}" if isinstance(instruction, str) and instruction and extra else instruction
+        system = [["system", row["system"], "system"]] if row.get("system") else []
+        return system + [["user", user, "instruction"], ["assistant", row.get("output"), "output"]], None
+    key, role_key, text_key = ("messages", "role", "content") if fmt == "messages" else ("conversations", "from", "value")
+    if key not in row:
+        return None, f"has no {key!r} (it has: {', '.join(sorted(map(str, row))) or 'nothing'}; set data.format to its format)"
+    turns = row[key]
+    if not isinstance(turns, list) or not turns:
+        return None, f"{key!r} holds {kind(turns)}, not a list of turns"
+    out = []
+    for n, m in enumerate(turns):
+        if not isinstance(m, dict):
+            return None, f"turn {n} is {kind(m)}, not an object of {role_key} and {text_key}"
+        role = m.get(role_key, m.get("role"))
+        text = m.get(text_key, m.get("content"))
+        if role is None:
+            return None, f"turn {n} has no {role_key!r} (give every turn one: {', '.join(ROLES if fmt == 'messages' else ('system', 'human', 'gpt'))})"
+        if role in TOOLS or (isinstance(m.get("tool_calls"), list) and m["tool_calls"]):
+            return None, f"turn {n} is a tool turn ({role!r}): tool calls are not trained yet (remove those turns)"
+        mapped = role if fmt == "messages" and role in ROLES else SHAREGPT_ROLES.get(role) if fmt == "sharegpt" else None
+        if mapped is None:
+            known = ", ".join(ROLES if fmt == "messages" else SHAREGPT_ROLES)
+            return None, f"turn {n} has the unknown {role_key} {role!r} (use {known})"
+        out.append([mapped, text, f"turn {n}"])
+    return out, None
+
+
+def problem(row, fmt: str, answer: bool = True) -> str | None:
+    """What is wrong with one row of a chat format, or None (data.column_problem checks dialogue rows).
+    `answer`: the row must hold what is trained (an assistant turn, a completion, an output); predict's need not."""
+    if not isinstance(row, dict):
+        return f"is {KINDS.get(type(row), type(row).__name__)}, not an object of fields"
+    turns, wrong = turns_of(row, fmt)
+    if wrong:
+        return wrong
+    if not answer:
+        turns = [t for t in turns if t[0] != "assistant" or t[1] is not None]
+    for role, text, where in turns:
+        if not isinstance(text, str):
+            missing = text is None and where in ("prompt", "completion", "instruction", "output")
+            return (f"has no text {where!r}" if missing else f"{where} holds {kind(text)}, not text") + " (write it as a string)"
+        if not text.strip():
+            return f"{where} is empty (give every turn its text, or remove the turn)"
+    roles = [t[0] for t in turns]
+    if "system" in roles[1:]:
+        return f"{turns[roles.index('system', 1)][2]} is a system turn after the first (only the first turn may be one)"
+    spoken = [r for r in roles if r != "system"]
+    if not spoken or spoken[0] != "user":
+        return "starts with an assistant turn (the first turn after any system one must be the user's)" if spoken \
+            else "has no user turn"
+    if answer and "assistant" not in roles:
+        return "has no assistant turn (nothing to train on or score: end it with the assistant's reply)"
+    return None
+
+
+def normalise(row: dict, i: int, fmt: str, d) -> dict:
+    """A checked row (`problem` found nothing) as {"id", "dialogue", "summary"} or {"id", "messages"}."""
+    ident = str(row.get("id", i))
+    if fmt == "dialogue":
+        return {"id": ident, "dialogue": row[d.dialogue_column], "summary": row.get(d.summary_column, "")}
+    turns, _ = turns_of(row, fmt)
+    return {"id": ident, "messages": [{"role": r, "content": t} for r, t, _ in turns if isinstance(t, str)]}
+
+
+def context_and_answer(messages: list[dict]) -> tuple[list[dict], str | None]:
+    """(the turns before the last assistant turn, that turn's text): a reference and what leads to it;
+    without an assistant turn, (the turns up to the last user turn, None): what predict prompts with."""
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    if last is None:
+        end = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        return messages[:end + 1], None
+    return messages[:last], messages[last]["content"]
