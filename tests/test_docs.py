@@ -41,3 +41,25 @@ def test_the_check_sees_the_words_it_forbids():
     for line in ("subprocess.Popen(cmd, start_new_session=True)", '@pytest.fixture(scope="session")',
                  "torchrun runs in a session of its own"):
         assert not WORDS.search(ALLOWED.sub("", line)), line
+
+
+def test_the_readme_is_read_in_ten_minutes():
+    """At most 250 lines; what comes before the quick start is a few lines with at most 5 figures; the
+    sections come in the order a newcomer needs them."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    intro = text[:text.index("\n## Quick start\n")]
+    assert len(intro.splitlines()) <= 7 and len(re.findall(r"\d+(?:[.,]\d+)*\s*(?:%|×|x\b|GiB|s\b)", intro)) <= 5
+    titles = re.findall(r"^## (.+)$", text, re.M)
+    assert titles[:3] == ["Quick start", "Results at a glance", "Using it"] and titles[-3:] == [
+        "Config reference", "How it is built", "Licence"]
+    table = text[text.index("## Results at a glance"):text.index("## Using it")]
+    rows = [line for line in table.splitlines() if line.startswith("| [")]
+    assert 0 < len(rows) <= 6 and all("BENCHMARKS.md#" in line for line in rows)
+
+
+def test_config_docstrings_say_what_a_knob_does_in_a_few_lines():
+    from ddptune import configref
+
+    long = {r["key"]: len(r["doc"]) for r in configref.reference() if len(r["doc"]) > 300}
+    assert long == {}
