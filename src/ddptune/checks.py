@@ -182,7 +182,7 @@ def data_file_problems(d: config_lib.DataConfig) -> list[str]:
     """A data path that is there but no regular file: a FIFO (reading it would wait for a writer), a
     folder, a symlink loop or one to nothing (a path that is not there at all: data.check says so)."""
     problems = []
-    for field, source in (("data.train", d.train), ("data.val", d.val)):
+    for field, source in ((s.field, s.source) for split in ("train", "val") for s in data_lib.sources(d, split)):
         if source and source != "demo" and not source.startswith("hub:") and os.path.lexists(source) and not Path(source).is_file():
             problems.append(f"{field}: {source} {config_lib.not_a_file(Path(source))} (give a .json/.jsonl file, `demo`, or hub:ID)")
     return problems
@@ -222,12 +222,12 @@ def profile_problems(t, total: int) -> list[str]:
 def template_problems(cfg: Config) -> list[str]:
     """Chat data: every conversation's loss mask through the tokenizer's chat template (data.template_problems),
     when the tokenizer is here to read (a hub one is checked as the run tokenizes)."""
-    from ddptune import model as model_lib  # (the model's code: only once the light checks have passed)
-
     m = cfg.model
     if not (Path(m.tokenizer).is_dir() if m.tokenizer else sources.resolve_source(m).kind != "hub") \
             or not data_lib.chat_sources(cfg.data):
         return []
+    from ddptune import model as model_lib  # (the model's code: only once the light checks have passed)
+
     return data_lib.template_problems(cfg.data, model_lib.load_tokenizer(m))
 
 
