@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import math
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -214,13 +215,24 @@ def _train(args) -> int:
     # lock's release and say what the run saved, instead of dying silently with the lock left behind
     with launch.stops_raise():
         try:
-            return _start(cfg, args, nproc)
-        except launch.Stopped as e:
-            from ddptune import rundir
+            try:
+                return _start(cfg, args, nproc)
+            except Exception:
+                # a worker whose peer left on the same stop: its collective fails before its own handler ran
+                if launch.in_launched_process() and launch.received is not None:
+                    return _stopped(cfg, launch.received)
+                raise
+        except launch.Stopped as e:  # (also one that the handler raises while the error above is handled)
+            return _stopped(cfg, e.signum)
 
-            if launch.is_main_process():
-                print(f"ddptune: stopped by {e}; {rundir.saved_line(Path(cfg.output_dir), cfg.train.method)}", file=sys.stderr)
-            return 128 + e.signum
+
+def _stopped(cfg, signum: int) -> int:
+    from ddptune import rundir
+
+    if launch.is_main_process():
+        print(f"ddptune: stopped by {signal.Signals(signum).name}; "
+              f"{rundir.saved_line(Path(cfg.output_dir), cfg.train.method)}", file=sys.stderr)
+    return 128 + signum
 
 
 def _start(cfg, args, nproc: int) -> int:

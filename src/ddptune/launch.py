@@ -28,15 +28,21 @@ VALIDATED = "DDPTUNE_VALIDATED"  # set by `torchrun` below: the parent process h
 RUN = "DDPTUNE_RUN"  # set by `torchrun` for training: its output_dir, what a killed worker's line reports on
 
 
-class Stopped(Exception):
-    """SIGINT or SIGTERM reached this process outside the training loop (which catches them itself)."""
+class Stopped(BaseException):
+    """SIGINT or SIGTERM reached this process outside the training loop (which catches them itself).
+    A BaseException, as KeyboardInterrupt is: code that turns its errors into one line lets it pass."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
 
+received: int | None = None  # the stop signal this process got, once it got one
+
+
 def _stop(signum, _frame) -> None:
+    global received
+    received = signum
     raise Stopped(signum)
 
 
