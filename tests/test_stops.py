@@ -1,9 +1,11 @@
 """Stops at the edges of a run, and what is left after them: a stop before the first step says
 that nothing was saved and releases the lock, and a plain re-run (or --resume auto) starts the run;
 a failure after validation leaves a folder a plain re-run accepts; a kill in the final save keeps
-the run's figures; --resume auto starts, continues or starts again what it finds."""
+the run's figures; --resume auto starts, continues or starts again what it finds; a stop that
+lands as the run ends keeps the run's exit code."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -76,6 +78,36 @@ def test_a_stop_of_the_launcher_while_its_processes_load_says_nothing_was_saved(
     assert "nothing was saved (run the same command again to start the run)" in err, err[-3000:]
     assert "newest checkpoint" not in err and "Traceback" not in err, err[-3000:]
     assert not os.path.lexists(out / lock.NAME) and rundir.untrained(out)
+
+
+def test_a_stop_as_the_run_ends_keeps_its_code_and_a_worker_whose_peer_left_on_a_stop_reports_the_stop(
+        tmp_path, monkeypatch):
+    """The signal lands in the handler's context manager as the block ends (after the run failed with 1);
+    then, in a launched worker that got SIGTERM, a collective's error from the peer that left on it."""
+    @contextlib.contextmanager
+    def stop_on_exit():
+        yield
+        raise launch.Stopped(signal.SIGTERM)
+
+    monkeypatch.setattr(launch, "stops_raise", stop_on_exit)
+    monkeypatch.setattr(cli, "_start", lambda *a: 1)
+    assert cli.main(_train(tmp_path / "a")) == 1
+    monkeypatch.undo()
+
+    def peer_left(*a):
+        launch.received = signal.SIGTERM
+        raise RuntimeError("Connection closed by peer")
+
+    monkeypatch.setattr(cli, "_start", peer_left)
+    monkeypatch.setattr(launch, "received", None)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert cli.main(_train(tmp_path / "b")) == 128 + signal.SIGTERM
+    monkeypatch.delenv("LOCAL_RANK")  # outside a launched process the same error is the error it is
+    monkeypatch.setattr(launch, "received", None)
+    with pytest.raises(RuntimeError):
+        cli.main(_train(tmp_path / "c"))
 
 
 def test_a_run_that_fails_after_validation_leaves_a_folder_a_plain_rerun_accepts(tmp_path, capsys):

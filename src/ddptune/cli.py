@@ -213,17 +213,20 @@ def _train(args) -> int:
         raise ConfigError(problems)
     # SIGINT or SIGTERM outside the training loop (which stops after a saved step): end through the
     # lock's release and say what the run saved, instead of dying silently with the lock left behind
-    with launch.stops_raise():
-        try:
+    code = None
+    try:
+        with launch.stops_raise():
             try:
-                return _start(cfg, args, nproc)
+                code = _start(cfg, args, nproc)
             except Exception:
                 # a worker whose peer left on the same stop: its collective fails before its own handler ran
-                if launch.in_launched_process() and launch.received is not None:
-                    return _stopped(cfg, launch.received)
-                raise
-        except launch.Stopped as e:  # (also one that the handler raises while the error above is handled)
-            return _stopped(cfg, e.signum)
+                if not (launch.in_launched_process() and launch.received is not None):
+                    raise
+                code = _stopped(cfg, launch.received)
+    except launch.Stopped as e:  # raised anywhere in the block, also while an error above is handled
+        if code is None:  # (one that comes as the block ends, after the run ended, leaves the run's outcome)
+            code = _stopped(cfg, e.signum)
+    return code
 
 
 def _stopped(cfg, signum: int) -> int:
