@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from ddptune import cli, config, data, dist, launch, runlog, scale
+from ddptune import cli, config, dist, launch, runlog, scale
 
 TINY = ROOT / "configs" / "tiny.yaml"
 TRAIN = ["train", "{cfg}", "output_dir={out}"]
@@ -420,8 +420,6 @@ def test_bad_input_gives_one_line_exit_2_and_changes_nothing(argv, expected, tmp
 def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
     """A kill mid-write leaves half a line in metrics.jsonl: --resume keeps the whole lines up to
     its checkpoint and drops the torn one instead of failing on it."""
-    from ddptune import metrics
-
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n{"step": 3, "loss": 3.0}\n{"step": 4, "lo')
     writer = runlog.JsonlWriter(path, keep_until_step=2)

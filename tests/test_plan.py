@@ -9,7 +9,7 @@ import json
 import pytest
 
 from conftest import ROOT, SHARED_DATA
-from ddptune import checks, cli, config, data, memory, plan
+from ddptune import checks, cli, config, memory, plan
 
 CONFIG_8B = str(ROOT / "configs" / "samsum_qlora_llama31_8b.yaml")  # the tutorial's job
 
