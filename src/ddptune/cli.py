@@ -160,6 +160,12 @@ def _main(argv: list[str] | None) -> int:
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "scale":  # what needs only the arguments and the config: answered before torch
+            from ddptune import scaling
+
+            scaling.parse_counts(args.nproc)
+            if problems := config_lib.check_values(config_lib.load(args.config, list(args.overrides))):
+                raise ConfigError(problems)
         import importlib
 
         module, function = COMMANDS[args.command]

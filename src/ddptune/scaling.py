@@ -24,7 +24,7 @@ import math
 import statistics
 from pathlib import Path
 
-from ddptune import batchplan, comm, metrics
+from ddptune import batchplan  # (comm and metrics import torch: only where used, so --nproc is parsed without it)
 from ddptune.batchplan import BatchPlan
 from ddptune.config import ConfigError
 
@@ -55,6 +55,8 @@ def parse_counts(text: str) -> list[int]:
 
 def parse_sizes(text: str) -> list[int]:
     """All-reduce sizes to time; "none" times none (no bandwidth, so no predictions)."""
+    from ddptune import comm
+
     if text.strip().lower() == "none":
         return []
     try:
@@ -125,6 +127,8 @@ def measure(folder: Path, plan: BatchPlan, window: tuple[int, int], host_cpu: di
 def timing(times: list[float], tokens: int, samples: int, nproc: int, ranks: list[dict]) -> dict:
     """A run's figures over the steps of the window: their step `times`, the real `tokens` and
     `samples` they trained on, and their ranks.jsonl lines (each step split into its parts)."""
+    from ddptune import metrics
+
     seconds = sum(times)
     split = metrics.split(ranks)
     median = statistics.median(times)
