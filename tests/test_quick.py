@@ -65,7 +65,8 @@ def _refusals(tmp_path) -> list[list[str]]:
             ["train", TINY, f"output_dir={done}", "--resume"], ["train", TINY, out, "--gpu-memory", "nan"],
             ["plan", TINY, "--gpu-memory", "inf"], ["eval", str(tmp_path / "nowhere")], ["eval", str(done)],
             ["predict", str(done), "-"], ["export", str(done), str(tmp_path / "out")], ["compare", str(done)],
-            ["scale", TINY, "--nproc", "1,,2"], ["scale", TINY, "train.lr=fast", "--nproc", "1,2"]]
+            ["scale", TINY, "--nproc", "1,,2"], ["scale", TINY, "train.lr=fast", "--nproc", "1,2"],
+            ["data", TINY, f"data.train={tmp_path / 'none.jsonl'}"], ["data", TINY, "--show", "-1"]]
 
 
 def test_no_refusal_imports_torch_or_transformers(tmp_path):

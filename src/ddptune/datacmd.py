@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import time
 
-from ddptune import checks, config as config_lib, data, formats, model as model_lib, report
+from ddptune import checks, config as config_lib, data, formats, report, sources
 from ddptune.config import ConfigError
 from ddptune.tokens import IGNORE
 
@@ -26,12 +26,12 @@ def main(args) -> int:
     problems = config_lib.check_values(cfg)
     if args.show < 0:
         problems.append(f"--show: must be 0 or more (got {args.show})")
-    try:
-        model_lib.resolve_source(cfg.model)
-    except ValueError as e:
-        problems.append(f"model.source: {e}")
-    if problems := problems or checks.jsonl_problems(cfg.data) or data.check(cfg.data)[0]:
+    problems += sources.source_problems(cfg.model)
+    if problems := problems or checks.data_file_problems(cfg.data) or checks.jsonl_problems(cfg.data) \
+            or data.check(cfg.data)[0]:
         raise ConfigError(problems)
+    from ddptune import model as model_lib  # (torch and transformers: only once the checks above hold)
+
     started = time.perf_counter()
     tokenizer = model_lib.load_tokenizer(cfg.model)
     loaded = time.perf_counter()
