@@ -11,7 +11,7 @@ from conftest import ROOT
 
 RESULTS = ROOT / "benchmarks" / "results"
 # a raw file's name as the documents write it: the device kind first (h200..., h200x2...)
-CITED = re.compile(r"\bh200[\w.{},+-]*?\.(?:jsonl|json|txt|png|log|csv)\b")
+CITED = re.compile(r"\b(?:h200|cpu_)[\w.{},+-]*?\.(?:jsonl|json|txt|png|log|csv)\b")
 
 
 def expand(name: str) -> list[str]:

@@ -1,0 +1,68 @@
+"""The built-in default run (configs/demo.yaml) timed whole, for one or more checkouts, in turn.
+
+    python benchmarks/cpu_demo.py --out benchmarks/results/cpu_demo_DATE.json [--repeat 2] [TREE ...]
+
+Each TREE (default: this checkout) runs `python -m ddptune train configs/demo.yaml` with its own
+src/ on PYTHONPATH and this interpreter, so that two commits are compared on the same machine, the
+same packages and the same data. The runs alternate between the trees (a, b, a, b) so that a
+machine that slows down over time weighs on both alike. Recorded per run: the wall time of the
+whole command (imports, load, training, evaluation, saving) and the run's own summary.json figures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KEEP = ("load_time_s", "train_time_s", "eval_time_s", "wall_time_s", "median_step_time_s", "final_loss", "val_loss",
+        "rouge", "steps", "tokens_per_s_per_gpu")
+
+
+def commit(tree: Path) -> str:
+    return subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def run_once(tree: Path, out: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(tree / "src"), HF_HUB_OFFLINE="1")
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "ddptune", "train", "configs/demo.yaml", f"output_dir={out}"],
+                          cwd=tree, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"{tree}: exit {proc.returncode}\n{proc.stderr[-2000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    return {"command_wall_s": round(wall, 2), **{k: summary[k] for k in KEEP if k in summary}}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("trees", nargs="*", type=Path, default=[ROOT])
+    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in range(args.repeat):
+            for i, tree in enumerate(args.trees):
+                row = {"tree": str(tree), "commit": commit(tree), "repeat": k,
+                       **run_once(tree.resolve(), Path(tmp) / f"run-{k}-{i}")}
+                print(json.dumps(row), flush=True)
+                runs.append(row)
+    result = {"command": " ".join(["python", "benchmarks/cpu_demo.py", *sys.argv[1:]]),
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpus": os.cpu_count(),
+              "machine": platform.processor() or platform.machine(), "python": platform.python_version(), "runs": runs}
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
