@@ -34,14 +34,9 @@ def validate(cfg: Config, world_size: int, resume: bool = False, overwrite: bool
         if importlib.util.find_spec(cfg.train.log_with) is None:  # the tracker's package, found without importing it
             problems.append(f"train.log_with: {cfg.train.log_with} is not installed (pip install {cfg.train.log_with}) "
                             "or use train.log_with=none")
-    problems += sources.source_problems(cfg.model)
-    n_train = None
-    problems += data_file_problems(cfg.data)
+    problems, n_train = input_problems(cfg, problems)
     if not problems:
-        problems += jsonl_problems(cfg.data)
-    if not problems:
-        data_problems, n_train = data_lib.check(cfg.data)
-        problems += data_problems or template_problems(cfg)
+        problems += template_problems(cfg)
     if output:
         problems += output_problems(cfg, resume, world_size, overwrite)
     plan = None
@@ -56,6 +51,16 @@ def validate(cfg: Config, world_size: int, resume: bool = False, overwrite: bool
     if problems:
         raise ConfigError(problems)
     return plan
+
+
+def input_problems(cfg: Config, problems: list[str]) -> tuple[list[str], int | None]:
+    """`problems` found so far, then the model source and tokenizer and the data paths, then (where
+    nothing is wrong yet) the data's rows and columns: what a run and `ddptune data` check before
+    tokenizing. Returns them with the number of training rows (None where they were not read)."""
+    problems = problems + sources.source_problems(cfg.model) + data_file_problems(cfg.data)
+    if problems or (problems := jsonl_problems(cfg.data)):
+        return problems, None
+    return data_lib.check(cfg.data)
 
 
 def code_problems(cfg: Config) -> list[str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import time
 
-from ddptune import checks, config as config_lib, data, formats, report, sources
+from ddptune import checks, config as config_lib, data, formats, report
 from ddptune.config import ConfigError
 from ddptune.tokens import IGNORE
 
@@ -26,9 +26,7 @@ def main(args) -> int:
     problems = config_lib.check_values(cfg)
     if args.show < 0:
         problems.append(f"--show: must be 0 or more (got {args.show})")
-    problems += sources.source_problems(cfg.model)
-    if problems := problems or checks.data_file_problems(cfg.data) or checks.jsonl_problems(cfg.data) \
-            or data.check(cfg.data)[0]:
+    if problems := checks.input_problems(cfg, problems)[0]:
         raise ConfigError(problems)
     from ddptune import model as model_lib  # (torch and transformers: only once the checks above hold)
 

@@ -37,7 +37,7 @@ class Stopped(BaseException):
         self.signum = signum
 
 
-received: int | None = None  # the stop signal this process got, once it got one
+received: int | None = None  # the stop signal this process got inside stops_raise, once it got one
 
 
 def _stop(signum, _frame) -> None:
@@ -53,6 +53,8 @@ def stops_raise():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    global received
+    received = None
     old = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
