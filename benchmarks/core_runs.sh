@@ -3,6 +3,7 @@
 #   bash benchmarks/core_runs.sh qlora-1b   # QLoRA, Llama-3.2-1B shape, gradient checkpointing, torchrun + NCCL (world size 1)
 #   bash benchmarks/core_runs.sh smollm2    # LoRA on real SmolLM2-135M-Instruct weights (GGUF at $SMOLLM2),
 #                                           # SAMSum validation rows 0-699, ROUGE on rows 700-817, zero-shot vs fine-tuned
+#   NAME=smollm2_nographs DDPTUNE_SPEED=graphs=off bash benchmarks/core_runs.sh smollm2   # the same, CUDA graphs forced off
 # Needs: .devdata/samsum_validation.json (copy of ../shared/data), .tok/smollm2 (tokenizer for the presets).
 # Copies each run's raw files to $OUT/<name>/.
 set -euo pipefail
@@ -28,8 +29,8 @@ smollm2)
     data.val=$DATA data.val_rows=700:818 data.max_length=512 train.max_steps=null train.epochs=2 \
     train.micro_batch_size=8 train.effective_batch_size=16 train.lr=5e-4 train.warmup_steps=5 train.val_every=22 \
     train.packing=true eval.max_samples=null eval.max_new_tokens=64 eval.batch_size=32 \
-    output_dir=/tmp/runs/smollm2 --nproc 1 2>&1 | tr '\r' '\n' | grep -v '^train:' | tee "$OUT/smollm2.log"
-  keep smollm2 /tmp/runs/smollm2
+    output_dir="/tmp/runs/${NAME:-smollm2}" --nproc 1 2>&1 | tr '\r' '\n' | grep -v '^train:' | tee "$OUT/${NAME:-smollm2}.log"
+  keep "${NAME:-smollm2}" "/tmp/runs/${NAME:-smollm2}"
   ;;
 *) echo "usage: $0 qlora-1b|smollm2" >&2; exit 2 ;;
 esac

@@ -33,7 +33,8 @@
 #                     DDP over 2 GPUs and one process, with `ddptune plan` for each; benchmarks/train_runs.py puts the
 #                     losses, step times and peak memory per GPU against the plan in h200x2_llama31_8b_qlora_fsdp_ddp_n1.json.
 #                     FSDP first: a checkout whose config checks refuse FSDP-QLoRA stops the part before any run.
-#                     About 5 min.
+#                     About 5 min. One GPU is enough with FSDP_RUNS="fsdp:1 ddp:1 ddp:1:dequantize=false" (FSDP and DDP
+#                     at one process, the last with the 4-bit base FSDP keeps) and FSDP_NAME for the file's name.
 #   gpu-tests         pytest tests/test_gpu.py with both GPUs visible: h200x2_test_gpu.txt and h200x2_test_gpu.xml
 #                     (JUnit). About 2 min.
 # Together: one machine, four device commands back to back (each within the 30 s a machine stays warm), about
@@ -143,26 +144,25 @@ smollm2_scale() {  # NAME [overrides...]: SmolLM2's real weights, scale at 1 and
     --out "$dir" 2>&1 | quiet | drop '^ddptune:' | tail -30
 }
 
-fsdp_qlora_8b() {  # FSDP over 2 GPUs against DDP over 2 and one process, the same 16 samples a step, the same stream
-  local dir
+fsdp_qlora_8b() {  # FSDP against DDP, the same 16 samples a step, the same stream; FSDP_RUNS lists STRATEGY:PROCESSES[:SPEED]
+  # (SPEED: a DDPTUNE_SPEED for that run), default "fsdp:2 ddp:2 ddp:1"; on one GPU FSDP_RUNS="fsdp:1 ddp:1 ddp:1:dequantize=false"
+  local dir runs=() failed=0 first=1 s n speed name
   dir=$(mktemp -d /tmp/fsdp-qlora-XXXX)
   local job=("${QLORA_8B[@]}" train.effective_batch_size=16 train.grad_accum=null train.max_steps="${FSDP_STEPS:-30}"
              train.save_every=0)
-  if ! python3 -m ddptune plan "${job[@]}" train.strategy=fsdp --gpus 2 --json "$dir/plan_fsdp_n2.json" | tail -3; then
-    echo "fsdp-qlora-8b: this checkout does not run train.strategy=fsdp with train.method=qlora (ddptune's line says why)"
-    return 3
-  fi
-  python3 -m ddptune plan "${job[@]}" --gpus 2 --json "$dir/plan_ddp_n2.json" | tail -1
-  python3 -m ddptune plan "${job[@]}" --gpus 1 --json "$dir/plan_n1.json" | tail -1
-  local runs=() failed=0
-  for run in fsdp:2 ddp:2 ddp:1; do
-    local s=${run%:*} n=${run#*:} name=${run%:*}_n${run#*:}
-    [ "$name" = ddp_n1 ] && name=n1
-    python3 -m ddptune train "${job[@]}" train.strategy="$s" output_dir="$dir/$name" --nproc "$n" 2>&1 | quiet | tail -3 \
-      || failed=1  # the others still run; train_runs.py lists a run that did not finish
+  for run in ${FSDP_RUNS:-fsdp:2 ddp:2 ddp:1}; do
+    IFS=: read -r s n speed <<< "$run"
+    name=${s}_n$n${speed:+_${speed//[=,]/_}}
+    if ! python3 -m ddptune plan "${job[@]}" train.strategy="$s" --gpus "$n" --json "$dir/plan_$name.json" | tail -1; then
+      # FSDP first: a checkout whose config checks refuse FSDP-QLoRA stops the part before any run
+      [ "$first" = 1 ] && { echo "fsdp-qlora-8b: this checkout does not run $run (ddptune's line says why)"; return 3; }
+    fi
+    first=0
+    DDPTUNE_SPEED=$speed python3 -m ddptune train "${job[@]}" train.strategy="$s" output_dir="$dir/$name" --nproc "$n" 2>&1 \
+      | quiet | tail -3 || failed=1  # the others still run; train_runs.py lists a run that did not finish
     runs+=("$name=$dir/$name:$dir/plan_$name.json")
   done
-  python3 benchmarks/train_runs.py --warmup 5 --out "$OUT/h200x2_llama31_8b_qlora_fsdp_ddp_n1.json" "${runs[@]}"
+  python3 benchmarks/train_runs.py --warmup 5 --out "$OUT/${FSDP_NAME:-h200x2_llama31_8b_qlora_fsdp_ddp_n1}.json" "${runs[@]}"
   return $failed
 }
 
