@@ -36,7 +36,13 @@ SPEED_RUNS = [
     ("h200_lever_varlen_compile_adamw.json", "ddptune"),
     ("h200_lever_varlen_compile_adamw.json", "ddptune_lora_bf16"),
     ("h200_lever_varlen_adamw.json", "ddptune"),
+    ("h200_llama31_8b_qlora_recipe_shipped_2026-12-01.json", "shipped", "adamw"),
+    ("h200_smollm2_135m_shape_lora_defaults_2026-12-01.json", "shipped", "adamw"),  # the whole step recorded
 ]
+# benchmarks/train_runs.py files: `ddptune train` of the 8B config at 16 samples a step on SAMSum rows 0-699
+# (scaling_x2.sh fsdp-qlora-8b), the speed decider's choices in each run's `speed`
+TRAIN_RUNS = ["h200_llama31_8b_qlora_fsdp_ddp_n1_2026-12-01.json"]
+REAL_RUNS = ["h200_smollm2_135m_lora_real_defaults_2026-12-01.json"]
 # (file, row, ranks file): `ddptune scale` on nvidia-h200-x2 with configs/samsum_qlora_llama31_8b.yaml
 SCALE_RUNS = [
     ("h200x2_llama31_8b_qlora_same-per-device.json", 0, "h200x2_llama31_8b_qlora_scale_ranks_n1.jsonl"),
@@ -75,12 +81,20 @@ def examples(rows: str, max_length: int = 512) -> tuple[tuple[int, int], ...]:
     return tuple((len(e["input_ids"]), batches.target_tokens([e])) for e in data.tokenize(data.load_split(d.train, rows, d), tok, d))
 
 
-def largest_forward(rows: str, per_step: int, steps: int, tokens_per_forward: int | None, micro: int | None = None) -> tuple[int, int]:
+def largest_forward(rows: str, per_step: int, steps: int, tokens_per_forward: int | None, micro: int | None = None,
+                    lengths: int = 0) -> tuple[int, int]:
     """(tokens, targets) of the largest forward of a one-process run: packed rows (first fit,
-    longest first, as batches.pack), or padded micro-batches of similar lengths (as batches.Stream.layout)."""
+    longest first, as batches.pack), or padded micro-batches of similar lengths (as batches.Stream.layout).
+    With CUDA graphs at `lengths` padded lengths, the packed rows are padded as graphs.py pads them: the
+    largest forward is the longest padded length, with the most targets of any row."""
     from ddptune import batches
 
     ex = examples(rows)
+    if lengths:
+        sizes = [(sum(len(e["input_ids"]) for e in g), sum(e["targets"] for e in g)) for step in range(steps)
+                 for g in batches.pack([{"input_ids": range(ex[i][0]), "targets": ex[i][1]}
+                                        for i in batches.step_samples(len(ex), per_step, step, 0)], tokens_per_forward)]
+        return max(batches.pad_lengths([n for n, _ in sizes], lengths, batches.GRAPH_PAD)), max(t for _, t in sizes)
     best = (0, 0)
     for step in range(steps):
         items = [{"input_ids": range(ex[i][0]), "targets": ex[i][1]} for i in batches.step_samples(len(ex), per_step, step, 0)]
@@ -113,16 +127,41 @@ def measured_runs() -> list[dict]:
         run, extra = doc[key], _overrides(doc["command"])
         over = dict(o.split("=", 1) for o in run["overrides"] if not o.startswith("env:")) | extra
         method = over.get("train.method", _flag(doc["command"], "--method", "qlora"))
+        speed = run.get("speed") or {}
+        graphs = speed.get("graphs", "off") != "off"
         tokens, targets = largest_forward(_flag(doc["command"], "--rows", "0:818"), run["samples_per_step"], doc["steps"],
-                                          int(over.get("train.tokens_per_forward", 8192)))
+                                          int(over.get("train.tokens_per_forward", 8192)), lengths=speed.get("lengths", 0))
         runs.append({"name": f"{file.removesuffix('.json')} / {key}", "file": file, "date": doc["date"],
                      "device": doc["device"], "preset": doc["preset"], "method": method,
                      "optimizer": over.get("train.optimizer", optimizer[0] if optimizer else SPEED_RUN_OPTIMIZER),
                      "checkpointing": run["gradient_checkpointing"],
                      "compiled": run.get("compiled", over.get("train.compile") == "true"),
                      "gpus": 1, "samples_per_step": run["samples_per_step"], "tokens": tokens, "targets": targets,
-                     "dequantized": over.get("train.dequantize_base") == "true" or "dequantize=true" in str(run["overrides"]),
+                     "dequantized": over.get("train.dequantize_base") == "true" or "dequantize=true" in str(run["overrides"])
+                     or bool(speed.get("dequantize")), "graphs": graphs,
                      "measured_gib": run["peak_mem_gib"]})
+    for file in REAL_RUNS:  # SmolLM2-135M-Instruct's real weights: benchmarks/core_runs.sh smollm2 (rows 0-699)
+        doc = json.loads((RESULTS / file).read_text())
+        run, speed = doc["summary"], doc["summary"]["speed"]
+        tokens, targets = largest_forward(f"0:{run['train_rows']}", run["global_batch"], run["steps"], 8192,
+                                          lengths=speed["lengths"])
+        runs.append({"name": file.removesuffix(".json"), "file": file, "date": doc["date"], "device": doc["device"],
+                     "preset": "smollm2-135m", "method": run["method"], "optimizer": "adamw",
+                     "checkpointing": speed["checkpointing"], "compiled": speed["compiled"], "gpus": run["world_size"],
+                     "samples_per_step": run["global_batch"], "tokens": tokens, "targets": targets,
+                     "graphs": speed["graphs"] != "off", "measured_gib": run["peak_mem_gib"]})
+    for file in TRAIN_RUNS:
+        doc = json.loads((RESULTS / file).read_text())
+        for run in doc["runs"]:
+            speed = run["speed"]
+            tokens, targets = largest_forward("0:700", run["per_process"], run["steps"], 8192)
+            runs.append({"name": f"{file.removesuffix('.json')} / {run['name']}", "file": file, "date": file[-15:-5],
+                         "device": "NVIDIA H200 (nvidia-h200)", "preset": "llama-3.1-8b", "method": run["method"],
+                         "optimizer": "adamw", "checkpointing": speed["checkpointing"], "compiled": speed["compiled"],
+                         "gpus": run["world_size"], "fsdp": run["strategy"] == "fsdp",
+                         "shards": run["world_size"] if run["strategy"] == "fsdp" else 1,
+                         "samples_per_step": run["global_batch"], "tokens": tokens, "targets": targets,
+                         "dequantized": speed["dequantize"], "measured_gib": max(run["peak_mem_gib_per_process"])})
     config = yaml_config()
     for file, index, ranks_file in SCALE_RUNS:
         doc = json.loads((RESULTS / file).read_text())
@@ -168,7 +207,8 @@ def predict(run: dict) -> float:
 
     shape = memory.shape_of(model_lib.preset_config(run["preset"], "sdpa"))
     job = memory.Job(run["method"], run["optimizer"], run["checkpointing"], run["tokens"], run["targets"], run["compiled"],
-                   shards=run.get("shards", 1), processes=run["gpus"], dequantized=run.get("dequantized", False))
+                   shards=run.get("shards", 1), processes=run["gpus"], dequantized=run.get("dequantized", False),
+                   fsdp=run.get("fsdp", run.get("shards", 1) > 1), graphs=run.get("graphs", False))
     return memory.estimate(shape, job)["allocated"] / memory.GIB
 
 

@@ -33,6 +33,8 @@ def test_prediction_inside_the_stated_band_of_every_measured_peak():
     assert {r["file"] for r in runs} >= {"h200_llama31_8b_qlora_v2.json", "h200_llama31_8b_lora_bf16.json"}
     assert any(r["checkpointing"] for r in runs) and any(not r["checkpointing"] for r in runs)
     assert any(r["dequantized"] for r in runs if "dequantized" in r)  # a QLoRA base kept dequantized
+    assert any(r.get("graphs") for r in runs)  # CUDA graphs' pool counted (the whole step recorded)
+    assert any(r.get("fsdp") and r["method"] == "qlora" for r in runs)  # FSDP over a 4-bit base
     misses = []
     for r in runs:
         predicted = check.predict(r)
