@@ -219,6 +219,9 @@ def main() -> int:
         for run, key in (("ddptune", "speedup"), ("ddptune_gc", "speedup_gc")):
             if run in result:
                 result[key] = result[run]["real_tok_s_per_gpu"] / r["real_tok_s_per_gpu"]
+    # every ddptune run's real tok/s against every recipe run of this call (bf16 LoRA is a different job)
+    result["tok_s_against"] = {ref: {n: result[n]["real_tok_s_per_gpu"] / result[ref]["real_tok_s_per_gpu"] for n, _ in named}
+                               for ref in variants}
     out.write_text(json.dumps(result, indent=2))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], out.name).write_text(json.dumps(result, indent=2))
