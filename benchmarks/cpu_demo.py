@@ -7,6 +7,8 @@ src/ on PYTHONPATH and this interpreter, so that two commits are compared on the
 same packages and the same data. The runs alternate between the trees (a, b, a, b) so that a
 machine that slows down over time weighs on both alike. Recorded per run: the wall time of the
 whole command (imports, load, training, evaluation, saving) and the run's own summary.json figures.
+`--cache fresh` gives every run an empty DDPTUNE_CACHE (a first run on a new machine: the GGUF is
+converted); `--cache warm` (the default) shares one cache across the runs, which the first fills.
 """
 from __future__ import annotations
 
@@ -31,8 +33,8 @@ def commit(tree: Path) -> str:
                           check=True).stdout.strip()
 
 
-def run_once(tree: Path, out: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(tree / "src"), HF_HUB_OFFLINE="1")
+def run_once(tree: Path, out: Path, cache: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(tree / "src"), HF_HUB_OFFLINE="1", DDPTUNE_CACHE=str(cache))
     started = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "ddptune", "train", "configs/demo.yaml", f"output_dir={out}"],
                           cwd=tree, env=env, capture_output=True, text=True)
@@ -48,13 +50,15 @@ def main() -> int:
     p.add_argument("trees", nargs="*", type=Path, default=[ROOT])
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--cache", choices=["warm", "fresh"], default="warm")
     args = p.parse_args()
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(args.repeat):
             for i, tree in enumerate(args.trees):
-                row = {"tree": str(tree), "commit": commit(tree), "repeat": k,
-                       **run_once(tree.resolve(), Path(tmp) / f"run-{k}-{i}")}
+                cache = Path(tmp) / (f"cache-{k}-{i}" if args.cache == "fresh" else "cache")
+                row = {"tree": str(tree), "commit": commit(tree), "repeat": k, "cache": args.cache,
+                       **run_once(tree.resolve(), Path(tmp) / f"run-{k}-{i}", cache)}
                 print(json.dumps(row), flush=True)
                 runs.append(row)
     result = {"command": " ".join(["python", "benchmarks/cpu_demo.py", *sys.argv[1:]]),

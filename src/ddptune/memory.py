@@ -30,7 +30,7 @@ weight) and keeps each layer's quantization state (absmax) whole on every GPU; i
 are codes too, dequantized one matrix at a time as without FSDP. Each process first loads the whole
 model onto its GPU (`load_gib`): a sharded way fits only where that load fits too.
 The constants were calibrated against the peaks measured on an H200 (BENCHMARKS.md, "plan against
-measured peaks"; tests/test_plan.py keeps them within 15 %).
+measured peaks"; tests/test_plan.py keeps every one within PLAN_UNDER under to PLAN_OVER over).
 Pure functions of a config and a shape: nothing here loads weights or knows about processes.
 """
 from __future__ import annotations
@@ -129,6 +129,8 @@ def model_shape(cfg: Config) -> Shape:
         return shape_of(model_lib.preset_config(src.path, "sdpa"))
     from transformers import AutoConfig
 
+    if src.kind == "gguf" and (folder := model_lib.gguf_folder(src, "model", build=False)):
+        return shape_of(AutoConfig.from_pretrained(folder))  # converted before: no GGUF header to parse
     return shape_of(AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file, revision=cfg.model.revision,
                                                trust_remote_code=cfg.model.trust_remote_code))
 

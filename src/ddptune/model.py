@@ -79,6 +79,8 @@ def load_tokenizer(m: ModelConfig):
         tok = AutoTokenizer.from_pretrained(m.tokenizer, trust_remote_code=m.trust_remote_code)
     elif src.kind == "preset":
         tok = byte_tokenizer()
+    elif src.kind == "gguf":
+        tok = AutoTokenizer.from_pretrained(gguf_folder(src, "tokenizer"))
     else:
         tok = AutoTokenizer.from_pretrained(
             src.path, gguf_file=src.gguf_file, revision=m.revision, trust_remote_code=m.trust_remote_code
@@ -126,21 +128,71 @@ def preset_folder(name: str, seed: int, cache_dir: str | os.PathLike | None = No
     QLoRA loads from such a folder, so random presets quantize through the same
     `from_pretrained(quantization_config=...)` path as real models. Written atomically.
     """
-    root = Path(cache_dir or os.environ.get("DDPTUNE_CACHE", Path.home() / ".cache" / "ddptune"))
-    folder = root / "presets" / f"{name}-seed{seed}"
+    folder = cache_root(cache_dir) / "presets" / f"{name}-seed{seed}"
     if (folder / "config.json").exists():
         return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    model = build_preset(name, seed, torch.bfloat16, device)
+
+    def write(tmp: Path) -> None:
+        build_preset(name, seed, torch.bfloat16, device).save_pretrained(tmp)
+        if device.type == "cuda":  # built on the GPU: leave the run's peak memory to the run (a first run read 15 GiB for 8 of training)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+
+    return _written_once(folder, write)
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    return Path(cache_dir or os.environ.get("DDPTUNE_CACHE", Path.home() / ".cache" / "ddptune"))
+
+
+def _written_once(folder: Path, write) -> Path:
+    """`write(tmp)` fills a temporary folder beside `folder`, which is then renamed into place: a
+    reader never sees half a folder, and where another process got there first its folder stays."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
-    model.save_pretrained(tmp)
-    del model
-    if device.type == "cuda":  # built on the GPU: leave the run's peak memory to the run (a first run read 15 GiB for 8 of training)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    os.replace(tmp, folder) if not folder.exists() else shutil.rmtree(tmp)
+    try:
+        write(tmp)
+        if not folder.exists():
+            os.replace(tmp, folder)
+    except OSError:
+        if not folder.is_dir():  # not a lost race: a real failure (disk full, no permission)
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def gguf_folder(src, part: str, cache_dir: str | os.PathLike | None = None, build: bool = True) -> Path | None:
+    """A GGUF file's `part` ("model": config and fp32 weights; "tokenizer") as a plain transformers
+    folder, converted once into the cache. Loading a GGUF parses its metadata again for the config, the
+    weights and the tokenizer (3 s each for SmolLM2's 49k-token vocabulary on a 2-core CPU) and
+    dequantizes every tensor: 18 s there, against about a second for the folder. The values are the
+    dequantized ones either way. Keyed by the file's path, size and time and the transformers
+    version. `build=False`: the folder if it exists, else None."""
+    import transformers
+
+    path = (Path(src.path) / src.gguf_file).resolve()
+    st = path.stat()
+    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}".encode()).hexdigest()[:16]
+    folder = cache_root(cache_dir) / "gguf" / f"{path.stem}-{key}" / part
+    if (folder / ("config.json" if part == "model" else "tokenizer_config.json")).is_file() or not build:
+        return folder if folder.is_dir() else None
+
+    def write(tmp: Path) -> None:
+        if part == "tokenizer":
+            AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
+            return
+        from safetensors.torch import save_model
+
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        save_model(model, str(tmp / "model.safetensors"))  # tied weights once, as save_pretrained keeps them
+        model.generation_config.save_pretrained(tmp)
+        if hasattr(model.config, "quantization_config"):  # the GGUF loader's; the weights saved are plain values
+            del model.config.quantization_config
+        model.config.save_pretrained(tmp)  # last: a folder with config.json is complete
+
+    return _written_once(folder, write)
 
 
 def load_model(m: ModelConfig, method: str, device: torch.device, precision: str, seed: int,
@@ -173,10 +225,10 @@ def load_model(m: ModelConfig, method: str, device: torch.device, precision: str
             model = build_preset(src.path, seed, dtype, device, m.attn_implementation)
         else:
             model = AutoModelForCausalLM.from_pretrained(preset_folder(src.path, seed, cache_dir), **kwargs)
+    elif src.kind == "gguf":
+        model = AutoModelForCausalLM.from_pretrained(gguf_folder(src, "model", cache_dir), **kwargs)
     else:
-        model = AutoModelForCausalLM.from_pretrained(
-            src.path, gguf_file=src.gguf_file, revision=m.revision, **kwargs
-        )
+        model = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, revision=m.revision, **kwargs)
     model.config.use_cache = False
     return model
 
