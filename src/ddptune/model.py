@@ -13,7 +13,6 @@ import hashlib
 import logging
 import os
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
 from ddptune.attention import register_attention
+from ddptune.checkpoint import atomic_dir
 from ddptune.config import LoraConfig, ModelConfig
 from ddptune.rundir import trained_weights_dir  # noqa: F401 - model.trained_weights_dir, for its callers
 from ddptune.sources import PRESETS, resolve_source  # noqa: F401 - model.resolve_source, for its callers
@@ -149,8 +149,7 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
 def _written_once(folder: Path, write) -> Path:
     """`write(tmp)` fills a temporary folder beside `folder`, which is then renamed into place: a
     reader never sees half a folder, and where another process got there first its folder stays."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+    tmp = atomic_dir(folder)
     try:
         write(tmp)
         if not folder.exists():
