@@ -25,10 +25,13 @@ The time model, per process and step (constants measured on an H200, 16-core hos
 - a step is the larger of the two. With the whole step recorded the host issues nothing, so a
   step is the GPU's time over the padded rows (SmolLM2 shape: 26-27 ms measured); layer graphs
   leave `HOST_S_PER_LAYER_GRAPHED` a layer.
-- set-up: each padded length beyond the first is one more compile (`COMPILE_S`) and every length
-  a recording (`RECORD_S`), plus DDP's warm-up steps; a run too short to pay that back, such as the
-  CPU demo or a 15-step run, records nothing. (Measured: the SmolLM2 shape's 5 step shapes at one
-  length were compiled and recorded in 27.4 s; 8B QLoRA's 4 lengths of layer graphs in 60 s.)
+- set-up, measured cold (an empty compiler cache, a user's first run) on an H200: compiled layers
+  without graphs compile for changing shapes in the first step (`DYNAMIC_COMPILE_S`: SmolLM2-135M
+  75.4 s, 8B QLoRA with checkpointing 74 s, without 88-103 s); with graphs each padded length is
+  compiled for its static shapes and recorded instead (`LENGTH_S`: SmolLM2's 4 step shapes at one
+  length in 21.7 s, 8B's 5 in 21.7 s), plus DDP's warm-up steps. So one recorded length starts
+  sooner than the plain path, and more lengths pay only over longer runs; eager layers (the CPU)
+  have no set-up. (8B, checkpointing, 30 steps: 42.0 s end to end recorded, 96.6 s not.)
 Gradient checkpointing costs one more forward (FLOPs, launches and dequantization), so it is
 chosen only where the run would not fit without it. A dequantized base costs 2 bytes a weight
 instead of about 0.5; with checkpointing and graphs it measured 15 % slower a step, so it is not
@@ -63,9 +66,8 @@ DEQUANT_BYTES_S = 2.2e12      # bytes a second the 4-bit dequantization writes a
 HOST_S_PER_LAYER = 5.0e-3     # host time to issue one compiled layer's forward and backward
 HOST_S_PER_LAYER_GRAPHED = 0.5e-3
 HOST_S_PER_4BIT_MATMUL = 0.3e-3
-COMPILE_S = 15.0              # one more static-shape compile of the layers
-RECORD_S = 10.0               # the first length's compile and recording beyond the plain path's own compile (an
-                              # estimate: SmolLM2's shape took 27.4 s, its static compile included, on an H200)
+DYNAMIC_COMPILE_S = 75.0      # compiled layers without graphs: the first step's compile for changing shapes
+LENGTH_S = 22.0               # with graphs: one padded length's static-shape compile and recording
 GRAPH_COUNTS = (1, 2, 4)      # padded lengths tried
 FORCE_ENV = "DDPTUNE_SPEED"
 FORCE_KEYS = {"graphs": ("off", "layers", "step"), "lengths": int, "checkpointing": bool, "dequantize": bool,
@@ -160,7 +162,7 @@ def decide(cfg: Config, cuda: bool, shape: memory.Shape, world: int, free_gib: f
     compiled = force.get("compile", t.compile is True or (t.compile == "auto" and cuda))
     options = candidates(cfg, cuda, compiled, force)
     rate = (matrix_tflops or FALLBACK_TFLOPS) * 1e12 * RATE_SHARE
-    costed = [(o, memory_gib(cfg, shape, world, o, work, compiled), *time_s(cfg, shape, o, work, rate)) for o in options]
+    costed = [(o, memory_gib(cfg, shape, world, o, work, compiled), *time_s(cfg, shape, o, work, rate, compiled)) for o in options]
     budget = None if free_gib is None else free_gib * (1 - MARGIN)
     fitting = [c for c in costed if budget is None or c[1] <= budget]
     best = min(fitting, key=lambda c: (c[2] * work.steps + c[3], c[1])) if fitting else min(costed, key=lambda c: c[1])
@@ -234,9 +236,10 @@ def memory_gib(cfg: Config, shape: memory.Shape, world: int, o: Option, work: Wo
     return memory.estimate(shape, job)["total"] / memory.GIB
 
 
-def time_s(cfg: Config, shape: memory.Shape, o: Option, work: Work, rate: float) -> tuple[float, float]:
-    """(seconds a step, seconds of set-up beyond plain compiled layers) of option `o`: the model of
-    the module docstring."""
+def time_s(cfg: Config, shape: memory.Shape, o: Option, work: Work, rate: float,
+           compiled: bool = True) -> tuple[float, float]:
+    """(seconds a step, seconds of set-up: compiling and recording) of option `o`, with layers
+    `compiled` or not: the model of the module docstring."""
     t = cfg.train
     passes = 3 if o.checkpointing else 2  # forward, backward, and the forward checkpointing repeats
     per_weight = 2 * passes + (2 if t.method == "full" else 0)
@@ -256,9 +259,10 @@ def time_s(cfg: Config, shape: memory.Shape, o: Option, work: Work, rate: float)
     else:
         host = launches * HOST_S_PER_LAYER_GRAPHED if o.graphs == "layers" else 0.0
     step = max(gpu, host)
-    setup = 0.0
     if o.graphs != "off":
-        setup = (o.lengths - 1) * COMPILE_S + o.lengths * RECORD_S + (DDP_WARMUP * gpu if o.graphs == "step" else 0.0)
+        setup = o.lengths * LENGTH_S + (DDP_WARMUP * gpu if o.graphs == "step" else 0.0)
+    else:
+        setup = DYNAMIC_COMPILE_S if compiled else 0.0
     return step, setup
 
 
@@ -330,15 +334,17 @@ def graphs_reason(cfg: Config, cuda: bool, compiled: bool, choice: Option, best:
     on = [c for c in fitting if c[0].graphs != "off"]
     if choice.graphs != "off":
         vs = (f" against {min(c[2] for c in off):.3g} s without" if off else "")
+        start = (f" against {min(c[3] for c in off):.0f} s to compile for changing shapes" if off else "")
         return (f"{what[choice.graphs]}, {choice.lengths} padded length{'s' if choice.lengths > 1 else ''} (an estimated "
-                f"{best[2]:.3g} s a step{vs}; about {best[3]:.0f} s to record, over the run's {work.steps} steps)")
+                f"{best[2]:.3g} s a step{vs}; about {best[3]:.0f} s to compile and record{start}; over the run's "
+                f"{work.steps} steps)")
     if not on:
         return "off (with them the run would not fit the free memory)"
     alt = min(on, key=lambda c: c[2] * work.steps + c[3])
     if alt[2] >= best[2]:
         return f"off (the step is bound by the GPU, not the host: an estimated {best[2]:.3g} s a step either way)"
-    return (f"off (recording would take about {alt[3]:.0f} s and save {(best[2] - alt[2]) * work.steps:.0f} s over the "
-            f"run's {work.steps} steps)")
+    return (f"off (over the run's {work.steps} steps: an estimated {best[2] * work.steps + best[3]:.0f} s without, "
+            f"against {alt[2] * work.steps + alt[3]:.0f} s with them, {alt[3]:.0f} s of it compiling and recording)")
 
 
 def bucket(cfg: Config, shape: memory.Shape, world: int, cuda: bool, link: str, one_machine: bool,
