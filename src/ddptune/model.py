@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import hashlib
 import logging
 import os
@@ -235,7 +236,9 @@ def load_model(m: ModelConfig, method: str, device: torch.device, precision: str
 def dequantize_base(model, precision: str, device: torch.device):
     """A QLoRA base with its NF4 weights turned into plain linears of the compute dtype: the values
     bitsandbytes dequantizes in every pass and computes with, kept (2 bytes a weight instead of
-    about 0.5). transformers' `dequantize`, without its notice of the dtype chosen here."""
+    about 0.5). transformers' `dequantize`, without its notice of the dtype chosen here. The 4-bit
+    modules it replaces sit in reference cycles: collected here, their codes are freed now instead of
+    whenever Python's collector comes round (8B: 3.4 GiB of the GPU)."""
     import transformers
 
     level = transformers.logging.get_verbosity()
@@ -244,6 +247,7 @@ def dequantize_base(model, precision: str, device: torch.device):
         return model.dequantize(dtype=compute_dtype(precision, device))
     finally:
         transformers.logging.set_verbosity(level)
+        gc.collect()
 
 
 def compile_layers(model, cuda_graphs: bool = False, static: bool = False) -> None:

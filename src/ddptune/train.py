@@ -254,8 +254,9 @@ def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
             for step in range(r.start, r.total_steps):
                 loop.launched(first_step(r, step) if step == r.start else train_step(r, step))  # the previous step is read meanwhile
                 profiler.step()
-                if step == r.start:
-                    gc.freeze()  # the model, data and compiled graphs live all run: never scan them again
+                if step == r.start:  # the model, data and compiled graphs live all run: never scan them again,
+                    gc.collect()     # once what is already garbage is gone (frozen, cycles would live all run)
+                    gc.freeze()
                 if step % GC_EVERY == 0:
                     gc.collect(1)
                 loop.between_steps(step + 1)
