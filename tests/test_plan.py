@@ -33,7 +33,8 @@ def test_prediction_inside_the_stated_band_of_every_measured_peak():
     assert {r["file"] for r in runs} >= {"h200_llama31_8b_qlora_v2.json", "h200_llama31_8b_lora_bf16.json"}
     assert any(r["checkpointing"] for r in runs) and any(not r["checkpointing"] for r in runs)
     assert any(r["dequantized"] for r in runs if "dequantized" in r)  # a QLoRA base kept dequantized
-    assert any(r.get("graphs") for r in runs)  # CUDA graphs' pool counted (the whole step recorded)
+    assert any(r.get("graphs") == "step" and not r["checkpointing"] for r in runs)  # CUDA graphs' pool counted
+    assert any(r.get("graphs") == "step" and r["checkpointing"] for r in runs)  # ... recorded with checkpointing
     assert any(r.get("fsdp") and r["method"] == "qlora" for r in runs)  # FSDP over a 4-bit base
     misses = []
     for r in runs:
@@ -213,11 +214,24 @@ def test_qlora_with_room_is_told_its_base_fits_dequantized_and_that_costs_lora_s
     shape = memory.model_shape(cfg)
     roomy, tight = memory.plan(cfg, shape, gpus=2, gpu_gib=139.8), memory.plan(cfg, shape, gpus=2, gpu_gib=20)
     lora = memory.plan(config.load(CONFIG_8B, ["train.method=lora"]), shape, gpus=2, gpu_gib=139.8)["options"][0]
-    # LoRA's bf16 weights, with the 4-bit ones still allocated beside them
-    extra = shape.matrix_params * memory.NF4_BYTES / memory.GIB * (1 + memory.ALLOCATOR_SLACK)
-    assert roomy["dequantized_base_gib"] == pytest.approx(lora["total"] + extra, rel=1e-6)
+    # LoRA's bf16 weights: the 4-bit codes are freed once the base is dequantized
+    assert roomy["dequantized_base_gib"] == pytest.approx(lora["total"], rel=1e-6)
     assert roomy["dequantized_base_gib"] > roomy["options"][0]["total"] + 9 and "faster: the base fits dequantized" in plan.table(roomy)
     assert tight["dequantized_base_gib"] is None and "faster" not in plan.table(tight)
+
+
+def test_a_dequantized_base_peaks_while_it_is_dequantized_where_training_needs_less():
+    """While the base is dequantized its bf16 weights and the 4-bit codes live side by side; with
+    checkpointing and short rows training needs less than that (8B on an H200: 18.8 GiB measured,
+    18.3 of it that moment)."""
+    shape = memory.model_shape(config.load(CONFIG_8B, []))
+    small = memory.job_of(config.load(CONFIG_8B, ["train.gradient_checkpointing=true"]), 1, tokens=256, targets=64)
+    dq = dataclasses.replace(small, dequantized=True)
+    both = shape.params * 2 + shape.matrix_params * memory.NF4_BYTES
+    assert memory.estimate(shape, dq)["allocated"] == pytest.approx(both)
+    assert memory.estimate(shape, dataclasses.replace(small, method="lora"))["allocated"] < both - 2 * memory.GIB
+    big = dataclasses.replace(dq, tokens=8192, targets=2048, checkpointing=False)
+    assert memory.estimate(shape, big)["allocated"] > both  # training's own peak, the codes gone
 
 
 def test_fsdp_is_refused_when_the_whole_model_cannot_load_onto_one_gpu():

@@ -6,7 +6,8 @@ Six terms, in bytes per GPU (`estimate`):
 - weights: NF4 with double quantization for QLoRA's decoder matrices (`NF4_BYTES` a weight: 4 bits
   plus an 8-bit absmax per 64 weights plus an fp32 absmax per 256 of those); embeddings, norms and
   head stay bf16 in LoRA and QLoRA (`model.add_adapters`); bf16 everything in LoRA (and in QLoRA with
-  a dequantized base: the NF4-rounded weights kept in bf16, the 4-bit ones still allocated); full fine-tuning
+  a dequantized base: the NF4-rounded weights kept in bf16; while it is dequantized, the 4-bit ones are
+  still allocated beside them, a peak of its own: `load_peak`); full fine-tuning
   keeps fp32 master weights, and autocast's bf16 copies of the matrices live until backward uses them:
   all of them without checkpointing, the head's and one layer's (the one recomputing) with it.
 - adapters: LoRA's r·(d_in + d_out) per adapted projection, in fp32 (peft upcasts them).
@@ -17,9 +18,10 @@ Six terms, in bytes per GPU (`estimate`):
 - activations: what one forward of `tokens` tokens keeps for its backward (`activation_bytes`),
   the output head at the `targets` positions only, and the backward's working set.
 - graphs: with CUDA graphs, the recorded graphs' memory pool: `GRAPH_POOL` of the activations a
-  forward would keep without checkpointing, and `GRAPH_POOL_CHECKPOINTED` more with checkpointing
-  (the recorded recomputation keeps its buffers). Measured on an H200, 8B QLoRA, 4 lengths: +1.2 GiB
-  on 34.9 without checkpointing, +10.8 GiB on 8.2 with it.
+  forward would keep without checkpointing, and with checkpointing under layer graphs
+  `GRAPH_POOL_CHECKPOINTED` more (each recorded recomputation keeps its buffers: 8B QLoRA, 4 lengths,
+  +10.8 GiB on 8.2 measured on an H200). The whole step recorded with checkpointing measured no such
+  pool (8B: 18.8 GiB, against 21.2 unrecorded, which then still held the 4-bit codes).
 Then the CUDA context and the caching allocator's slack (`CUDA_CONTEXT_GIB`, `ALLOCATOR_SLACK`),
 which torch's max_memory_allocated does not count but the GPU must hold.
 
@@ -52,6 +54,7 @@ ALLOCATOR_SLACK = 0.08    # reserved but not allocated (the recipe's run: 13.71 
 PLAN_OVER, PLAN_UNDER = 0.08, 0.04
 COMPILED_ACTIVATIONS = 0.85  # compiled decoder layers keep this share of the eager layers' saved tensors
 GRAPH_POOL, GRAPH_POOL_CHECKPOINTED = 0.05, 0.35  # the graphs' pool, as shares of the uncheckpointed activations
+GRAPH_SCOPES = ("off", "layers", "step")
 CHECKPOINT_WORKING = 1.0  # layers' worth of saved tensors alive at once while checkpointed layers recompute
 TARGET_SHARE = 0.25       # without data, summaries are assumed at most this share of a forward's tokens
 DEFAULT_GPU_GIB = 139.8   # one H200 as torch reports it (used when there is no GPU here and no --gpu-memory)
@@ -154,7 +157,7 @@ class Job:
     shards: int = 1               # FSDP full shard over this many GPUs; 1: every GPU holds everything
     processes: int = 1            # processes in the group (DDP's reducer exists from 2)
     dequantized: bool = False     # qlora: the base kept in bf16 after quantizing (the speed decider's choice)
-    graphs: bool = False          # CUDA graphs recorded (layers or the whole step)
+    graphs: str = "off"           # CUDA graphs recorded: off, layers or step (the whole step)
     fsdp: bool = False            # sharded by FSDP, also with one shard (it gathers each unit into a copy)
 
 
@@ -190,6 +193,14 @@ def activation_bytes(s: Shape, job: Job) -> float:
     return saved + head
 
 
+def load_peak(s: Shape, job: Job) -> float:
+    """Bytes held while a QLoRA base is dequantized, before training: its bf16 weights and the 4-bit
+    codes they replace, freed once the whole model is done (model.dequantize_base); 0 otherwise."""
+    if job.method != "qlora" or not job.dequantized:
+        return 0.0
+    return s.params * 2 + s.matrix_params * NF4_BYTES
+
+
 def estimate(s: Shape, job: Job) -> dict:
     """Bytes per GPU of each term, `allocated` (what torch.cuda.max_memory_allocated would read)
     and `total` (with the CUDA context and the allocator's slack: what the GPU must hold)."""
@@ -201,8 +212,6 @@ def estimate(s: Shape, job: Job) -> dict:
         weights += 2 * max(a * b for a, b in (f(s) for f in PROJECTIONS.values()))  # one matrix dequantized at a time
     elif job.method in ("lora", "qlora"):  # qlora dequantized: bf16 weights as LoRA's
         weights = s.params * 2 / n
-        if job.method == "qlora":  # and the 4-bit weights stay allocated beside them (8B on an H200: +13.0 GiB, not +9.5)
-            weights += s.matrix_params * NF4_BYTES
     elif not sharding:  # fp32 master weights; autocast's bf16 copies are saved for backward: every matrix's, or
         # with checkpointing only the head's and the recomputing layer's (8B on one H200: 119.8 GiB
         # measured, 119.6 of it weights, gradients and AdamW; every copy would have added 15 GiB)
@@ -221,10 +230,10 @@ def estimate(s: Shape, job: Job) -> dict:
     optimizer = trained * (8 if job.optimizer == "adamw" else 2) / n
     activations = activation_bytes(s, job)
     graphs = 0.0
-    if job.graphs:
+    if job.graphs != "off":
         eager = activation_bytes(s, dataclasses.replace(job, checkpointing=False))
-        graphs = eager * (GRAPH_POOL + (GRAPH_POOL_CHECKPOINTED if job.checkpointing else 0.0))
-    allocated = weights + adapters + gradients + optimizer + activations + graphs
+        graphs = eager * (GRAPH_POOL + (GRAPH_POOL_CHECKPOINTED if job.checkpointing and job.graphs == "layers" else 0.0))
+    allocated = max(weights + adapters + gradients + optimizer + activations + graphs, load_peak(s, job))
     total = allocated * (1 + ALLOCATOR_SLACK) + CUDA_CONTEXT_GIB * GIB
     return {"weights": weights, "adapters": adapters, "gradients": gradients, "optimizer": optimizer,
             "activations": activations, "graphs": graphs, "overhead": total - allocated, "allocated": allocated,
@@ -255,7 +264,7 @@ def job_of(cfg: Config, world: int = 1, checkpointing: bool | None = None, shard
                tokens, math.ceil(tokens * TARGET_SHARE) if targets is None else targets,
                t.compile is not False if compiled is None else compiled,
                cfg.lora.r, tuple(cfg.lora.target_modules), cfg.lora.dropout, shards, world,
-               dequantized=False, graphs=t.cuda_graphs is True,
+               dequantized=False, graphs=("step" if t.optimizer == "adamw" else "layers") if t.cuda_graphs is True else "off",
                fsdp=shards > 1 or t.strategy == "fsdp" if fsdp is None else fsdp)
 
 

@@ -232,7 +232,7 @@ def memory_gib(cfg: Config, shape: memory.Shape, world: int, o: Option, work: Wo
     shards = world if cfg.train.strategy == "fsdp" else 1
     job = memory.job_of(cfg, world, checkpointing=o.checkpointing, shards=shards, tokens=tokens or None,
                         targets=targets or None, compiled=compiled)
-    job = dataclasses.replace(job, dequantized=o.dequantize, graphs=o.graphs != "off")
+    job = dataclasses.replace(job, dequantized=o.dequantize, graphs=o.graphs)
     return memory.estimate(shape, job)["total"] / memory.GIB
 
 
