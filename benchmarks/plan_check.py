@@ -44,6 +44,12 @@ SPEED_RUNS = [
     ("h200_llama31_8b_qlora_short_2026-12-01.json", "shipped", "adamw"),  # the whole step recorded
     ("h200_llama31_8b_qlora_short_2026-12-01.json", "plain", "adamw"),
 ]
+# Outside the band, with what is known of why (tests/test_plan.py asserts each one still is: fixed, it leaves this list).
+OUTSIDE_BAND = {
+    "h200_smollm2_135m_lora_real_graphs_off_2026-12-01": "compiled layers for changing shapes: the peak grew 0.9-1.2 MB a "
+    "token over the run's steps (3.95 GiB at 4,202 tokens, 4.21 at 4,435), where the plan counts 0.81 (0.85 of the eager "
+    "layers' saved tensors); with the whole step recorded the same job is -3.2 %",
+}
 # Measured before dequantizing freed the 4-bit codes (model.dequantize_base): a dequantized base that was not
 # recorded (recording collects) held them all run, so those peaks are predicted with the codes' bytes added.
 HELD_CODES = {"h200_llama31_8b_qlora_choices_2026-12-01.json", "h200_llama31_8b_qlora_recipe_shipped_2026-12-01.json",
@@ -52,7 +58,8 @@ HELD_CODES = {"h200_llama31_8b_qlora_choices_2026-12-01.json", "h200_llama31_8b_
 # benchmarks/train_runs.py files: `ddptune train` of the 8B config at 16 samples a step on SAMSum rows 0-699
 # (scaling_x2.sh fsdp-qlora-8b), the speed decider's choices in each run's `speed`
 TRAIN_RUNS = ["h200_llama31_8b_qlora_fsdp_ddp_n1_2026-12-01.json"]
-REAL_RUNS = ["h200_smollm2_135m_lora_real_defaults_2026-12-01.json"]
+REAL_RUNS = ["h200_smollm2_135m_lora_real_defaults_2026-12-01.json", "h200_smollm2_135m_lora_real_defaults_2026-12-01b.json",
+             "h200_smollm2_135m_lora_real_graphs_off_2026-12-01.json"]
 # (file, row, ranks file): `ddptune scale` on nvidia-h200-x2 with configs/samsum_qlora_llama31_8b.yaml
 SCALE_RUNS = [
     ("h200x2_llama31_8b_qlora_same-per-device.json", 0, "h200x2_llama31_8b_qlora_scale_ranks_n1.jsonl"),
