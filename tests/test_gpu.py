@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -227,15 +228,17 @@ def test_forced_graphs_record_the_whole_step_and_still_validate_and_evaluate(tmp
 
 
 @cuda
-def test_the_decider_keeps_a_short_run_eager_of_graphs_and_explains_each_choice(tmp_path):
-    """A 6-step run of the tiny preset on a GPU: recording would cost more than it saves, checkpointing
-    is not needed; every choice has its line in summary.json."""
+def test_the_decider_records_one_length_for_a_short_run_and_explains_each_choice(tmp_path):
+    """A 6-step run of the tiny preset on a GPU: one recorded length starts sooner than compiling for
+    changing shapes, checkpointing is not needed; every choice has its line in summary.json."""
     from conftest import ROOT
     from ddptune import config, train
 
     cfg = config.load(ROOT / "configs" / "tiny.yaml", [f"output_dir={tmp_path / 'run'}", "train.max_steps=6", "data.val=null"])
     summary, _ = train.run(cfg)
     speed = summary["speed"]
-    assert speed["graphs"] == "off" and speed["checkpointing"] is False and speed["compiled"] is True
+    assert (speed["graphs"], speed["lengths"], speed["checkpointing"], speed["compiled"]) == ("step", 1, False, True)
+    assert speed["estimate"]["setup_s"] < min(o["setup_s"] for o in speed["estimate"]["options"] if o["graphs"] == "off")
+    assert summary["cuda_graphs"] == "step" and math.isfinite(summary["final_loss"])
     assert set(speed["reasons"]) >= {"compiled layers", "gradient checkpointing", "CUDA graphs", "DDP gradient buckets"}
     assert speed["estimate"]["free_gib"] > 1 and speed["estimate"]["memory_gib"] < speed["estimate"]["free_gib"]
