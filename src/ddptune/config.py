@@ -143,8 +143,7 @@ class TrainConfig:
     auto: on only where the run would not fit the GPU without it (off on CPU)."""
     cuda_graphs: bool | Literal["auto"] = "auto"
     """Replay recorded CUDA graphs (the whole step with adamw, each layer otherwise) instead of launching
-    each kernel. auto: where the run's estimated time is shorter with them, compiling and recording
-    included (GPUs only)."""
+    each kernel. auto: where the run ends sooner with them, compiling and recording counted (GPUs only)."""
     packing: bool = True
     """Concatenate each process's samples of a step into rows without padding; each sample attends only
     to itself. Same loss, no padding. false: padded micro-batches of micro_batch_size."""
