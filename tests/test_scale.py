@@ -83,6 +83,13 @@ def test_scale_both_modes_on_the_same_samples(both_modes):
     # the host's CPU during each run, read from /proc/stat: busy (the runs themselves at least) and stolen
     assert all(0 < r["host_cpu_busy"] <= 1 and 0 <= r["host_cpu_steal"] <= 1 for r in result["rows"])
     assert "--nproc 1,2" in manifest["command"] and manifest["date"]
+    # every run's speed choices were made for the job scaled (configs/tiny.yaml: 30 steps of 4 samples), not
+    # for its window: its steps at each run's global batch
+    job = {"n1": 30, "same-per-device-n2": 15, "same-global-n2": 30}
+    for key, steps in job.items():
+        assert manifest["runs"][key]["env"] == {"DDPTUNE_SPEED": "samples=120"}
+        chosen = json.loads((out / key / "summary.json").read_text())["speed"]
+        assert chosen["estimate"]["steps"] == steps != manifest["runs"][key]["steps"]
 
     # the folder is never overwritten
     again = ddptune("scale", TINY, *FAST, "--nproc", "1,2", "--out", str(out))

@@ -76,6 +76,24 @@ def test_set_up_is_weighed_against_the_run_s_steps():
         assert total == pytest.approx(min(o["step_s"] * chosen.estimate["steps"] + o["setup_s"] for o in fits))
 
 
+def test_a_short_window_of_a_long_job_is_decided_as_that_job(monkeypatch):
+    """`ddptune scale` times a few steps of a job: with DDPTUNE_SPEED's samples= or epochs= the choices
+    are the job's (the tutorial's 14,736 samples: 921 steps of 16), not the window's 30 steps."""
+    cfg = ["train.gradient_checkpointing=true"]
+    short = decide(cfg, 139.3, samsum_like(30))
+    assert speed.span(0, 30, 818, 16) == (0, 30) and short.graphs == "step"
+    for job in ("samples=14736", "epochs=18"):
+        monkeypatch.setenv(speed.FORCE_ENV, job)
+        first, last = speed.span(0, 30, 818, 16)
+        assert (first, last) == (0, 921 if job.startswith("samples") else 920)
+        chosen = decide(cfg, 139.3, samsum_like(last))
+        assert chosen.graphs == "off" and chosen.forced == {job.split("=")[0]: float(job.split("=")[1])}
+        assert chosen.estimate["steps"] == last
+    monkeypatch.setenv(speed.FORCE_ENV, "samples=0")
+    with pytest.raises(ConfigError):
+        speed.forced()
+
+
 def test_a_cpu_run_compiles_nothing_records_nothing_and_checkpoints_nothing():
     chosen = decide(["train.method=lora"], None, samsum_like(15), preset="tiny", cuda=False)
     assert (chosen.compiled, chosen.graphs, chosen.checkpointing, chosen.dequantize) == (False, "off", False, False)

@@ -44,6 +44,9 @@ on two NVLink H200s; elsewhere (PCIe, several machines) torch's overlapping buck
 
 `DDPTUNE_SPEED` forces choices for a benchmark (`graphs=off|layers|step,lengths=N,checkpointing=
 true|false,dequantize=true|false,bucket_mb=N,compile=true|false`); summary.json records what it forced.
+`samples=N` or `epochs=E` there makes the choices for the job a short run stands for, its steps at the
+run's global batch, instead of the run's own steps: `ddptune scale` times short windows of a job, and
+passes the job's length so that each window runs as that job would.
 """
 from __future__ import annotations
 
@@ -71,7 +74,8 @@ LENGTH_S = 22.0               # with graphs: one padded length's static-shape co
 GRAPH_COUNTS = (1, 2, 4)      # padded lengths tried
 FORCE_ENV = "DDPTUNE_SPEED"
 FORCE_KEYS = {"graphs": ("off", "layers", "step"), "lengths": int, "checkpointing": bool, "dequantize": bool,
-              "bucket_mb": float, "compile": bool}
+              "bucket_mb": float, "compile": bool, "samples": int, "epochs": float}
+HORIZON_KEYS = {"samples", "epochs"}  # not choices: the job the choices are made for
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,14 @@ def forced() -> dict:
             raise ConfigError([f"{FORCE_ENV}: {item[:80]!r} is not one of {known} (or unset it)"])
         out[key] = value
     return out
+
+
+def span(first: int, total: int, rows: int, global_batch: int) -> tuple[int, int]:
+    """The steps the choices are made for: the run's remaining ones, or those of the job DDPTUNE_SPEED's
+    `samples` or `epochs` name (over `rows` training rows, at this run's `global_batch`)."""
+    force = forced()
+    job = force.get("samples") or force.get("epochs", 0) * rows
+    return (0, max(1, math.floor(job / global_batch))) if job else (min(first, total), total)
 
 
 def _value(kind, raw: str):
@@ -207,7 +219,7 @@ def candidates(cfg: Config, cuda: bool, compiled: bool, force: dict) -> list[Opt
     counts = [force["lengths"]] if "lengths" in force else list(GRAPH_COUNTS)
     out = []
     for c, d, g in itertools.product(ckpt, dequant, scopes):
-        if g != "off" and c and d and not force:  # measured slower a step than either alone
+        if g != "off" and c and d and not force.keys() - HORIZON_KEYS:  # measured slower a step than either alone
             continue
         out += [Option(c, d, g, k) for k in (counts if g != "off" else [0])]
     return out
@@ -330,20 +342,20 @@ def graphs_reason(cfg: Config, cuda: bool, compiled: bool, choice: Option, best:
     if why_not:
         return f"off ({why_not})"
     what = {"step": "the whole step", "layers": "each layer (an 8-bit optimizer cannot be recorded)"}
+    steps = f"the job's {work.steps} steps ({FORCE_ENV})" if force.keys() & HORIZON_KEYS else f"the run's {work.steps} steps"
     off = [c for c in fitting if c[0].graphs == "off"]
     on = [c for c in fitting if c[0].graphs != "off"]
     if choice.graphs != "off":
         vs = (f" against {min(c[2] for c in off):.3g} s without" if off else "")
         start = (f" against {min(c[3] for c in off):.0f} s to compile for changing shapes" if off else "")
         return (f"{what[choice.graphs]}, {choice.lengths} padded length{'s' if choice.lengths > 1 else ''} (an estimated "
-                f"{best[2]:.3g} s a step{vs}; about {best[3]:.0f} s to compile and record{start}; over the run's "
-                f"{work.steps} steps)")
+                f"{best[2]:.3g} s a step{vs}; about {best[3]:.0f} s to compile and record{start}; over {steps})")
     if not on:
         return "off (with them the run would not fit the free memory)"
     alt = min(on, key=lambda c: c[2] * work.steps + c[3])
     if alt[2] >= best[2]:
         return f"off (the step is bound by the GPU, not the host: an estimated {best[2]:.3g} s a step either way)"
-    return (f"off (over the run's {work.steps} steps: an estimated {best[2] * work.steps + best[3]:.0f} s without, "
+    return (f"off (over {steps}: an estimated {best[2] * work.steps + best[3]:.0f} s without, "
             f"against {alt[2] * work.steps + alt[3]:.0f} s with them, {alt[3]:.0f} s of it compiling and recording)")
 
 
