@@ -26,6 +26,10 @@ job takes about 8 minutes on an H200 with the recipe at --steps 30:
 
     python benchmarks/speed.py --epoch --name h200_llama31_8b_qlora_epoch --preset llama-3.1-8b \
         --tokenizer .tok/smollm2 --data .devdata/samsum_validation.json --steps 30 --warmup 5 --runs "" --run shipped=
+
+A run of --steps steps gets the speed decider's choices for that many steps (for 30, one recorded padded
+length). `--run tutorial=env:DDPTUNE_SPEED=samples=14736` times --steps steps of the choices it makes for the
+tutorial's epoch instead, as `ddptune scale` does for its windows.
 """
 from __future__ import annotations
 
