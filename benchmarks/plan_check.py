@@ -147,16 +147,18 @@ def measured_runs() -> list[dict]:
         speed = run.get("speed") or {}
         graphs = speed.get("graphs", "off")
         tokens, targets = largest_forward(_flag(doc["command"], "--rows", "0:818"), run["samples_per_step"],
-                                          doc.get("ddptune_steps", doc["steps"]), int(over.get("train.tokens_per_forward", 8192)), lengths=speed.get("lengths", 0))
+                                          doc.get("ddptune_steps", doc["steps"]), int(over.get("train.tokens_per_forward", 8192)),
+                                          lengths=speed.get("lengths", 0))
+        dequantized = (over.get("train.dequantize_base") == "true" or "dequantize=true" in str(run["overrides"])
+                       or bool(speed.get("dequantize")))
         runs.append({"name": f"{file.removesuffix('.json')} / {key}", "file": file, "date": doc["date"],
                      "device": doc["device"], "preset": doc["preset"], "method": method,
                      "optimizer": over.get("train.optimizer", optimizer[0] if optimizer else SPEED_RUN_OPTIMIZER),
                      "checkpointing": run["gradient_checkpointing"],
                      "compiled": run.get("compiled", over.get("train.compile") == "true"),
                      "gpus": 1, "samples_per_step": run["samples_per_step"], "tokens": tokens, "targets": targets,
-                     "dequantized": over.get("train.dequantize_base") == "true" or "dequantize=true" in str(run["overrides"])
-                     or bool(speed.get("dequantize")), "graphs": graphs,
-                     "measured_gib": run["peak_mem_gib"], "held_codes": file in HELD_CODES})
+                     "dequantized": dequantized, "graphs": graphs, "measured_gib": run["peak_mem_gib"],
+                     "held_codes": file in HELD_CODES and dequantized and graphs == "off"})
     for file in REAL_RUNS:  # SmolLM2-135M-Instruct's real weights: benchmarks/core_runs.sh smollm2 (rows 0-699)
         doc = json.loads((RESULTS / file).read_text())
         run, speed = doc["summary"], doc["summary"]["speed"]
@@ -226,7 +228,7 @@ def predict(run: dict) -> float:
     job = memory.Job(run["method"], run["optimizer"], run["checkpointing"], run["tokens"], run["targets"], run["compiled"],
                    shards=run.get("shards", 1), processes=run["gpus"], dequantized=run.get("dequantized", False),
                    fsdp=run.get("fsdp", run.get("shards", 1) > 1), graphs=run.get("graphs", "off"))
-    held = shape.matrix_params * memory.NF4_BYTES if run.get("held_codes") and job.dequantized and job.graphs == "off" else 0
+    held = shape.matrix_params * memory.NF4_BYTES if run.get("held_codes") else 0
     return (memory.estimate(shape, job)["allocated"] + held) / memory.GIB
 
 
@@ -236,8 +238,8 @@ def markdown(runs: list[dict]) -> str:
              "| --- | --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in runs:
         p = predict(r)
-        method = r["method"] + (" (base dequantized" + (", 4-bit codes held" if r.get("held_codes") and r.get("graphs", "off") == "off"
-                                                        else "") + ")" if r.get("dequantized") else "")
+        method = r["method"] + (" (base dequantized" + (", 4-bit codes held" if r.get("held_codes") else "") + ")"
+                                if r.get("dequantized") else "")
         lines.append(f"| `{r['name']}` | {method} | {'on' if r['checkpointing'] else 'off'} | {r.get('graphs', 'off')} | "
                      f"{'yes' if r['compiled'] else 'no'} | {r['optimizer']} | {r['gpus']} | {r['tokens']:,} ({r['targets']}) | "
                      f"{r['measured_gib']:.2f} | {p:.2f} | {100 * (p / r['measured_gib'] - 1):+.1f} % |")

@@ -54,7 +54,6 @@ ALLOCATOR_SLACK = 0.08    # reserved but not allocated (the recipe's run: 13.71 
 PLAN_OVER, PLAN_UNDER = 0.08, 0.04
 COMPILED_ACTIVATIONS = 0.85  # compiled decoder layers keep this share of the eager layers' saved tensors
 GRAPH_POOL, GRAPH_POOL_CHECKPOINTED = 0.05, 0.35  # the graphs' pool, as shares of the uncheckpointed activations
-GRAPH_SCOPES = ("off", "layers", "step")
 CHECKPOINT_WORKING = 1.0  # layers' worth of saved tensors alive at once while checkpointed layers recompute
 TARGET_SHARE = 0.25       # without data, summaries are assumed at most this share of a forward's tokens
 DEFAULT_GPU_GIB = 139.8   # one H200 as torch reports it (used when there is no GPU here and no --gpu-memory)
