@@ -55,6 +55,8 @@ OUTSIDE_BAND = {
 HELD_CODES = {"h200_llama31_8b_qlora_choices_2026-12-01.json", "h200_llama31_8b_qlora_recipe_shipped_2026-12-01.json",
               "h200_llama31_8b_qlora_epoch_2026-12-01.json", "h200_llama31_8b_qlora_gc_2026-12-01.json",
               "h200_llama31_8b_qlora_short_2026-12-01.json"}
+# Runs whose summary.json has no `padded_lengths` padded packed rows for CUDA graphs to multiples of 256 tokens
+MEASURED_PAD = 256
 # benchmarks/train_runs.py files: `ddptune train` of the 8B config at 16 samples a step on SAMSum rows 0-699
 # (scaling_x2.sh fsdp-qlora-8b), the speed decider's choices in each run's `speed`
 TRAIN_RUNS = ["h200_llama31_8b_qlora_fsdp_ddp_n1_2026-12-01.json"]
@@ -99,11 +101,12 @@ def examples(rows: str, max_length: int = 512) -> tuple[tuple[int, int], ...]:
 
 
 def largest_forward(rows: str, per_step: int, steps: int, tokens_per_forward: int | None, micro: int | None = None,
-                    lengths: int = 0) -> tuple[int, int]:
+                    lengths: int = 0, padded: list[int] | None = None) -> tuple[int, int]:
     """(tokens, targets) of the largest forward of a one-process run: packed rows (first fit,
     longest first, as batches.pack), or padded micro-batches of similar lengths (as batches.Stream.layout).
     With CUDA graphs at `lengths` padded lengths, the packed rows are padded as graphs.py pads them: the
-    largest forward is the longest padded length, with the most targets of any row."""
+    largest forward is the longest padded length (the run's own, `padded`, where summary.json recorded
+    them; else recomputed in multiples of MEASURED_PAD), with the most targets of any row."""
     from ddptune import batches
 
     ex = examples(rows)
@@ -111,7 +114,8 @@ def largest_forward(rows: str, per_step: int, steps: int, tokens_per_forward: in
         sizes = [(sum(len(e["input_ids"]) for e in g), sum(e["targets"] for e in g)) for step in range(steps)
                  for g in batches.pack([{"input_ids": range(ex[i][0]), "targets": ex[i][1]}
                                         for i in batches.step_samples(len(ex), per_step, step, 0)], tokens_per_forward)]
-        return max(batches.pad_lengths([n for n, _ in sizes], lengths, batches.GRAPH_PAD)), max(t for _, t in sizes)
+        longest = max(padded) if padded else max(batches.pad_lengths([n for n, _ in sizes], lengths, MEASURED_PAD))
+        return longest, max(t for _, t in sizes)
     best = (0, 0)
     for step in range(steps):
         items = [{"input_ids": range(ex[i][0]), "targets": ex[i][1]} for i in batches.step_samples(len(ex), per_step, step, 0)]
@@ -148,7 +152,7 @@ def measured_runs() -> list[dict]:
         graphs = speed.get("graphs", "off")
         tokens, targets = largest_forward(_flag(doc["command"], "--rows", "0:818"), run["samples_per_step"],
                                           doc.get("ddptune_steps", doc["steps"]), int(over.get("train.tokens_per_forward", 8192)),
-                                          lengths=speed.get("lengths", 0))
+                                          lengths=speed.get("lengths", 0), padded=run.get("padded_lengths"))
         dequantized = (over.get("train.dequantize_base") == "true" or "dequantize=true" in str(run["overrides"])
                        or bool(speed.get("dequantize")))
         runs.append({"name": f"{file.removesuffix('.json')} / {key}", "file": file, "date": doc["date"],
@@ -163,7 +167,7 @@ def measured_runs() -> list[dict]:
         doc = json.loads((RESULTS / file).read_text())
         run, speed = doc["summary"], doc["summary"]["speed"]
         tokens, targets = largest_forward(f"0:{run['train_rows']}", run["global_batch"], run["steps"], 8192,
-                                          lengths=speed["lengths"])
+                                          lengths=speed["lengths"], padded=run.get("padded_lengths"))
         runs.append({"name": file.removesuffix(".json"), "file": file, "date": doc["date"], "device": doc["device"],
                      "preset": "smollm2-135m", "method": run["method"], "optimizer": "adamw",
                      "checkpointing": speed["checkpointing"], "compiled": speed["compiled"], "gpus": run["world_size"],

@@ -318,6 +318,10 @@ def test_packing_gives_the_padded_losses_without_padding(tmp_path):
     # for graphs: one row per process, each padded to one of the run's 2 lengths (multiples of GRAPH_PAD)
     assert all(r["padded_tokens"] % batches.GRAPH_PAD == 0 and r["padded_tokens"] > r["tokens"] for r in c)
     assert len({r["padded_tokens"] for r in c}) > 1  # the steps' rows do not all take the longest length
+    lengths = json.loads((fixed / "summary.json").read_text())["padded_lengths"]  # summary.json says which
+    assert len(lengths) == 2 and all(n % batches.GRAPH_PAD == 0 for n in lengths)
+    assert max(r["padded_tokens"] for r in c) <= 2 * max(lengths)  # 2 processes, a row each
+    assert json.loads((packed / "summary.json").read_text())["padded_lengths"] == []
 
 
 def train_tiny_padded(overrides: list[str]) -> dict:

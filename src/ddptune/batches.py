@@ -18,7 +18,7 @@ import torch
 from ddptune.tokens import IGNORE
 
 TARGET_PAD = 64  # for CUDA graphs: the loss's target rows come in multiples of this (collate_packed's pad_to)
-GRAPH_PAD = 256  # for CUDA graphs: packed rows are padded to multiples of this many tokens
+GRAPH_PAD = 128  # for CUDA graphs: packed rows are padded to multiples of this many tokens (a GEMM tile's rows)
 
 
 def step_samples(n_rows: int, global_batch: int, step: int, seed: int) -> list[int]:

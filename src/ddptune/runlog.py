@@ -151,7 +151,7 @@ def summary(r, history: list[dict], ranks: list[dict], val_loss, peaks: list, fi
         # the gradient all-reduces of the last step (DDP's buckets); null: none (one process, or FSDP)
         "grad_buckets": r.clock.buckets if dist.ddp_wrapper(r.parts.model) and acc.num_processes > 1 else None,
         "speed": r.speed.as_dict(), "gradient_checkpointing": r.speed.checkpointing, "compiled": r.speed.compiled,
-        "cuda_graphs": r.speed.graphs, "base_4bit": model.holds_4bit(r.model),
+        "cuda_graphs": r.speed.graphs, "padded_lengths": list(r.stream.graph_lengths), "base_4bit": model.holds_4bit(r.model),
         "trainable_params": trainable, "total_params": total,
         "output": str(final), "replica_fingerprints": fingerprints,
     }
