@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import multiproc
 from conftest import ROOT, check, ddptune, metrics
-from ddptune import batches, checks, config, model as model_lib, train
+from ddptune import batches, checks, config, graphs, model as model_lib, train
 from ddptune.config import ConfigError
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -334,6 +334,29 @@ def train_tiny_padded(overrides: list[str]) -> dict:
         return train.finish(r, *train.fit(r))[0]
     finally:
         r.trackers.close()
+
+
+def test_a_step_that_cannot_be_recorded_runs_its_layers_one_by_one_with_the_same_losses(tmp_path, monkeypatch):
+    """Recording the whole step fails (an operation a CUDA graph cannot capture): the run goes on with
+    its rows padded and its layers launched one by one; summary.json says that no graphs ran, and the
+    losses are those of the same padded run that was never to record."""
+    args = ["train.max_steps=3", "data.val=null", "lora.dropout=0.0", "eval.enabled=false"]
+    padded = train_tiny_padded([f"output_dir={tmp_path / 'padded'}", *args])
+
+    def unrecordable(*_args, **_kwargs):
+        raise graphs.Unrecordable("recording the step failed (operation not permitted when stream is capturing)")
+
+    monkeypatch.setattr(graphs, "StepGraphs", unrecordable)
+    r = train.setup(config.load(TINY, [f"output_dir={tmp_path / 'fell'}", *args]))
+    r.speed = dataclasses.replace(r.speed, graphs="step", lengths=2)
+    train.prepare_graphs(r)
+    try:
+        fell = train.finish(r, *train.fit(r))[0]
+    finally:
+        r.trackers.close()
+    assert fell["cuda_graphs"] == "off" and fell["speed"]["graphs"] == "off"
+    assert len(fell["padded_lengths"]) == 2 and fell["padded_lengths"] == padded["padded_lengths"]
+    assert losses(tmp_path / "fell") == pytest.approx(losses(tmp_path / "padded"), abs=1e-6)
 
 
 def test_compiled_layers_give_the_eager_losses_and_still_evaluate(tmp_path):

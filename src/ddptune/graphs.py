@@ -29,12 +29,12 @@ class Unrecordable(RuntimeError):
 
 
 def prepare(parts: step_lib.Parts, loss_model, stream: Stream, first: int, last: int, speed, process: int, pad_id: int,
-            side, clock: dist.StepClock) -> tuple[Stream, "StepGraphs | None", str]:
+            side, clock: dist.StepClock) -> tuple[Stream, "StepGraphs | None", str, str | None]:
     """For the run's steps [first, last): the stream with its padded lengths (those that leave the
     least padding over every packed row of those steps, of every process: each records them all),
     gradients allocated once outside the graphs' memory (every replay writes them), every layer
     compiled at every length, and with the whole step recorded every step shape this process will
-    meet; and what was done, in words."""
+    meet; what was done, in words; and why recording failed (None: it did not)."""
     rows = [g for s in range(first, last) for forwards in stream.share(s).forwards for g in forwards]
     stream = stream.with_lengths(batches.pad_lengths([batches.tokens_of(g) for g in rows], speed.lengths, batches.GRAPH_PAD))
     for p in parts.params:
@@ -44,16 +44,17 @@ def prepare(parts: step_lib.Parts, loss_model, stream: Stream, first: int, last:
     for k in range(first, last) if speed.graphs == "step" else []:
         mine = stream.share(k).forwards[process]
         shapes.setdefault(stream.shape(mine), mine)
-    engine, recorded = None, "compiled and recorded"
+    engine, recorded, failed = None, "compiled and recorded", None
     try:
         engine = StepGraphs(parts, stream, shapes, pad_id, side, clock) if shapes else None  # none: no step left
         recorded = f"{len(engine.graphs)} step shapes recorded whole" if engine else recorded
     except Unrecordable as e:  # the layers are compiled and warm at every length: they are launched one by one
+        failed = str(e)
         recorded = f"compiled; {e}: the layers are launched one by one instead"
     tokens = sum(map(batches.tokens_of, rows))
     padded = sum(stream.padded_length(batches.tokens_of(g)) for g in rows)
     return stream, engine, (f"packed rows padded to {', '.join(map(str, stream.graph_lengths))} tokens "
-                            f"({1 - tokens / max(padded, 1):.0%} of the computed tokens are padding), {recorded}")
+                            f"({1 - tokens / max(padded, 1):.0%} of the computed tokens are padding), {recorded}"), failed
 
 
 @contextmanager

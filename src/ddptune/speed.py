@@ -121,6 +121,11 @@ class Speed:
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def unrecorded(self, why: str) -> "Speed":
+        """These choices once recording the whole step failed: compiled layers at the padded lengths, no graphs."""
+        reasons = {**self.reasons, "CUDA graphs": f"off ({why}: compiled layers launched one by one)"}
+        return dataclasses.replace(self, graphs="off", reasons=reasons)
+
 
 @dataclass(frozen=True)
 class Option:

@@ -193,11 +193,13 @@ def prepare_graphs(r: Run) -> None:
     acc, t0 = r.accelerator, time.perf_counter()
     try:
         with graphs.on_stream(r.side):
-            r.stream, r.engine, note = graphs.prepare(r.parts, r.loss_model, r.stream, r.start, r.total_steps, r.speed,
-                                                      acc.process_index, r.tokenizer.pad_token_id, r.side, r.clock)
+            r.stream, r.engine, note, failed = graphs.prepare(r.parts, r.loss_model, r.stream, r.start, r.total_steps,
+                                                              r.speed, acc.process_index, r.tokenizer.pad_token_id, r.side, r.clock)
     except RuntimeError as e:  # compiling (or recording a layer) failed
         fall_back_to_eager(r, f"compiling the layers for CUDA graphs failed ({dist.first_line(e)})")
         return
+    if failed:  # summary.json and the banner say what runs
+        r.speed = r.speed.unrecorded(failed)
     warm = time.perf_counter() - t0
     r.times["load_s"] += warm
     acc.print(f"ddptune: CUDA graphs: {note} in {warm:.1f}s")
