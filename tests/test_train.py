@@ -324,11 +324,12 @@ def test_packing_gives_the_padded_losses_without_padding(tmp_path):
     assert json.loads((packed / "summary.json").read_text())["padded_lengths"] == []
 
 
-def train_tiny_padded(overrides: list[str]) -> dict:
+def train_tiny_padded(overrides: list[str], scope: str = "off") -> dict:
     """As train_tiny, with every packed row padded to one of 2 lengths as CUDA graphs pad them: on CPU
-    the graphs themselves are off, but the padded lengths, the pad samples and their accounting are the same."""
+    the graphs themselves are off, but the padded lengths, the pad samples and their accounting are the same
+    (`scope="step"`: the run is to record the whole step too)."""
     r = train.setup(config.load(TINY, overrides))
-    r.speed = dataclasses.replace(r.speed, lengths=2)
+    r.speed = dataclasses.replace(r.speed, lengths=2, graphs=scope)
     train.prepare_graphs(r)
     try:
         return train.finish(r, *train.fit(r))[0]
@@ -347,13 +348,7 @@ def test_a_step_that_cannot_be_recorded_runs_its_layers_one_by_one_with_the_same
         raise graphs.Unrecordable("recording the step failed (operation not permitted when stream is capturing)")
 
     monkeypatch.setattr(graphs, "StepGraphs", unrecordable)
-    r = train.setup(config.load(TINY, [f"output_dir={tmp_path / 'fell'}", *args]))
-    r.speed = dataclasses.replace(r.speed, graphs="step", lengths=2)
-    train.prepare_graphs(r)
-    try:
-        fell = train.finish(r, *train.fit(r))[0]
-    finally:
-        r.trackers.close()
+    fell = train_tiny_padded([f"output_dir={tmp_path / 'fell'}", *args], scope="step")
     assert fell["cuda_graphs"] == "off" and fell["speed"]["graphs"] == "off"
     assert len(fell["padded_lengths"]) == 2 and fell["padded_lengths"] == padded["padded_lengths"]
     assert losses(tmp_path / "fell") == pytest.approx(losses(tmp_path / "padded"), abs=1e-6)
