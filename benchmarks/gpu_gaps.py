@@ -18,6 +18,11 @@ host op), with the idle summed per launcher and how late the launch came. `busy_
 sums the device's time the same way, and `syncs` lists the host's waits for the device
 (stream, event and device synchronizations) by who waited. `beside_nccl` compares each kernel's
 duration alone and while a NCCL kernel (a gradient all-reduce) ran beside it.
+
+`kernels` splits the device's busy time per profiled step into kinds (GEMMs, Inductor's fused Triton
+kernels, attention, NCCL, the rest) with the busiest kernel names; `host` lists, for each host thread,
+its outermost ops' time per step (the main thread's forward, the autograd thread's backward). The
+profiler's own cost a host op inflates `host`, not the device's times.
 """
 from __future__ import annotations
 
@@ -25,11 +30,14 @@ import argparse
 import bisect
 import itertools
 import json
+import re
 from pathlib import Path
 
 DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
 HOST_CATEGORIES = {"cpu_op", "user_annotation", "python_function"}
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
+KINDS = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "attention")),
+         ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "splitk", "cublas")), ("fused (triton)", ("triton",)))
 
 
 def busy_intervals(events: list[dict]) -> list[tuple[float, float, str]]:
@@ -129,6 +137,50 @@ def sync_sites(host: Host) -> list[dict]:
     return sorted(rows.values(), key=lambda r: -r["waited_ms"])
 
 
+def kind_of(name: str) -> str:
+    lower = name.lower()
+    return next((kind for kind, keys in KINDS if any(key in lower for key in keys)), "other")
+
+
+def kernel_split(kernels: list[dict], steps: int) -> dict:
+    """Device time per step (ms) and launches per step by kind, and the 12 busiest kernel names
+    (Inductor's numbered suffixes dropped, so that one fused kernel's copies add up)."""
+    kinds: dict[str, dict] = {}
+    names: dict[str, dict] = {}
+    for k in kernels:
+        for table, key in ((kinds, kind_of(k.get("name", ""))), (names, re.sub(r"_\d+$", "", k.get("name", ""))[:100])):
+            row = table.setdefault(key, {"ms": 0.0, "launches": 0.0})
+            row["ms"] += k.get("dur", 0) / 1e3 / steps
+            row["launches"] += 1 / steps
+    top = sorted(names.items(), key=lambda kv: -kv[1]["ms"])[:12]
+    return {"steps": steps, "busy_ms": sum(r["ms"] for r in kinds.values()),
+            "kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1]["ms"])),
+            "top": [{"kernel": name, **row} for name, row in top]}
+
+
+def host_split(events: list[dict], lo: float, hi: float, steps: int) -> list[dict]:
+    """Each host thread's outermost ops in [lo, hi]: busy ms per step, and the 10 largest by name."""
+    threads: dict = {}
+    for e in events:
+        if (e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation") and lo <= e["ts"] <= hi
+                and not str(e.get("name", "")).startswith("ProfilerStep#")):
+            threads.setdefault(e.get("tid"), []).append(e)
+    out = []
+    for tid, ops in threads.items():
+        ops.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
+        outer, reach = [], float("-inf")
+        for e in ops:
+            if e["ts"] >= reach:
+                outer.append(e)
+                reach = e["ts"] + e.get("dur", 0)
+        by_name: dict[str, float] = {}
+        for e in outer:
+            by_name[e["name"][:80]] = by_name.get(e["name"][:80], 0.0) + e.get("dur", 0) / 1e3 / steps
+        out.append({"thread": tid, "busy_ms": sum(by_name.values()),
+                    "ops": [{"op": n, "ms": ms} for n, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:10]]})
+    return sorted(out, key=lambda t: -t["busy_ms"])
+
+
 def idle_gaps(intervals: list[tuple[float, float, str]], lo: float, hi: float) -> list[tuple[float, float, str, str]]:
     """(start, end, kernel before, kernel after) of each stretch in [lo, hi] covered by no interval."""
     gaps, reach, last = [], lo, "(window start)"
@@ -167,6 +219,12 @@ def analyse(trace: dict) -> dict:
            "idle_by_launcher": by_launcher(ended, host)[:12],
            "busy_by_launcher": busy_by_launcher(kernels, host)[:12],
            "beside_nccl": beside_collectives([k for k in kernels if k.get("cat") == "kernel"]), "syncs": sync_sites(host)[:12], "steps": []}
+    window = [k for k in kernels if not steps or any(s0 <= k["ts"] < s1 for s0, s1, _ in steps)]
+    out["kernels"] = kernel_split(window, max(len(steps), 1))
+    host_steps = [e for e in events if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("ProfilerStep#")]
+    if host_steps:
+        h0, h1 = min(e["ts"] for e in host_steps), max(e["ts"] + e.get("dur", 0) for e in host_steps)
+        out["host"] = host_split(events, h0, h1, len(host_steps))
     for k, (s0, s1, name) in enumerate(steps):
         inside = [i for i in intervals if s0 <= i[0] < s1]
         if not inside:

@@ -76,3 +76,31 @@ def test_kernels_beside_an_all_reduce_are_compared_with_themselves_alone():
     [row] = out["kernels"]
     assert row == {"kernel": "gemm", "alone_us": 100, "beside_us": 200, "beside_count": 2, "extra_ms": pytest.approx(0.2)}
     assert out["extra_ms"] == pytest.approx(0.2)
+
+
+def test_device_time_is_split_by_kind_per_profiled_step_and_host_time_by_outermost_op():
+    events = [
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "ProfilerStep#2", "ts": 0, "dur": 1000},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "ProfilerStep#3", "ts": 1000, "dur": 1000},
+        kernel(0, 400, "nvjet_sm90_tst_192x192_NNN"), kernel(400, 100, "triton_poi_fused_add_3"),
+        kernel(1000, 400, "nvjet_sm90_tst_192x192_NNN"), kernel(1400, 300, "triton_poi_fused_add_7"),
+        kernel(1700, 200, "pytorch_flash::flash_fwd_kernel"), kernel(1900, 50, "Memset"),
+        kernel(5000, 999, "after the profiled steps"),
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#2", "ts": 0, "dur": 1000, "tid": 1},
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "ts": 1000, "dur": 1000, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "Torch-Compiled Region: 0/1", "ts": 10, "dur": 600, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 20, "dur": 100, "tid": 1},  # inside the region
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1010, "dur": 200, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "CompiledFunctionBackward", "ts": 700, "dur": 800, "tid": 2},
+    ]
+    out = gpu_gaps.analyse({"traceEvents": events})
+    split = out["kernels"]
+    assert split["steps"] == 2 and split["busy_ms"] == pytest.approx(0.725)
+    assert split["kinds"]["gemm"] == {"ms": pytest.approx(0.4), "launches": 1.0}
+    assert split["kinds"]["fused (triton)"] == {"ms": pytest.approx(0.2), "launches": 1.0}
+    assert split["kinds"]["attention"]["ms"] == pytest.approx(0.1) and split["kinds"]["other"]["ms"] == pytest.approx(0.025)
+    assert split["top"][1] == {"kernel": "triton_poi_fused_add", "ms": pytest.approx(0.2), "launches": 1.0}
+    main, autograd = out["host"]
+    assert main["thread"] == 1 and main["busy_ms"] == pytest.approx(0.4)
+    assert main["ops"] == [{"op": "Torch-Compiled Region: 0/1", "ms": pytest.approx(0.3)}, {"op": "aten::mm", "ms": pytest.approx(0.1)}]
+    assert autograd == {"thread": 2, "busy_ms": pytest.approx(0.4), "ops": [{"op": "CompiledFunctionBackward", "ms": pytest.approx(0.4)}]}
