@@ -143,7 +143,7 @@ def kind_of(name: str) -> str:
 
 
 def kernel_split(kernels: list[dict], steps: int) -> dict:
-    """Device time per step (ms) and launches per step by kind, and the 12 busiest kernel names
+    """The GPU's busy ms and launches per step by kind, and the 12 busiest kernel names
     (Inductor's numbered suffixes dropped, so that one fused kernel's copies add up)."""
     kinds: dict[str, dict] = {}
     names: dict[str, dict] = {}
