@@ -29,7 +29,8 @@ job takes about 8 minutes on an H200 with the recipe at --steps 30:
 
 A run of --steps steps gets the speed decider's choices for that many steps (for 30, one recorded padded
 length). `--run tutorial=env:DDPTUNE_SPEED=samples=14736` times --steps steps of the choices it makes for the
-tutorial's epoch instead, as `ddptune scale` does for its windows.
+tutorial's epoch instead, as `ddptune scale` does for its windows; `--run unpadded=env:DDPTUNE_SPEED=samples=14736,
+env:DDPTUNE_SPEED=row_pad=false` the same with its packed rows left at their own lengths.
 """
 from __future__ import annotations
 
@@ -95,9 +96,14 @@ RUNS = {
 
 def ddptune_run(args, name: str, overrides: list[str], work: Path) -> dict:
     """One `ddptune train` of the shipped config on the benchmark's data; an override `env:NAME=VALUE`
-    sets an environment variable for the run instead (DDPTUNE_SPEED forces speed choices)."""
+    sets an environment variable for the run instead (DDPTUNE_SPEED forces speed choices); the values
+    of several for one NAME are joined with commas (`env:DDPTUNE_SPEED=samples=14736,env:DDPTUNE_SPEED=row_pad=false`)."""
     out = work / name
-    env = {o[4:].split("=", 1)[0]: o[4:].split("=", 1)[1] for o in overrides if o.startswith("env:")}
+    env: dict[str, str] = {}
+    for o in overrides:
+        if o.startswith("env:"):
+            key, value = o[4:].split("=", 1)
+            env[key] = f"{env[key]},{value}" if key in env else value
     overrides = [o for o in overrides if not o.startswith("env:")]
     cmd = [sys.executable, "-m", "ddptune", "train", str(CONFIG), f"output_dir={out}",
            f"model.source=preset:{args.preset}", f"model.tokenizer={args.tokenizer}", f"data.train={args.data}",
