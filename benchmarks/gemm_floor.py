@@ -42,15 +42,11 @@ def timed(fn, repeat: int) -> float:
 def floor(preset: str, tokens: int, repeat: int) -> dict:
     import torch
 
-    from ddptune.memory import PROJECTIONS, Shape
-    from ddptune.sources import PRESETS
+    from ddptune import memory, model as model_lib
 
-    c = PRESETS[preset]
-    heads = c["num_attention_heads"]
-    shape = Shape(c["num_hidden_layers"], c["hidden_size"], c["intermediate_size"], heads, c["num_key_value_heads"],
-                  c["hidden_size"] // heads, c["vocab_size"], c["tie_word_embeddings"])
+    shape = memory.shape_of(model_lib.preset_config(preset, "sdpa"))
     rows, layer_s, flops = [], 0.0, 0
-    for name, size in PROJECTIONS.items():
+    for name, size in memory.PROJECTIONS.items():
         d_in, d_out = size(shape)
         x, w, dy = (torch.randn(*s, device="cuda", dtype=torch.bfloat16) for s in ((tokens, d_in), (d_out, d_in), (tokens, d_out)))
         forward, grad_input = timed(lambda: x @ w.t(), repeat), timed(lambda: dy @ w, repeat)

@@ -22,7 +22,7 @@ duration alone and while a NCCL kernel (a gradient all-reduce) ran beside it.
 `kernels` splits the device's busy time per profiled step into kinds (GEMMs, Inductor's fused Triton
 kernels, attention, NCCL, the rest) with the busiest kernel names; `host` lists, for each host thread,
 its outermost ops' time per step (the main thread's forward, the autograd thread's backward). The
-profiler's own cost a host op inflates `host`, not the device's times.
+profiler's own cost for each host op inflates `host`; the device's times are the kernels' own.
 """
 from __future__ import annotations
 
