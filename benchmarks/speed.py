@@ -127,6 +127,7 @@ def ddptune_run(args, name: str, overrides: list[str], work: Path) -> dict:
         "gradient_checkpointing": summary["gradient_checkpointing"], "compiled": summary.get("compiled"),
         "losses": [r["loss"] for r in rows], "grad_norms": [r["grad_norm"] for r in rows],
         "step_times_s": [r["step_time_s"] for r in rows], "tokens": [r["tokens"] for r in rows],  # every step's
+        "padded_tokens": [r["padded_tokens"] for r in rows],
         "final_loss": rows[-1]["loss"], "load_time_s": summary["load_time_s"],
         "samples_per_step": summary["global_batch"],
     }

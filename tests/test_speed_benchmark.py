@@ -36,6 +36,7 @@ def test_epoch_runs_train_every_step_of_it_and_are_timed_whole(tmp_path, monkeyp
     shipped, epoch = result["shipped"], result["epoch"]
     assert shipped["steps"] == 5 and result["ddptune_steps"] == 5 and epoch["steps"] == 5
     assert len(shipped["step_times_s"]) == len(shipped["tokens"]) == 5 and min(shipped["tokens"]) > 0
+    assert shipped["padded_tokens"] == shipped["tokens"]  # packed rows on the CPU: nothing padded
     run = epoch["runs"]["shipped"]
     assert run["extrapolated"] is False and run["wall_s"] == shipped["wall_s"] > shipped["train_time_s"] > 0
     assert run["samples"] == 5 * 4 and "reference" not in epoch["runs"]
