@@ -158,16 +158,15 @@ def kernel_split(kernels: list[dict], steps: int) -> dict:
             "top": [{"kernel": name, **row} for name, row in top]}
 
 
-def host_split(events: list[dict], lo: float, hi: float, steps: int) -> list[dict]:
-    """Each host thread's outermost ops in [lo, hi]: busy ms per step, and the 10 largest by name."""
-    threads: dict = {}
-    for e in events:
-        if (e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation") and lo <= e["ts"] <= hi
-                and not str(e.get("name", "")).startswith("ProfilerStep#")):
-            threads.setdefault(e.get("tid"), []).append(e)
+def host_split(host: Host, lo: float, hi: float, steps: int) -> list[dict]:
+    """Each host thread's outermost ops (Python frames left out) in [lo, hi]: busy ms per step, and the
+    10 largest by name."""
     out = []
-    for tid, ops in threads.items():
-        ops.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
+    for tid, events in host.threads.items():
+        ops = sorted((e for e in events if e.get("cat") != "python_function" and lo <= e["ts"] <= hi),
+                     key=lambda e: (e["ts"], -e.get("dur", 0)))
+        if not ops:
+            continue
         outer, reach = [], float("-inf")
         for e in ops:
             if e["ts"] >= reach:
@@ -224,7 +223,7 @@ def analyse(trace: dict) -> dict:
     host_steps = [e for e in events if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("ProfilerStep#")]
     if host_steps:
         h0, h1 = min(e["ts"] for e in host_steps), max(e["ts"] + e.get("dur", 0) for e in host_steps)
-        out["host"] = host_split(events, h0, h1, len(host_steps))
+        out["host"] = host_split(host, h0, h1, len(host_steps))
     for k, (s0, s1, name) in enumerate(steps):
         inside = [i for i in intervals if s0 <= i[0] < s1]
         if not inside:
