@@ -94,6 +94,11 @@ RUNS = {
 }
 
 
+def steps_of(args) -> int:
+    """Steps of each ddptune run: the epoch's, --ddptune-steps, or the recipe's --steps."""
+    return EPOCH_STEPS if args.epoch else args.ddptune_steps or args.steps
+
+
 def ddptune_run(args, name: str, overrides: list[str], work: Path) -> dict:
     """One `ddptune train` of the shipped config on the benchmark's data; an override `env:NAME=VALUE`
     sets an environment variable for the run instead (DDPTUNE_SPEED forces speed choices); the values
@@ -107,7 +112,7 @@ def ddptune_run(args, name: str, overrides: list[str], work: Path) -> dict:
     overrides = [o for o in overrides if not o.startswith("env:")]
     cmd = [sys.executable, "-m", "ddptune", "train", str(CONFIG), f"output_dir={out}",
            f"model.source=preset:{args.preset}", f"model.tokenizer={args.tokenizer}", f"data.train={args.data}",
-           f"data.train_rows={args.rows}", "data.val=null", f"train.max_steps={EPOCH_STEPS if args.epoch else args.steps}",
+           f"data.train_rows={args.rows}", "data.val=null", f"train.max_steps={steps_of(args)}",
            f"train.warmup_steps={args.lr_warmup}", f"train.method={args.method}", *args.override, *overrides, "--nproc", "1"]
     wall = sh(cmd, work / f"{name}.log", env)
     summary = json.loads((out / "summary.json").read_text())
@@ -118,6 +123,7 @@ def ddptune_run(args, name: str, overrides: list[str], work: Path) -> dict:
     return {
         "tool": "ddptune", "overrides": overrides, "wall_s": wall,
         "median_step_time_s": statistics.median(r["step_time_s"] for r in measured),
+        "median_host_s": statistics.median(r["host_s"] for r in measured) if measured and "host_s" in measured[0] else None,
         "real_tok_s_per_gpu": real / sum(r["step_time_s"] for r in measured),
         "padding_fraction": 1 - real / padded,
         "peak_mem_gib": summary["peak_mem_gib"], "mfu": summary["mfu"],
@@ -127,7 +133,7 @@ def ddptune_run(args, name: str, overrides: list[str], work: Path) -> dict:
         "gradient_checkpointing": summary["gradient_checkpointing"], "compiled": summary.get("compiled"),
         "losses": [r["loss"] for r in rows], "grad_norms": [r["grad_norm"] for r in rows],
         "step_times_s": [r["step_time_s"] for r in rows], "tokens": [r["tokens"] for r in rows],  # every step's
-        "padded_tokens": [r["padded_tokens"] for r in rows],
+        "padded_tokens": [r["padded_tokens"] for r in rows], "host_s": [r.get("host_s") for r in rows],
         "final_loss": rows[-1]["loss"], "load_time_s": summary["load_time_s"],
         "samples_per_step": summary["global_batch"],
     }
@@ -164,6 +170,8 @@ def main() -> int:
     p.add_argument("--data", required=True)
     p.add_argument("--rows", default="0:818")
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--ddptune-steps", type=int, help="steps of each ddptune run, when not --steps: a median over more "
+                   "of them, since a step whose packed rows meet a new length costs more host time")
     p.add_argument("--warmup", type=int, default=5, help="optimizer steps left out of speed figures")
     p.add_argument("--lr-warmup", type=int, default=1)
     p.add_argument("--method", choices=["qlora", "lora"], default="qlora", help="lora: for a CPU smoke test")
@@ -187,7 +195,7 @@ def main() -> int:
 
     result = {"name": args.name, "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
               "preset": args.preset, "steps": args.steps, "warmup_steps_excluded": args.warmup,
-              "ddptune_steps": EPOCH_STEPS if args.epoch else args.steps}
+              "ddptune_steps": steps_of(args)}
     result["matmul_tflops_bf16"] = matmul_tflops()  # the second MFU column's denominator (ddptune's is the datasheet's)
     import torch
 

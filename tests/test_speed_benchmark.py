@@ -36,7 +36,11 @@ def test_epoch_runs_train_every_step_of_it_and_are_timed_whole(tmp_path, monkeyp
     shipped, epoch = result["shipped"], result["epoch"]
     assert shipped["steps"] == 5 and result["ddptune_steps"] == 5 and epoch["steps"] == 5
     assert len(shipped["step_times_s"]) == len(shipped["tokens"]) == 5 and min(shipped["tokens"]) > 0
-    assert shipped["padded_tokens"] == shipped["tokens"]  # packed rows on the CPU: nothing padded
+    # rows rounded up (forced on the CPU) to multiples of batches.ROW_PAD tokens, never below their own
+    from ddptune import batches
+
+    assert all(p % batches.ROW_PAD == 0 and t <= p < t + 4 * batches.ROW_PAD
+               for t, p in zip(shipped["tokens"], shipped["padded_tokens"]))
     run = epoch["runs"]["shipped"]
     assert run["extrapolated"] is False and run["wall_s"] == shipped["wall_s"] > shipped["train_time_s"] > 0
     assert run["samples"] == 5 * 4 and "reference" not in epoch["runs"]
@@ -54,3 +58,11 @@ def test_the_recipes_epoch_is_its_measured_wall_plus_its_median_step_for_each_st
     assert ref["wall_s"] == pytest.approx(200 + (921 - 30) * 3.0)
     assert out["shipped"]["against_reference"] == pytest.approx(ref["wall_s"] / 300.0)
     assert out["shipped"]["samples"] == 921 * 16 and out["shipped"]["extrapolated"] is False
+
+
+def test_ddptune_runs_take_their_own_step_count_unless_timing_the_epoch():
+    from argparse import Namespace
+
+    assert speed_bench.steps_of(Namespace(epoch=False, ddptune_steps=None, steps=30)) == 30
+    assert speed_bench.steps_of(Namespace(epoch=False, ddptune_steps=150, steps=30)) == 150
+    assert speed_bench.steps_of(Namespace(epoch=True, ddptune_steps=150, steps=30)) == speed_bench.EPOCH_STEPS
