@@ -1,6 +1,7 @@
 """Prompt building, label masking, truncation, packing and the step plan (no processes)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -141,6 +142,12 @@ def test_packing_keeps_samples_apart():
     assert cu[:8] == [0, 5, 8, 13, 18, 23, 28, 30] and set(cu[8:]) == {30} and len(cu) == 64
     assert max(b - a for a, b in zip(cu, cu[1:])) <= long["max_length_q"] == 5
     assert long["targets"].tolist()[:5] == [7, 8, 7, 8, data.IGNORE]
+    # rows rounded up without graphs: the row and its targets only; the boundaries stay the samples'
+    # own (and pad samples no longer than the longest real one), so attention does no extra work
+    rounded = batches.collate_packed(forwards[0], pad_to=16)
+    assert rounded["input_ids"].shape == (1, 16) and rounded["max_length_q"] == 5
+    assert rounded["cu_seq_lens_q"].tolist() == [0, 5, 8, 13, 16]
+    assert rounded["targets"].tolist() == [7, 8, 7, 8] + [data.IGNORE] * pads
 
 
 def test_padded_target_counts_are_what_the_rows_give():
@@ -316,3 +323,17 @@ def test_a_tokenizer_whose_tokens_cover_more_characters_is_not_cut_short():
     text = "ab" + "\x00" * 200_000 + "cd" * 1000
     want, room = uncut_example(tok, pieces, text, "x", 128)
     assert data.tokenize_example(tok, pieces, text, "x", 128)["input_ids"] == want and "c" in tok.decode(want)
+
+
+def test_a_stream_repeats_boundaries_for_graphs_only():
+    """Rows rounded up without graphs keep their samples' boundaries and longest sample; recorded lengths
+    also fix the boundaries' count and max_length_q (the data's), the shapes a graph was recorded for."""
+    ex = [{"input_ids": [1] * n, "labels": [data.IGNORE] * (n - 2) + [7, 8]} for n in (50, 30, 40)]
+    stream = batches.Stream(ex, [1.0] * 3, [2] * 3, 3, 1, 0, True, 4, 8192, 64)
+    rounded = dataclasses.replace(stream, row_pad=batches.ROW_PAD).collate(ex, 0)
+    assert rounded["input_ids"].shape == (1, 128) and rounded["max_length_q"] == 50
+    assert rounded["cu_seq_lens_q"].tolist() == [0, 50, 80, 120, 128]
+    graphed = stream.with_lengths([256]).collate(ex, 0)
+    assert graphed["input_ids"].shape == (1, 256) and graphed["max_length_q"] == 64
+    assert len(graphed["cu_seq_lens_q"]) == 64
+    assert stream.collate(ex, 0)["input_ids"].shape == (1, 120)
