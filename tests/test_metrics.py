@@ -99,3 +99,26 @@ def test_a_step_after_validation_or_a_save_is_timed_from_its_own_start():
     time.sleep(0.2)  # validation
     clock.pause()
     assert clock.read(step())["step_s"] < 0.1
+
+
+def test_a_steps_host_time_is_the_hosts_own_time_to_issue_it():
+    """host_s counts the host's time from a step's start to its end, not the time between steps:
+    beside step_s it says whether the device waited for the host."""
+    import time
+
+    from ddptune import dist
+
+    clock = dist.StepClock(torch.device("cpu"))
+
+    def step(issuing: float) -> dict:
+        clock.start()
+        time.sleep(issuing)  # the host issuing work
+        clock.mark("synced")
+        return clock.finish()
+
+    clock.read(step(0.0))
+    time.sleep(0.2)  # between steps: part of the next step's time, not of its issuing
+    times = clock.read(step(0.05))
+    assert times["step_s"] >= 0.25 and 0.05 <= times["host_s"] < 0.2
+    row = metrics.step_row(1, 1.0, 0.1, 1.0, 4, 100, 50, 100, 1, 1e9, times, 1.0, 1, None, None)
+    assert row["host_s"] == times["host_s"]

@@ -375,6 +375,8 @@ class StepClock:
       wait      = synced - grads_ready   the gradient all-reduce, including waiting for slower processes
       optimizer = end - synced           clipping, the update, zeroing
       step      = end - previous end     (the first step, and the first after `pause()`: end - start)
+      host      = the host's own time from start to end (perf_counter): issuing the step's work. Near
+                  or above `step`, the device waited for the host (a step bound by the host, not the GPU)
     `read()` is called a step later, when the events are long done. `buckets`: how many gradient
     buckets DDP handed over in the step begun last.
     """
@@ -395,6 +397,7 @@ class StepClock:
     def start(self) -> None:
         self.marks = {"start": self._now()}
         self.buckets = 0
+        self.host_start = time.perf_counter()
 
     def mark(self, name: str) -> None:
         self.marks[name] = self._now()
@@ -407,6 +410,7 @@ class StepClock:
     def finish(self) -> dict:
         """Mark the end of the step and hand over its marks (to `read` later)."""
         self.mark("end")
+        self.marks["host_s"] = time.perf_counter() - self.host_start
         if "grads_ready" not in self.marks:  # no DDP wrapper: the gradients were ready when backward returned
             self.marks["grads_ready"] = self.marks["synced"]
         marks, marks["prev_end"] = self.marks, self.prev_end
@@ -423,7 +427,7 @@ class StepClock:
         return {"compute_s": span(marks["start"], marks["grads_ready"]),
                 "wait_s": span(marks["grads_ready"], marks["synced"]),
                 "optimizer_s": span(marks["synced"], marks["end"]),
-                "step_s": span(marks["prev_end"] or marks["start"], marks["end"])}
+                "step_s": span(marks["prev_end"] or marks["start"], marks["end"]), "host_s": marks["host_s"]}
 
 
 def time_gradient_sync(model, clock: StepClock) -> None:
