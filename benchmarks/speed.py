@@ -29,8 +29,8 @@ job takes about 8 minutes on an H200 with the recipe at --steps 30:
 
 A run of --steps steps gets the speed decider's choices for that many steps (for 30, one recorded padded
 length). `--run tutorial=env:DDPTUNE_SPEED=samples=14736` times --steps steps of the choices it makes for the
-tutorial's epoch instead, as `ddptune scale` does for its windows; `--run unpadded=env:DDPTUNE_SPEED=samples=14736,
-env:DDPTUNE_SPEED=row_pad=false` the same with its packed rows left at their own lengths.
+tutorial's epoch instead, as `ddptune scale` does for its windows. Several `env:` values for one variable
+are joined with commas: `--run plain=env:DDPTUNE_SPEED=samples=14736,env:DDPTUNE_SPEED=graphs=off`.
 """
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def steps_of(args) -> int:
 def ddptune_run(args, name: str, overrides: list[str], work: Path) -> dict:
     """One `ddptune train` of the shipped config on the benchmark's data; an override `env:NAME=VALUE`
     sets an environment variable for the run instead (DDPTUNE_SPEED forces speed choices); the values
-    of several for one NAME are joined with commas (`env:DDPTUNE_SPEED=samples=14736,env:DDPTUNE_SPEED=row_pad=false`)."""
+    of several for one NAME are joined with commas (`env:DDPTUNE_SPEED=samples=14736,env:DDPTUNE_SPEED=graphs=off`)."""
     out = work / name
     env: dict[str, str] = {}
     for o in overrides:

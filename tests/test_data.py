@@ -1,7 +1,6 @@
 """Prompt building, label masking, truncation, packing and the step plan (no processes)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -325,15 +324,14 @@ def test_a_tokenizer_whose_tokens_cover_more_characters_is_not_cut_short():
     assert data.tokenize_example(tok, pieces, text, "x", 128)["input_ids"] == want and "c" in tok.decode(want)
 
 
-def test_a_stream_repeats_boundaries_for_graphs_only():
-    """Rows rounded up without graphs keep their samples' boundaries and longest sample; recorded lengths
-    also fix the boundaries' count and max_length_q (the data's), the shapes a graph was recorded for."""
+def test_a_stream_pads_rows_and_repeats_boundaries_for_graphs_only():
+    """Recorded lengths pad the row and fix the boundaries' count and max_length_q (the data's): the
+    shapes a graph was recorded for. Without graphs a row is its samples, as they are."""
     ex = [{"input_ids": [1] * n, "labels": [data.IGNORE] * (n - 2) + [7, 8]} for n in (50, 30, 40)]
     stream = batches.Stream(ex, [1.0] * 3, [2] * 3, 3, 1, 0, True, 4, 8192, 64)
-    rounded = dataclasses.replace(stream, row_pad=batches.ROW_PAD).collate(ex, 0)
-    assert rounded["input_ids"].shape == (1, 128) and rounded["max_length_q"] == 50
-    assert rounded["cu_seq_lens_q"].tolist() == [0, 50, 80, 120, 128]
     graphed = stream.with_lengths([256]).collate(ex, 0)
     assert graphed["input_ids"].shape == (1, 256) and graphed["max_length_q"] == 64
     assert len(graphed["cu_seq_lens_q"]) == 64
-    assert stream.collate(ex, 0)["input_ids"].shape == (1, 120)
+    plain = stream.collate(ex, 0)
+    assert plain["input_ids"].shape == (1, 120) and plain["max_length_q"] == 50
+    assert plain["cu_seq_lens_q"].tolist() == [0, 50, 80, 120]

@@ -40,34 +40,7 @@ def test_the_8b_qlora_job_on_an_h200_runs_without_checkpointing_on_a_dequantized
     plain = next(o for o in chosen.estimate["options"] if (o["checkpointing"], o["dequantize"], o["graphs"]) == (False, True, "off"))
     assert 0.18 < plain["step_s"] < 0.28 and 40 < plain["memory_gib"] < 60
     assert set(chosen.reasons) == {"compiled layers", "gradient checkpointing", "4-bit base", "CUDA graphs",
-                                   "DDP gradient buckets", "packed rows"}
-
-
-def test_packed_rows_without_graphs_round_up_to_few_lengths_on_a_gpu_only(monkeypatch):
-    """cuBLAS picks kernels once per GEMM shape, at milliseconds of host time each: without CUDA graphs a
-    GPU run rounds its packed rows up to multiples of ROW_PAD tokens, so that lengths repeat, for about 1 %
-    more tokens; the CPU has no such cost, and graphs pad to their own lengths."""
-    work, plain_path = samsum_like(921), ["train.cuda_graphs=false"]
-    epoch = decide(plain_path, 139.3, work)
-    assert epoch.graphs == "off" and epoch.row_pad == batches.ROW_PAD and epoch.as_dict()["row_pad"] == batches.ROW_PAD
-    stretch, longest, targets = speed.padded(work, 0, batches.ROW_PAD)
-    assert 1.0 < stretch < 1.02 and longest % batches.ROW_PAD == 0 and targets % batches.TARGET_PAD == 0
-    assert longest >= max(t for t, _ in work.rows) > longest - batches.ROW_PAD
-    def plain(chosen):  # the estimate of the chosen path: its rows' extra tokens are counted
-        return next(o for o in chosen.estimate["options"] if (o["dequantize"], o["graphs"], o["checkpointing"]) == (True, "off", False))
-    monkeypatch.setenv(speed.FORCE_ENV, "row_pad=false")
-    unpadded = decide(plain_path, 139.3, work)
-    assert unpadded.row_pad == 0 and speed.FORCE_ENV in unpadded.reasons["packed rows"]
-    assert plain(unpadded)["step_s"] < plain(epoch)["step_s"] < plain(unpadded)["step_s"] * 1.02
-    monkeypatch.setenv(speed.FORCE_ENV, "row_pad=true")
-    assert decide([], None, work, cuda=False).row_pad == batches.ROW_PAD  # forced: the CPU tests take this path
-    monkeypatch.delenv(speed.FORCE_ENV)
-    cpu = decide([], None, work, cuda=False)
-    assert cpu.row_pad == 0 and cpu.reasons["packed rows"] == "not padded (CPU)"
-    small = decide(["train.method=lora"], 139.3, samsum_like(102), preset="smollm2-135m")
-    assert small.graphs == "step" and small.row_pad == 0 and "recorded" in small.reasons["packed rows"]
-    unpacked = decide(["train.packing=false"], 139.3, work)
-    assert unpacked.row_pad == 0 and "packed rows" not in unpacked.reasons
+                                   "DDP gradient buckets"}
 
 
 def test_a_smaller_gpu_turns_checkpointing_on_and_keeps_the_base_in_4_bits():

@@ -27,7 +27,7 @@ def test_epoch_runs_train_every_step_of_it_and_are_timed_whole(tmp_path, monkeyp
     monkeypatch.setattr(speed_bench, "EPOCH_STEPS", 5)
     monkeypatch.setattr(sys, "argv", ["speed.py", "--epoch", "--name", "epoch", "--preset", "tiny", "--method", "lora",
                                       "--tokenizer", str(tmp_path / "tok"), "--data", "demo", "--rows", "0:64", "--steps", "2",
-                                      "--warmup", "1", "--skip-reference", "--runs", "", "--run", "shipped=train.grad_accum=1,env:DDPTUNE_SPEED=row_pad=true,env:DDPTUNE_SPEED=samples=40",
+                                      "--warmup", "1", "--skip-reference", "--runs", "", "--run", "shipped=train.grad_accum=1,env:DDPTUNE_SPEED=compile=false,env:DDPTUNE_SPEED=samples=40",
                                       "--work", str(tmp_path / "work"), "--results", str(tmp_path)])
     monkeypatch.delenv("OUT", raising=False)
     assert speed_bench.main() == 0
@@ -36,16 +36,12 @@ def test_epoch_runs_train_every_step_of_it_and_are_timed_whole(tmp_path, monkeyp
     shipped, epoch = result["shipped"], result["epoch"]
     assert shipped["steps"] == 5 and result["ddptune_steps"] == 5 and epoch["steps"] == 5
     assert len(shipped["step_times_s"]) == len(shipped["tokens"]) == 5 and min(shipped["tokens"]) > 0
-    # rows rounded up (forced on the CPU) to multiples of batches.ROW_PAD tokens, never below their own
-    from ddptune import batches
-
-    assert all(p % batches.ROW_PAD == 0 and t <= p < t + 4 * batches.ROW_PAD
-               for t, p in zip(shipped["tokens"], shipped["padded_tokens"]))
+    assert shipped["padded_tokens"] == shipped["tokens"]  # packed rows on the CPU: nothing padded
     run = epoch["runs"]["shipped"]
     assert run["extrapolated"] is False and run["wall_s"] == shipped["wall_s"] > shipped["train_time_s"] > 0
     assert run["samples"] == 5 * 4 and "reference" not in epoch["runs"]
     # two env: values for one variable reach the run joined, the way DDPTUNE_SPEED takes several choices
-    assert shipped["speed"]["forced"] == {"row_pad": True, "samples": 40} and shipped["speed"]["row_pad"] > 0
+    assert shipped["speed"]["forced"] == {"compile": False, "samples": 40}
 
 
 def test_the_recipes_epoch_is_its_measured_wall_plus_its_median_step_for_each_step_it_did_not_run():

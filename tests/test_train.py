@@ -299,24 +299,16 @@ def test_gradient_checkpointing_works_under_ddp(method, tmp_path):
 
 
 def test_packing_gives_the_padded_losses_without_padding(tmp_path):
-    """Padded micro-batches, packed rows, packed rows padded to one length as train.cuda_graphs
-    pads them, and packed rows rounded up to ROW_PAD's multiple as a GPU rounds them without graphs (pad
-    samples outside the loss): the same losses on 2 processes, different work."""
+    """Padded micro-batches, packed rows, and packed rows padded to one length as train.cuda_graphs
+    pads them (pad samples outside the loss): the same losses on 2 processes, different work."""
     args = ["train.max_steps=4", "train.micro_batch_size=2", "train.grad_accum=2", "lora.dropout=0.0", "data.val=null"]
-    padded, packed, fixed, rounded = tmp_path / "padded", tmp_path / "packed", tmp_path / "fixed", tmp_path / "rounded"
+    padded, packed, fixed = tmp_path / "padded", tmp_path / "packed", tmp_path / "fixed"
     multiproc.run(train_all, 2, [[f"output_dir={padded}", "train.packing=false", *args],
                                  [f"output_dir={packed}", "train.packing=true", *args],
-                                 [f"output_dir={fixed}", "train.packing=true", *args],
-                                 [f"output_dir={rounded}", "train.packing=true", "env:DDPTUNE_SPEED=row_pad=true", *args]],
+                                 [f"output_dir={fixed}", "train.packing=true", *args]],
                   {2})  # the third run pads its rows
     assert losses(packed) == pytest.approx(losses(padded), abs=1e-5)
     assert losses(fixed) == pytest.approx(losses(packed), abs=1e-5)
-    assert losses(rounded) == pytest.approx(losses(packed), abs=1e-5)
-    d = [r for r in metrics(rounded) if "loss" in r]
-    assert all(r["padded_tokens"] % batches.ROW_PAD == 0 for r in d)  # each process's row a multiple, so their sum
-    assert all(r["tokens"] <= r["padded_tokens"] < r["tokens"] + 2 * batches.ROW_PAD for r in d)  # a row a process
-    assert any(r["padded_tokens"] > r["tokens"] for r in d)
-    assert json.loads((rounded / "summary.json").read_text())["speed"]["row_pad"] == batches.ROW_PAD
     a, b, c = ([r for r in metrics(d) if "loss" in r] for d in (padded, packed, fixed))
     assert [r["tokens"] for r in a] == [r["tokens"] for r in b] == [r["tokens"] for r in c]  # the same samples
     assert all(rb["forwards"] == 1 and ra["forwards"] == 2 for ra, rb in zip(a, b))

@@ -5,8 +5,7 @@ it, a pure function of the seed and the step, so resume needs no state. `Stream.
 a step's samples into one share per process of equal cost (`balance`), each cut into forwards:
 packed rows of at most tokens_per_forward tokens (`pack`, `collate_packed`) or padded micro-batches
 (`collate`). Every process computes the same split, so no process ever waits to be told its share.
-With CUDA graphs every packed row is padded to one of a few lengths (`pad_lengths`), so shapes repeat;
-without them, on a GPU, to a multiple of ROW_PAD tokens (`Stream.row_pad`), so that they repeat often.
+With CUDA graphs every packed row is padded to one of a few lengths (`pad_lengths`), so shapes repeat.
 """
 from __future__ import annotations
 
@@ -20,10 +19,6 @@ from ddptune.tokens import IGNORE
 
 TARGET_PAD = 64  # for CUDA graphs: the loss's target rows come in multiples of this (collate_packed's pad_to)
 GRAPH_PAD = 128  # for CUDA graphs: packed rows are padded to multiples of this many tokens (a GEMM tile's rows)
-# Without graphs on a GPU: packed rows round up to a multiple of this. cuBLAS picks its kernels once per
-# GEMM shape, at 2-4 ms of host time for each new one (the 8B step's first GEMMs at a new row length),
-# so that rows of every length kept the host behind the GPU; 16 SAMSum samples pad by 1 % on average.
-ROW_PAD = 64
 
 
 def step_samples(n_rows: int, global_batch: int, step: int, seed: int) -> list[int]:
@@ -288,8 +283,7 @@ class Stream:
     """A run's training examples and how each optimizer step is cut: `parts` shares of equal cost
     (equal sample counts too with padded batches, whose micro-batches must line up), each grouped
     into forwards. `lockstep`: every share runs as many forwards (FSDP gathers weights in each).
-    `graph_lengths`: with CUDA graphs, the lengths packed rows are padded to; `row_pad`: without them,
-    the multiple of tokens packed rows round up to (0: none)."""
+    `graph_lengths`: with CUDA graphs, the lengths packed rows are padded to."""
     examples: list[dict]
     costs: list[float]       # model FLOPs of each example: what the shares balance
     targets: list[int]       # loss targets (summary tokens) of each example
@@ -303,7 +297,6 @@ class Stream:
     lockstep: bool = False
     graph_lengths: tuple[int, ...] = ()
     mix: tuple[tuple[int, int], ...] = ()  # several sources: each one's (rows, draws per epoch), data.mixture
-    row_pad: int = 0
 
     def samples(self, step: int) -> list[int]:
         """The examples (indices) of optimizer step `step`."""
@@ -322,7 +315,7 @@ class Stream:
         if self.lockstep:
             forwards = lockstep(forwards)
         tokens = [tokens_of(s) for s in shares]
-        if self.graph_lengths or self.row_pad:  # every packed row padded to a recorded length, or a multiple
+        if self.graph_lengths:  # every packed row padded to a length the graphs are recorded at
             computed = [sum(self.padded_length(tokens_of(g)) for g in rows) for rows in forwards]
         elif self.packing:
             computed = tokens
@@ -340,18 +333,15 @@ class Stream:
         return [ordered[i:i + self.micro_batch_size] for i in range(0, len(ordered), self.micro_batch_size)]
 
     def padded_length(self, tokens: int) -> int:
-        """With graphs: the shortest recorded length that holds a row of `tokens`; with `row_pad`, the
-        row rounded up to its multiple; else 0."""
-        if self.graph_lengths:
-            return min((n for n in self.graph_lengths if n >= tokens), default=0)
-        return -(-tokens // self.row_pad) * self.row_pad if self.row_pad else 0
+        """With graphs: the shortest recorded length that holds a row of `tokens`; else 0."""
+        return min((n for n in self.graph_lengths if n >= tokens), default=0)
 
     def collate(self, group: list[dict], pad_id: int) -> dict:
-        """One forward's examples as tensors on the host (packed to a recorded length or `row_pad`'s multiple)."""
+        """One forward's examples as tensors on the host (with graphs, packed to a recorded length)."""
         if not self.packing:
             return collate(group, pad_id)
         pad_to = self.padded_length(tokens_of(group))
-        return collate_packed(group, pad_to=pad_to, max_length=self.max_length if self.graph_lengths and pad_to else 0)
+        return collate_packed(group, pad_to=pad_to, max_length=self.max_length if pad_to else 0)
 
     def shape(self, forwards: list[list[dict]]) -> tuple:
         """What a recorded step is recorded for: each packed row's (tokens, boundary entries, target rows)."""

@@ -8,10 +8,7 @@ own steps (`Work`: their rows and tokens, known before the first step), `decide`
   step (fused AdamW), and how many padded lengths packed rows go to (train.cuda_graphs);
 - gradient checkpointing (train.gradient_checkpointing);
 - a QLoRA base kept dequantized in bf16 instead of dequantized in every pass;
-- DDP's gradient buckets;
-- without CUDA graphs on a GPU, packed rows rounded up to a multiple of `batches.ROW_PAD` tokens: cuBLAS
-  picks kernels once per GEMM shape, 2-4 ms of host time for each new one, so that rows of every
-  length kept the 8B step's host behind its GPU (0.212 s a step against 0.190 s of GPU work).
+- DDP's gradient buckets.
 Every combination the config allows is costed, memory by `memory.estimate` and time by the model
 below over the run's remaining steps, set-up included; the fastest one whose memory fits the free
 GPU memory with `MARGIN` to spare wins. Nothing else in ddptune makes these choices. Each choice
@@ -48,7 +45,7 @@ with sharded memory. One DDP bucket (all-reduced after the backward) measured 1.
 on two NVLink H200s; elsewhere (PCIe, several machines) torch's overlapping buckets stay.
 
 `DDPTUNE_SPEED` forces choices for a benchmark (`graphs=off|layers|step,lengths=N,checkpointing=
-true|false,dequantize=true|false,bucket_mb=N,compile=true|false,row_pad=true|false`); summary.json records what it forced.
+true|false,dequantize=true|false,bucket_mb=N,compile=true|false`); summary.json records what it forced.
 `samples=N` or `epochs=E` there makes the choices for the job a short run stands for, its steps at the
 run's global batch, instead of the run's own steps: `ddptune scale` times short windows of a job, and
 passes the job's length so that each window runs as that job would.
@@ -79,7 +76,7 @@ LENGTH_S = 22.0               # with graphs: one padded length's static-shape co
 GRAPH_COUNTS = (1, 2, 4)      # padded lengths tried
 FORCE_ENV = "DDPTUNE_SPEED"
 FORCE_KEYS = {"graphs": ("off", "layers", "step"), "lengths": int, "checkpointing": bool, "dequantize": bool,
-              "bucket_mb": float, "compile": bool, "row_pad": bool, "samples": int, "epochs": float}
+              "bucket_mb": float, "compile": bool, "samples": int, "epochs": float}
 HORIZON_KEYS = {"samples", "epochs"}  # not choices: the job the choices are made for
 
 
@@ -117,7 +114,6 @@ class Speed:
     reasons: dict[str, str] = field(default_factory=dict)
     forced: dict = field(default_factory=dict)
     estimate: dict = field(default_factory=dict)
-    row_pad: int = 0               # without graphs: packed rows round up to a multiple of this many tokens
 
     def lines(self) -> list[str]:
         return [f"{name}: {reason}" for name, reason in self.reasons.items()]
@@ -185,9 +181,7 @@ def decide(cfg: Config, cuda: bool, shape: memory.Shape, world: int, free_gib: f
     compiled = force.get("compile", t.compile is True or (t.compile == "auto" and cuda))
     options = candidates(cfg, cuda, compiled, force)
     rate = (matrix_tflops or FALLBACK_TFLOPS) * 1e12 * RATE_SHARE
-    row_pad = batches.ROW_PAD if t.packing and force.get("row_pad", cuda) else 0
-    costed = [(o, memory_gib(cfg, shape, world, o, work, compiled, row_pad),
-               *time_s(cfg, shape, o, work, rate, compiled, row_pad)) for o in options]
+    costed = [(o, memory_gib(cfg, shape, world, o, work, compiled), *time_s(cfg, shape, o, work, rate, compiled)) for o in options]
     budget = None if free_gib is None else free_gib * (1 - MARGIN)
     fitting = [c for c in costed if budget is None or c[1] <= budget]
     best = min(fitting, key=lambda c: (c[2] * work.steps + c[3], c[1])) if fitting else min(costed, key=lambda c: c[1])
@@ -199,14 +193,11 @@ def decide(cfg: Config, cuda: bool, shape: memory.Shape, world: int, free_gib: f
         reasons["4-bit base"] = dequantize_reason(choice, costed, budget, force, t.strategy, cuda)
     reasons["CUDA graphs"] = graphs_reason(cfg, cuda, compiled, choice, best, fitting, work, force)
     reasons["DDP gradient buckets"] = bucket_why
-    row_pad = row_pad if choice.graphs == "off" else 0
-    if t.packing:
-        reasons["packed rows"] = rows_reason(row_pad, choice, cuda, force)
     estimate = {"step_s": best[2], "setup_s": best[3], "memory_gib": best[1], "free_gib": free_gib,
                 "steps": work.steps, "options": [{**dataclasses.asdict(o), "memory_gib": m, "step_s": s, "setup_s": u}
                                                  for o, m, s, u in costed]}
     return Speed(compiled, choice.graphs, choice.lengths, choice.checkpointing, choice.dequantize, bucket_mb,
-                 reasons, force, estimate, row_pad)
+                 reasons, force, estimate)
 
 
 def candidates(cfg: Config, cuda: bool, compiled: bool, force: dict) -> list[Option]:
@@ -241,27 +232,22 @@ def candidates(cfg: Config, cuda: bool, compiled: bool, force: dict) -> list[Opt
     return out
 
 
-def padded(work: Work, lengths: int, row_pad: int = 0) -> tuple[float, int, int]:
+def padded(work: Work, lengths: int) -> tuple[float, int, int]:
     """With `lengths` padded lengths: (computed tokens over real ones, the longest padded row, its
-    padded target rows); without (0): the same with rows rounded up to `row_pad`'s multiple, or
-    (1, the longest row, its targets)."""
+    padded target rows); without (0): (1, the longest row, its targets)."""
     if not work.rows:
         return 1.0, 0, 0
     tokens = [t for t, _ in work.rows]
     targets = max(n for _, n in work.rows)
     if not lengths:
-        if not row_pad:
-            return 1.0, max(tokens), targets
-        rounded = [-(-n // row_pad) * row_pad for n in tokens]
-        return sum(rounded) / max(sum(tokens), 1), max(rounded), -(-targets // batches.TARGET_PAD) * batches.TARGET_PAD
+        return 1.0, max(tokens), targets
     sizes = batches.pad_lengths(tokens, lengths, batches.GRAPH_PAD)
     total = sum(min(s for s in sizes if s >= n) for n in tokens)
     return total / max(sum(tokens), 1), max(sizes), -(-targets // batches.TARGET_PAD) * batches.TARGET_PAD
 
 
-def memory_gib(cfg: Config, shape: memory.Shape, world: int, o: Option, work: Work, compiled: bool,
-               row_pad: int = 0) -> float:
-    _, tokens, targets = padded(work, o.lengths, row_pad)
+def memory_gib(cfg: Config, shape: memory.Shape, world: int, o: Option, work: Work, compiled: bool) -> float:
+    _, tokens, targets = padded(work, o.lengths)
     shards = world if cfg.train.strategy == "fsdp" else 1
     job = memory.job_of(cfg, world, checkpointing=o.checkpointing, shards=shards, tokens=tokens or None,
                         targets=targets or None, compiled=compiled)
@@ -270,13 +256,13 @@ def memory_gib(cfg: Config, shape: memory.Shape, world: int, o: Option, work: Wo
 
 
 def time_s(cfg: Config, shape: memory.Shape, o: Option, work: Work, rate: float,
-           compiled: bool = True, row_pad: int = 0) -> tuple[float, float]:
+           compiled: bool = True) -> tuple[float, float]:
     """(seconds a step, seconds of set-up: compiling and recording) of option `o`, with layers
-    `compiled` or not and rows without graphs rounded up to `row_pad`: the model of the module docstring."""
+    `compiled` or not: the model of the module docstring."""
     t = cfg.train
     passes = 3 if o.checkpointing else 2  # forward, backward, and the forward checkpointing repeats
     per_weight = 2 * passes + (2 if t.method == "full" else 0)
-    stretch, _, _ = padded(work, o.lengths, row_pad)
+    stretch, _, _ = padded(work, o.lengths)
     tokens, head = work.tokens * stretch, shape.vocab * shape.hidden
     trained = 0 if t.method == "full" else shape.lora_params(cfg.lora.r, list(cfg.lora.target_modules))
     flops = per_weight * (shape.matrix_params * tokens + head * work.targets) + 6 * trained * tokens
@@ -378,15 +364,6 @@ def graphs_reason(cfg: Config, cuda: bool, compiled: bool, choice: Option, best:
         return f"off (the step is bound by the GPU, not the host: an estimated {best[2]:.3g} s a step either way)"
     return (f"off (over {steps}: an estimated {best[2] * work.steps + best[3]:.0f} s without, "
             f"against {alt[2] * work.steps + alt[3]:.0f} s with them, {alt[3]:.0f} s of it compiling and recording)")
-
-
-def rows_reason(row_pad: int, choice: Option, cuda: bool, force: dict) -> str:
-    if row_pad:
-        return (f"padded to multiples of {row_pad} tokens (cuBLAS picks kernels once per shape, at 2-4 ms of host "
-                f"time for each new one)" + _forced("row_pad", force))
-    if choice.graphs != "off":
-        return "padded to the recorded lengths (CUDA graphs)"
-    return "not padded" + (_forced("row_pad", force) if "row_pad" in force else "" if cuda else " (CPU)")
 
 
 def bucket(cfg: Config, shape: memory.Shape, world: int, cuda: bool, link: str, one_machine: bool,

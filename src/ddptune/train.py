@@ -145,7 +145,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
 
 
 def prepare(cfg, plan, acc, out, tokenizer, train_set, val_set, model, stream, chosen, flops, total) -> Run:
-    """The optimizer and schedule, DDP's wrapper (or FSDP2's sharding), the clock, the step's parts, the rows' padding."""
+    """The optimizer and schedule, DDP's wrapper (or FSDP2's sharding), the clock and the step's parts."""
     optimizer, scheduler = step_lib.build_optimizer(cfg.train, model, total, capturable=chosen.graphs == "step")
     loss_model = model_lib.CausalLMLoss(model)
     dist.set_bucket_mb(acc, chosen.bucket_mb)
@@ -161,8 +161,8 @@ def prepare(cfg, plan, acc, out, tokenizer, train_set, val_set, model, stream, c
     parts = step_lib.Parts(acc, ddp_model, params, getattr(optimizer, "optimizer", optimizer), cfg.train.max_grad_norm,
                            dist.sharded(loss_model), acc.autocast, layer_graphs=chosen.graphs == "layers",
                            keep_grads=chosen.graphs != "off" or dist.ddp_wrapper(ddp_model) is not None)
-    return Run(cfg, plan, acc, out, tokenizer, train_set, val_set, model, loss_model, parts, optimizer, scheduler,
-               dataclasses.replace(stream, row_pad=chosen.row_pad), chosen, clock, flops, 0, total, side=side)
+    return Run(cfg, plan, acc, out, tokenizer, train_set, val_set, model, loss_model, parts, optimizer, scheduler, stream,
+               chosen, clock, flops, 0, total, side=side)
 
 
 def free_gib(cfg: Config, acc: Accelerator) -> float | None:
