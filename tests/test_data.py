@@ -141,12 +141,6 @@ def test_packing_keeps_samples_apart():
     assert cu[:8] == [0, 5, 8, 13, 18, 23, 28, 30] and set(cu[8:]) == {30} and len(cu) == 64
     assert max(b - a for a, b in zip(cu, cu[1:])) <= long["max_length_q"] == 5
     assert long["targets"].tolist()[:5] == [7, 8, 7, 8, data.IGNORE]
-    # rows rounded up without graphs: the row and its targets only; the boundaries stay the samples'
-    # own (and pad samples no longer than the longest real one), so attention does no extra work
-    rounded = batches.collate_packed(forwards[0], pad_to=16)
-    assert rounded["input_ids"].shape == (1, 16) and rounded["max_length_q"] == 5
-    assert rounded["cu_seq_lens_q"].tolist() == [0, 5, 8, 13, 16]
-    assert rounded["targets"].tolist() == [7, 8, 7, 8] + [data.IGNORE] * pads
 
 
 def test_padded_target_counts_are_what_the_rows_give():

@@ -197,14 +197,13 @@ def collate_packed(examples: list[dict], pad_to: int = 0, max_length: int = 0) -
     max_length_q/k), and the loss targets with their positions. No padding and no mask: the
     attention kernel keeps every sample to itself.
 
-    `pad_to` rounds the row up to a multiple of that many tokens with pad samples (no targets), and
-    the targets to a multiple of TARGET_PAD (`pad_targets`), so that the GEMMs' shapes repeat. For
-    replayed CUDA graphs every shape must repeat: given `max_length` (the data's), the boundaries are
-    also repeated up to a multiple of 64 entries (empty samples) and `max_length` is given as the
-    longest sample. Without it the longest real sample is. No pad sample is longer than the longest
-    given: the flash kernel computes nothing past `max_length_q` in a sample and leaves those
-    positions' outputs unwritten (whatever the memory held, NaN included, which then reaches the
-    weight gradients as 0 * NaN although the loss never looks at them)."""
+    For replayed CUDA graphs the shapes must repeat: `pad_to` rounds the row up to a multiple of
+    that many tokens with pad samples (no targets), the boundaries are repeated up to a multiple of
+    64 entries (empty samples), and `max_length` (the data's) is given as the longest sample. No pad
+    sample is longer than that: the flash kernel computes nothing past `max_length_q` in a sample and
+    leaves those positions' outputs unwritten (whatever the memory held, NaN included, which then
+    reaches the weight gradients as 0 * NaN although the loss never looks at them). The targets
+    are padded too, to a multiple of TARGET_PAD (`pad_targets`)."""
     lengths = [len(e["input_ids"]) for e in examples]
     longest = max_length or max(lengths)
     pad = -sum(lengths) % pad_to if pad_to else 0
@@ -215,7 +214,7 @@ def collate_packed(examples: list[dict], pad_to: int = 0, max_length: int = 0) -
     cu = torch.tensor(bounds, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     for a in cu[1:-1].tolist():  # the last token of a sample predicts nothing in the next one
         labels[0][a] = IGNORE
-    if pad_to and max_length:  # graphs: the boundaries' count repeats too (a wider attention launch than needed)
+    if pad_to:
         cu = torch.cat([cu, cu[-1:].expand(-len(cu) % 64)])
     index, targets = targets_of(labels)
     if pad_to:
@@ -341,7 +340,7 @@ class Stream:
         if not self.packing:
             return collate(group, pad_id)
         pad_to = self.padded_length(tokens_of(group))
-        return collate_packed(group, pad_to=pad_to, max_length=self.max_length if pad_to else 0)
+        return collate_packed(group, pad_to=pad_to, max_length=self.max_length) if pad_to else collate_packed(group)
 
     def shape(self, forwards: list[list[dict]]) -> tuple:
         """What a recorded step is recorded for: each packed row's (tokens, boundary entries, target rows)."""

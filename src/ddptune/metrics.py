@@ -108,7 +108,7 @@ def step_row(step: int, loss: float, lr: float, grad_norm: float, samples: int, 
            "target_tokens": targets, "padded_tokens": computed, "forwards": forwards, "step_time_s": dt,
            "tokens_per_s": tokens / dt, "tokens_per_s_per_gpu": tokens / dt / world,
            "compute_s": times["compute_s"], "wait_s": times["wait_s"], "optimizer_s": times["optimizer_s"],
-           "host_s": times.get("host_s"), "balance": balance}
+           "host_s": times["host_s"], "balance": balance}
     if peak:
         row["mfu"] = flops / dt / world / (peak * 1e12)
         row["peak_mem_gib"] = peak_mem
