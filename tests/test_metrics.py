@@ -103,7 +103,7 @@ def test_a_step_after_validation_or_a_save_is_timed_from_its_own_start():
 
 def test_a_steps_host_time_is_the_hosts_own_time_to_issue_it():
     """host_s counts the host's time from a step's start to its end, not the time between steps:
-    beside step_s it says whether the device waited for the host."""
+    well under step_s, the host kept ahead of the device."""
     import time
 
     from ddptune import dist

@@ -375,8 +375,9 @@ class StepClock:
       wait      = synced - grads_ready   the gradient all-reduce, including waiting for slower processes
       optimizer = end - synced           clipping, the update, zeroing
       step      = end - previous end     (the first step, and the first after `pause()`: end - start)
-      host      = the host's own time from start to end (perf_counter): issuing the step's work. Near
-                  or above `step`, the device waited for the host (a step bound by the host, not the GPU)
+      host      = the host's own time from start to end (perf_counter): issuing the step's work. Well
+                  under `step`, the host kept ahead; near it, either the device waited for the host or
+                  the host for room in a full launch queue (benchmarks/host_cuts.py tells which)
     `read()` is called a step later, when the events are long done. `buckets`: how many gradient
     buckets DDP handed over in the step begun last.
     """
