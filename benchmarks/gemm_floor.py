@@ -70,7 +70,6 @@ def floor(preset: str, tokens: int, repeat: int) -> dict:
     for name, size in memory.PROJECTIONS.items():
         d_in, d_out = size(shape)
         x, w, dy = (torch.randn(*s, device="cuda", dtype=torch.bfloat16) for s in ((tokens, d_in), (d_out, d_in), (tokens, d_out)))
-        torch.cuda.synchronize()
         host = {"forward": host_s(lambda: x @ w.t()), "grad_input": host_s(lambda: dy @ w)}
         forward, grad_input = timed(lambda: x @ w.t(), repeat), timed(lambda: dy @ w, repeat)
         rows.append({"projection": name, "d_in": d_in, "d_out": d_out, "forward_ms": forward * 1e3,
