@@ -40,7 +40,22 @@ def test_the_8b_qlora_job_on_an_h200_runs_without_checkpointing_on_a_dequantized
     plain = next(o for o in chosen.estimate["options"] if (o["checkpointing"], o["dequantize"], o["graphs"]) == (False, True, "off"))
     assert 0.18 < plain["step_s"] < 0.28 and 40 < plain["memory_gib"] < 60
     assert set(chosen.reasons) == {"compiled layers", "gradient checkpointing", "4-bit base", "CUDA graphs",
-                                   "DDP gradient buckets"}
+                                   "DDP gradient buckets", "combined kernels"}
+
+
+def test_kernels_are_combined_only_where_the_host_launches_them(monkeypatch):
+    """Combo kernels cut launches, which only a step the host issues kernel by kernel pays for: not a
+    recorded step, nor layers left uncompiled (a CPU run)."""
+    plain = decide(["train.gradient_checkpointing=true"], 139.3, samsum_like(921))  # compiled layers, no graphs
+    never = decide(["train.cuda_graphs=false"], 139.3, samsum_like(51))
+    assert (plain.graphs, never.graphs) == ("off", "off") and plain.combo and never.combo
+    recorded = decide(["train.method=lora"], 139.3, samsum_like(102), preset="smollm2-135m")
+    assert recorded.graphs == "step" and not recorded.combo
+    cpu = decide(["train.method=lora"], None, samsum_like(15), preset="tiny", cuda=False)
+    assert not cpu.combo and not cpu.compiled
+    monkeypatch.setenv(speed.FORCE_ENV, "combo=false,samples=14736")
+    forced = decide(["train.cuda_graphs=false"], 139.3, samsum_like(51))
+    assert forced.graphs == "off" and not forced.combo and forced.forced["combo"] is False
 
 
 def test_a_smaller_gpu_turns_checkpointing_on_and_keeps_the_base_in_4_bits():

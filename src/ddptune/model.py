@@ -250,13 +250,15 @@ def dequantize_base(model, precision: str, device: torch.device):
         gc.collect()
 
 
-def compile_layers(model, cuda_graphs: bool = False, static: bool = False) -> None:
+def compile_layers(model, cuda_graphs: bool = False, static: bool = False, combo: bool = False) -> None:
     """torch.compile every decoder layer (regional compilation: the layers share one compiled
     graph, so compile time is that of one layer). With `cuda_graphs`, each layer's forward and
     backward are recorded once per input shape and replayed (mode reduce-overhead). Graphs are
     compiled for static shapes, one compile per padded length: in torch 2.11 replaying graphs
     compiled for dynamic shapes crashed the process (SIGSEGV in the backward, seen on H200).
-    `static` alone: static shapes without graphs of their own (a whole step recorded around them)."""
+    `static` alone: static shapes without graphs of their own (a whole step recorded around them).
+    `combo`: Inductor's combo kernels, independent kernels launched as one (fewer launches where the
+    host issues every kernel of every step)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if cuda_graphs or static:  # a few padded lengths, times the first layer (whose input needs no gradient)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
@@ -268,7 +270,8 @@ def compile_layers(model, cuda_graphs: bool = False, static: bool = False) -> No
             # inputs are kept), and each recording holds one whole forward or backward.
             layer.gradient_checkpointing = False
             layer.forward = _checkpointed(layer.forward)
-        layer.compile(dynamic=not (cuda_graphs or static), mode="reduce-overhead" if cuda_graphs else None)
+        how = {"mode": "reduce-overhead"} if cuda_graphs else {"options": {"combo_kernels": True}} if combo else {}
+        layer.compile(dynamic=not (cuda_graphs or static), **how)
 
 
 def uncompile_layers(model) -> None:

@@ -76,7 +76,7 @@ LENGTH_S = 22.0               # with graphs: one padded length's static-shape co
 GRAPH_COUNTS = (1, 2, 4)      # padded lengths tried
 FORCE_ENV = "DDPTUNE_SPEED"
 FORCE_KEYS = {"graphs": ("off", "layers", "step"), "lengths": int, "checkpointing": bool, "dequantize": bool,
-              "bucket_mb": float, "compile": bool, "samples": int, "epochs": float}
+              "bucket_mb": float, "compile": bool, "combo": bool, "samples": int, "epochs": float}
 HORIZON_KEYS = {"samples", "epochs"}  # not choices: the job the choices are made for
 
 
@@ -111,6 +111,7 @@ class Speed:
     checkpointing: bool
     dequantize: bool
     bucket_mb: float | None        # None: torch's default
+    combo: bool = False            # compiled layers combine independent kernels into one launch
     reasons: dict[str, str] = field(default_factory=dict)
     forced: dict = field(default_factory=dict)
     estimate: dict = field(default_factory=dict)
@@ -193,11 +194,13 @@ def decide(cfg: Config, cuda: bool, shape: memory.Shape, world: int, free_gib: f
         reasons["4-bit base"] = dequantize_reason(choice, costed, budget, force, t.strategy, cuda)
     reasons["CUDA graphs"] = graphs_reason(cfg, cuda, compiled, choice, best, fitting, work, force)
     reasons["DDP gradient buckets"] = bucket_why
+    combo = force.get("combo", compiled and cuda and choice.graphs == "off")
+    reasons["combined kernels"] = combo_reason(combo, compiled, cuda, choice.graphs, force)
     estimate = {"step_s": best[2], "setup_s": best[3], "memory_gib": best[1], "free_gib": free_gib,
                 "steps": work.steps, "options": [{**dataclasses.asdict(o), "memory_gib": m, "step_s": s, "setup_s": u}
                                                  for o, m, s, u in costed]}
     return Speed(compiled, choice.graphs, choice.lengths, choice.checkpointing, choice.dequantize, bucket_mb,
-                 reasons, force, estimate)
+                 combo, reasons, force, estimate)
 
 
 def candidates(cfg: Config, cuda: bool, compiled: bool, force: dict) -> list[Option]:
@@ -299,6 +302,15 @@ def compile_reason(setting, compiled: bool, cuda: bool, forced_: bool) -> str:
     if setting != "auto":
         return ("on" if compiled else "off") + f" (train.compile={str(setting).lower()})"
     return "on (CUDA)" if cuda else "off (CPU: compiling costs more than a short run saves; train.compile=true compiles)"
+
+
+def combo_reason(combo: bool, compiled: bool, cuda: bool, graphs: str, force: dict) -> str:
+    if "combo" in force:
+        return ("on" if combo else "off") + _forced("combo", force)
+    if combo:
+        return "on (layers launched one by one: Inductor launches independent kernels together, fewer launches a step)"
+    return "off (" + ("compiled layers are off" if not compiled else "no CUDA device" if not cuda else
+                      "the step is recorded: its launches cost the host nothing") + ")"
 
 
 def checkpoint_reason(setting, choice: Option, costed: list, free_gib: float | None, force: dict) -> str:

@@ -183,7 +183,7 @@ def build_model(cfg: Config, base, chosen: speed_lib.Speed, device: torch.device
     set_seed(cfg.train.seed)  # adapters start equal on every process
     model = model_lib.add_adapters(base, cfg.train.method, cfg.lora, chosen.checkpointing)
     if chosen.compiled:
-        model_lib.compile_layers(model, cuda_graphs=chosen.graphs == "layers", static=chosen.graphs == "step")
+        model_lib.compile_layers(model, chosen.graphs == "layers", static=chosen.graphs == "step", combo=chosen.combo)
     return model
 
 
