@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import multiproc
 from conftest import ROOT, check, ddptune, metrics
-from ddptune import batches, checks, config, graphs, model as model_lib, train
+from ddptune import batches, checks, config, graphs, model as model_lib, speed as speed_lib, train
 from ddptune.config import ConfigError
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -403,7 +403,7 @@ def test_a_compile_that_fails_falls_back_to_eager_layers_with_the_same_losses(tm
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler here")
 
-    def compile_with_broken_backend(model, cuda_graphs=False, static=False):
+    def compile_with_broken_backend(model, cuda_graphs=False, static=False, **_):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         for layer in base.get_decoder().layers:
             layer.compile(backend=broken)
@@ -414,4 +414,27 @@ def test_a_compile_that_fails_falls_back_to_eager_layers_with_the_same_losses(tm
     fell, _ = train.run(config.load(TINY, [f"output_dir={tmp_path / 'fell'}", "train.compile=true", *args]))
     assert "falling back to eager layers" in capsys.readouterr().out
     assert fell["compiled"] is False and fell["speed"]["reasons"]["compiled layers"].startswith("off (compiling")
+    assert losses(tmp_path / "fell") == pytest.approx(losses(tmp_path / "eager"), abs=1e-6)
+
+
+def test_combined_kernels_that_fail_to_compile_fall_back_to_compiled_layers_without_them(tmp_path, monkeypatch):
+    """One level down, not two: where the layers' compile with combined kernels fails in the first step,
+    the step runs again with layers compiled without them (here dynamo's eager backend), to eager's losses."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("no combined kernels here")
+
+    built = []
+
+    def compile_layers(model, cuda_graphs=False, static=False, combo=False):
+        built.append(combo)
+        for layer in model.get_base_model().get_decoder().layers:
+            layer.compile(backend=broken if combo else "eager", dynamic=True)
+
+    args = ["train.max_steps=3", "data.val=null", "lora.dropout=0.0"]
+    eager, _ = train.run(config.load(TINY, [f"output_dir={tmp_path / 'eager'}", "train.compile=false", *args]))
+    monkeypatch.setattr(model_lib, "compile_layers", compile_layers)
+    monkeypatch.setenv(speed_lib.FORCE_ENV, "combo=true")
+    fell, _ = train.run(config.load(TINY, [f"output_dir={tmp_path / 'fell'}", "train.compile=true", *args]))
+    assert built == [True, False]
+    assert (fell["compiled"], fell["speed"]["combo"], fell["speed"]["compiled"]) == (True, False, True)
     assert losses(tmp_path / "fell") == pytest.approx(losses(tmp_path / "eager"), abs=1e-6)

@@ -12,7 +12,6 @@ step waits for the device: its figures are read one step later, while the next s
 """
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import math
@@ -26,7 +25,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from ddptune import batches, batchplan, checkpoint, checks, comm, config as config_lib, data, dist, generation, graphs
+from ddptune import batches, batchplan, checkpoint, checks, comm, config as config_lib, data, dist, fallback, generation, graphs
 from ddptune import memory, metrics, model as model_lib, rundir, runlog, saving, speed as speed_lib, step as step_lib
 from ddptune.batchplan import BatchPlan
 from ddptune.config import Config, ConfigError
@@ -196,26 +195,13 @@ def prepare_graphs(r: Run) -> None:
             r.stream, r.engine, note, failed = graphs.prepare(r.parts, r.loss_model, r.stream, r.start, r.total_steps,
                                                               r.speed, acc.process_index, r.tokenizer.pad_token_id, r.side, r.clock)
     except RuntimeError as e:  # compiling (or recording a layer) failed
-        fall_back_to_eager(r, f"compiling the layers for CUDA graphs failed ({dist.first_line(e)})")
+        fallback.to_eager(r, f"compiling the layers for CUDA graphs failed ({dist.first_line(e)})")
         return
     if failed:  # summary.json and the banner say what runs
         r.speed = r.speed.unrecorded(failed)
     warm = time.perf_counter() - t0
     r.times["load_s"] += warm
     acc.print(f"ddptune: CUDA graphs: {note} in {warm:.1f}s")
-
-
-def fall_back_to_eager(r: Run, why: str) -> None:
-    """The layers run uncompiled from here on: one line says why."""
-    model_lib.uncompile_layers(r.model)
-    torch._dynamo.reset()
-    r.engine, r.stream = None, r.stream.with_lengths([])
-    r.parts = dataclasses.replace(r.parts, layer_graphs=False)
-    reasons = {**r.speed.reasons, "compiled layers": f"off ({why}: fell back to eager layers)", "CUDA graphs": "off (eager layers)"}
-    r.speed = dataclasses.replace(r.speed, compiled=False, graphs="off", lengths=0, reasons=reasons)
-    for p in r.parts.params:
-        p.grad = None
-    r.accelerator.print(f"ddptune: {why}: falling back to eager layers")
 
 
 def announce(r: Run) -> None:
@@ -254,7 +240,7 @@ def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
     try:
         with runlog.profiling(r.out, cfg.train.profile_steps, r.accelerator.process_index, r.accelerator.device.type == "cuda") as profiler:
             for step in range(r.start, r.total_steps):
-                loop.launched(first_step(r, step) if step == r.start else train_step(r, step))  # the previous step is read meanwhile
+                loop.launched(fallback.first_step(r, step, train_step) if step == r.start else train_step(r, step))  # the previous step is read meanwhile
                 profiler.step()
                 if step == r.start:  # the model, data and compiled graphs live all run: never scan them again,
                     gc.collect()     # once what is already garbage is gone (frozen, cycles would live all run)
@@ -277,18 +263,6 @@ def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
             r.engine = None
             torch.cuda.empty_cache()
     return loop.history, loop.times
-
-
-def first_step(r: Run, step: int) -> dict:
-    """The run's first step, where compiled layers without graphs compile: if compiling fails, the
-    step runs again with eager layers (one line says why) instead of ending the run."""
-    if not r.speed.compiled or r.engine is not None or r.stream.graph_lengths:
-        return train_step(r, step)
-    try:
-        return train_step(r, step)
-    except torch._dynamo.exc.TorchDynamoException as e:
-        fall_back_to_eager(r, f"compiling the layers failed ({dist.first_line(e)})")
-        return train_step(r, step)
 
 
 class Loop:
