@@ -8,7 +8,10 @@ own steps (`Work`: their rows and tokens, known before the first step), `decide`
   step (fused AdamW), and how many padded lengths packed rows go to (train.cuda_graphs);
 - gradient checkpointing (train.gradient_checkpointing);
 - a QLoRA base kept dequantized in bf16 instead of dequantized in every pass;
-- DDP's gradient buckets.
+- DDP's gradient buckets;
+- Inductor's combo kernels (independent kernels launched as one) where compiled layers run without
+  graphs: there the host issues every launch, and the 8B step is bound by it (a steady-state profile:
+  the GPU idles after launches that came late, and no launch call waits for room in the queue).
 Every combination the config allows is costed, memory by `memory.estimate` and time by the model
 below over the run's remaining steps, set-up included; the fastest one whose memory fits the free
 GPU memory with `MARGIN` to spare wins. Nothing else in ddptune makes these choices. Each choice
@@ -45,7 +48,7 @@ with sharded memory. One DDP bucket (all-reduced after the backward) measured 1.
 on two NVLink H200s; elsewhere (PCIe, several machines) torch's overlapping buckets stay.
 
 `DDPTUNE_SPEED` forces choices for a benchmark (`graphs=off|layers|step,lengths=N,checkpointing=
-true|false,dequantize=true|false,bucket_mb=N,compile=true|false`); summary.json records what it forced.
+true|false,dequantize=true|false,bucket_mb=N,compile=true|false,combo=true|false`); summary.json records what it forced.
 `samples=N` or `epochs=E` there makes the choices for the job a short run stands for, its steps at the
 run's global batch, instead of the run's own steps: `ddptune scale` times short windows of a job, and
 passes the job's length so that each window runs as that job would.
