@@ -2,8 +2,10 @@
 
 A step whose host time (metrics.jsonl's host_s) equals its step time is either bound by the host, or
 bound by the GPU with the host blocked on a full launch queue. Cutting the host's work tells them
-apart: only a step bound by the host gets shorter. The cuts, for this measurement only (ddptune
-ships neither):
+apart where the cut is large enough to show: only a step bound by the host gets shorter (on the 8B
+step these cuts were too small to; a profile tells it directly: a host blocked on the queue spends
+that time inside launch calls, and gpu_gaps.py counts the GPU's waits for late launches). The cuts,
+for this measurement only (ddptune ships neither):
 - `asserts`: Inductor's size, alignment and scalar asserts off (checks in the compiled code's
   wrapper, before each call);
 - `asserts_guards`: the same, and from the fourth step on, Dynamo evaluates only the guards that tell

@@ -377,7 +377,8 @@ class StepClock:
       step      = end - previous end     (the first step, and the first after `pause()`: end - start)
       host      = the host's own time from start to end (perf_counter): issuing the step's work. Well
                   under `step`, the host kept ahead; near it, either the device waited for the host or
-                  the host for room in a full launch queue (benchmarks/host_cuts.py tells which)
+                  the host for room in a full launch queue (a profile tells which: that wait is spent
+                  inside launch calls)
     `read()` is called a step later, when the events are long done. `buckets`: how many gradient
     buckets DDP handed over in the step begun last.
     """
