@@ -376,7 +376,7 @@ def graphs_reason(cfg: Config, cuda: bool, compiled: bool, choice: Option, best:
         return "off (with them the run would not fit the free memory)"
     alt = min(on, key=lambda c: c[2] * work.steps + c[3])
     if alt[2] >= best[2]:
-        return f"off (the step is bound by the GPU, not the host: an estimated {best[2]:.3g} s a step either way)"
+        return f"off (no shorter a step with them by the estimate: {best[2]:.3g} s either way)"
     return (f"off (over {steps}: an estimated {best[2] * work.steps + best[3]:.0f} s without, "
             f"against {alt[2] * work.steps + alt[3]:.0f} s with them, {alt[3]:.0f} s of it compiling and recording)")
 
