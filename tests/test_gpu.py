@@ -274,3 +274,27 @@ def test_a_step_that_fails_to_record_falls_back_to_its_compiled_layers(tmp_path,
     assert summary["cuda_graphs"] == "off" and summary["compiled"] and len(summary["padded_lengths"]) == 1
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in fell)
     assert [r["loss"] for r in fell] == pytest.approx([r["loss"] for r in plain], rel=2e-2)
+
+
+@cuda
+def test_combined_kernels_train_to_the_losses_of_compiled_layers_without_them(tmp_path, monkeypatch):
+    """Combined kernels change how kernels are launched, not the math: compiled layers without graphs
+    (where the decider turns them on) give the losses and gradient norms they give without them, within
+    bf16's rounding, and summary.json says which ran."""
+    from conftest import ROOT
+    from ddptune import config, train
+
+    def run(name, combo):
+        torch._dynamo.reset()  # each run compiles its own layers, not the other's cached ones
+        monkeypatch.setenv("DDPTUNE_SPEED", f"graphs=off,combo={combo},dequantize=false")
+        cfg = config.load(ROOT / "configs" / "tiny.yaml", [
+            f"output_dir={tmp_path / name}", "train.max_steps=6", "data.val=null", "eval.enabled=false", "train.compile=true",
+            "train.micro_batch_size=8"])
+        summary, _ = train.run(cfg)
+        return summary, losses_of(tmp_path / name)
+
+    plain_summary, plain = run("plain", "false")
+    summary, combined = run("combined", "true")
+    assert (plain_summary["speed"]["combo"], summary["speed"]["combo"], summary["compiled"]) == (False, True, True)
+    for key, rel in (("loss", 2e-2), ("grad_norm", 5e-2)):
+        assert [r[key] for r in combined] == pytest.approx([r[key] for r in plain], rel=rel), key
