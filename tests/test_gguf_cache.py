@@ -14,27 +14,6 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "demo.yaml"
 
 
-@pytest.fixture
-def parsed_once():
-    """gguf's reader parses a file's header once here: transformers parses SmolLM2's whole header
-    (its 49k-token vocabulary, 6 s of a 2-core CPU) for every config, tokenizer and weights it reads
-    from the file, 6 times in this test. The file is mapped read-only and each read still maps and
-    dequantizes its own tensors from it."""
-    import gguf
-
-    real, readers = gguf.GGUFReader, {}
-
-    def reader(path, mode="r"):
-        key = (os.path.realpath(path), mode)
-        if key not in readers:
-            readers[key] = real(path, mode)
-        return readers[key]
-
-    with pytest.MonkeyPatch.context() as mp:  # a patch of its own: the test undoes its monkeypatch midway
-        mp.setattr(gguf, "GGUFReader", reader)
-        yield readers
-
-
 def test_a_gguf_model_and_tokenizer_load_from_their_converted_folders_with_the_files_values(tmp_path, monkeypatch,
                                                                                            parsed_once):
     monkeypatch.setenv("DDPTUNE_CACHE", str(tmp_path / "cache"))
