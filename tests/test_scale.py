@@ -8,7 +8,7 @@ import types
 import pytest
 
 from conftest import ROOT, check, ddptune, metrics
-from ddptune import scale, scaling
+from ddptune import cli, scale, scaling
 from ddptune.batchplan import BatchPlan
 from ddptune.config import ConfigError, TrainConfig
 
@@ -23,7 +23,7 @@ def both_modes(tmp_path_factory):
     return out, check(ddptune("scale", TINY, *FAST, "--nproc", "1,2", "--mode", "both", "--out", str(out)))
 
 
-def test_scale_both_modes_on_the_same_samples(both_modes):
+def test_scale_both_modes_on_the_same_samples(both_modes, capsys):
     out, proc = both_modes
 
     for name in ("scaling.json", "scaling.csv", "scaling.md", "scaling.png", "manifest.json"):
@@ -91,9 +91,9 @@ def test_scale_both_modes_on_the_same_samples(both_modes):
         chosen = json.loads((out / key / "summary.json").read_text())["speed"]
         assert chosen["estimate"]["steps"] == steps != manifest["runs"][key]["steps"]
 
-    # the folder is never overwritten
-    again = ddptune("scale", TINY, *FAST, "--nproc", "1,2", "--out", str(out))
-    assert again.returncode == 2 and "already holds files" in again.stderr
+    # the folder is never overwritten (in this process: a refusal before any run needs no new one)
+    assert cli.main(["scale", TINY, *FAST, "--nproc", "1,2", "--out", str(out)]) == 2
+    assert "already holds files" in capsys.readouterr().err
 
 
 def test_scale_four_processes_report_their_balance(tmp_path):
