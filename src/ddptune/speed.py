@@ -198,7 +198,7 @@ def decide(cfg: Config, cuda: bool, shape: memory.Shape, world: int, free_gib: f
     reasons["CUDA graphs"] = graphs_reason(cfg, cuda, compiled, choice, best, fitting, work, force)
     reasons["DDP gradient buckets"] = bucket_why
     combo = force.get("combo", compiled and cuda and choice.graphs == "off")
-    reasons["combined kernels"] = combo_reason(combo, compiled, cuda, choice.graphs, force)
+    reasons["combined kernels"] = combo_reason(combo, compiled, cuda, force)
     estimate = {"step_s": best[2], "setup_s": best[3], "memory_gib": best[1], "free_gib": free_gib,
                 "steps": work.steps, "options": [{**dataclasses.asdict(o), "memory_gib": m, "step_s": s, "setup_s": u}
                                                  for o, m, s, u in costed]}
@@ -307,7 +307,7 @@ def compile_reason(setting, compiled: bool, cuda: bool, forced_: bool) -> str:
     return "on (CUDA)" if cuda else "off (CPU: compiling costs more than a short run saves; train.compile=true compiles)"
 
 
-def combo_reason(combo: bool, compiled: bool, cuda: bool, graphs: str, force: dict) -> str:
+def combo_reason(combo: bool, compiled: bool, cuda: bool, force: dict) -> str:
     if "combo" in force:
         return ("on" if combo else "off") + _forced("combo", force)
     if combo:
