@@ -41,6 +41,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -184,18 +185,20 @@ def main() -> int:
                    help="a run of its own: NAME=section.key=value,section.key=value (repeatable; after --runs)")
     p.add_argument("--epoch", action="store_true",
                    help=f"ddptune runs train the tutorial's epoch, {EPOCH_STEPS} steps, timed end to end; the recipe's is extrapolated")
-    p.add_argument("--work", default="/tmp/ddptune-bench")
+    p.add_argument("--work", default="/tmp/ddptune-bench", help="the compiler and preset cache, and a new folder of this call's runs")
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"), help="the folder <name>.json goes to")
     args = p.parse_args()
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("DDPTUNE_CACHE", str(work / "cache"))
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("DDPTUNE_CACHE", str(Path(args.work) / "cache"))
+    # this call's runs and logs in a folder of their own: a run's output_dir from an earlier call on the same
+    # machine would be refused (it holds a run), and nothing here deletes one
+    work = Path(tempfile.mkdtemp(prefix=f"{args.name}-", dir=args.work))
 
     from ddptune import model as model_lib
 
     result = {"name": args.name, "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
               "preset": args.preset, "steps": args.steps, "warmup_steps_excluded": args.warmup,
-              "ddptune_steps": steps_of(args)}
+              "ddptune_steps": steps_of(args), "runs_folder": str(work)}
     result["matmul_tflops_bf16"] = matmul_tflops()  # the second MFU column's denominator (ddptune's is the datasheet's)
     import torch
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -32,7 +33,7 @@ def test_epoch_runs_train_every_step_of_it_and_are_timed_whole(tmp_path, monkeyp
     monkeypatch.delenv("OUT", raising=False)
     assert speed_bench.main() == 0
     result = json.loads((tmp_path / "epoch.json").read_text())
-    assert len([r for r in metrics(tmp_path / "work" / "shipped") if "step_time_s" in r]) == 5
+    assert len([r for r in metrics(Path(result["runs_folder"]) / "shipped") if "step_time_s" in r]) == 5
     shipped, epoch = result["shipped"], result["epoch"]
     assert shipped["steps"] == 5 and result["ddptune_steps"] == 5 and epoch["steps"] == 5
     assert len(shipped["step_times_s"]) == len(shipped["tokens"]) == 5 and min(shipped["tokens"]) > 0
@@ -62,3 +63,18 @@ def test_ddptune_runs_take_their_own_step_count_unless_timing_the_epoch():
     assert speed_bench.steps_of(Namespace(epoch=False, ddptune_steps=None, steps=30)) == 30
     assert speed_bench.steps_of(Namespace(epoch=False, ddptune_steps=150, steps=30)) == 150
     assert speed_bench.steps_of(Namespace(epoch=True, ddptune_steps=150, steps=30)) == speed_bench.EPOCH_STEPS
+
+
+def test_a_second_call_on_the_same_machine_runs_in_a_folder_of_its_own(tmp_path, monkeypatch):
+    """Runs of an earlier call with the same name stay where they are: a run's output_dir that holds a run
+    is refused, so each call gets a new folder of runs and deletes nothing."""
+    argv = ["speed.py", "--name", "again", "--preset", "tiny", "--skip-reference", "--runs", "", "--tokenizer", "-",
+            "--data", "demo", "--work", str(tmp_path / "work"), "--results", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.delenv("OUT", raising=False)
+    folders = []
+    for _ in range(2):
+        assert speed_bench.main() == 0
+        folders.append(Path(json.loads((tmp_path / "again.json").read_text())["runs_folder"]))
+        (folders[-1] / "shipped").mkdir()  # what a run leaves behind
+    assert folders[0] != folders[1] and all(f.parent == tmp_path / "work" and (f / "shipped").is_dir() for f in folders)
