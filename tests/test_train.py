@@ -52,9 +52,10 @@ def test_cli_two_processes_end_to_end(tmp_path):
     for name in ("config.yaml", "metrics.jsonl", "ranks.jsonl", "summary.json", "adapter/adapter_model.safetensors",
                  "adapter/adapter_config.json", "adapter/tokenizer.json", "adapter/ddptune.yaml", "profile.txt"):
         assert (out / name).is_file(), name
-    for trace in ("trace.json", "trace-rank1.json"):  # every process's timeline, each with its profiled steps (3 and 4)
+    for trace in ("trace.json", "trace-rank1.json"):  # every process's timeline, each with its profiled steps: the
+        # last two of 30 (steps 29 and 30), as late as a run shorter than 60 steps and the two profiled allows
         steps = {e["name"] for e in json.loads((out / trace).read_text())["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")}
-        assert steps == {"ProfilerStep#2", "ProfilerStep#3"}, (trace, steps)
+        assert steps == {"ProfilerStep#28", "ProfilerStep#29"}, (trace, steps)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["global_batch"] == 8 and summary["per_process"] == 4
     assert len(set(summary["replica_fingerprints"])) == 1  # both replicas hold the same weights
@@ -375,6 +376,14 @@ def test_profile_window_that_does_not_fit_is_refused(tmp_path):
     cfg = config.load(TINY, [f"output_dir={tmp_path / 'run'}", "train.max_steps=3", "train.profile_steps=2"])
     with pytest.raises(ConfigError, match="train.profile_steps: 2 steps after the first 2 need train.max_steps >= 4"):
         checks.validate(cfg, 1)
+
+
+def test_profiled_steps_come_once_the_run_is_steady_or_as_late_as_it_allows():
+    from ddptune import runlog
+
+    # (steps left, steps profiled) -> steps before the profiled ones
+    cases = {(921, 3): 60, (64, 3): 60, (63, 3): 60, (62, 3): 59, (7, 3): 4, (5, 3): 2, (4, 3): 2}
+    assert {k: runlog.profile_wait(*k) for k in cases} == cases
 
 
 def _diverge_one_replica(out: str) -> str:

@@ -195,11 +195,16 @@ class _NoProfiler:
         pass
 
 
-def profiling(out: Path, steps: int, rank: int, cuda: bool):
-    """torch.profiler over train.profile_steps steps after the first PROFILE_AFTER, or nothing."""
+def profile_wait(steps_left: int, n: int) -> int:
+    """Steps before the `n` profiled ones of a run with `steps_left` steps to go: PROFILE_STEADY where
+    the run is long enough, else as many as leave room for them, and at least PROFILE_AFTER."""
+    return max(config_lib.PROFILE_AFTER, min(config_lib.PROFILE_STEADY, steps_left - n))
+
+
+def profiling(out: Path, n: int, steps_left: int, rank: int, cuda: bool):
+    """torch.profiler over `n` (train.profile_steps) steps after the first profile_wait ones, or nothing."""
     import torch
 
-    n = steps
     if not n:
         return nullcontext(_NoProfiler())
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -214,5 +219,5 @@ def profiling(out: Path, steps: int, rank: int, cuda: bool):
         out.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace_path(out, rank)))
 
-    schedule = torch.profiler.schedule(wait=config_lib.PROFILE_AFTER - 1, warmup=1, active=n, repeat=1)
+    schedule = torch.profiler.schedule(wait=profile_wait(steps_left, n) - 1, warmup=1, active=n, repeat=1)
     return torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=write)

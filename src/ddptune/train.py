@@ -238,7 +238,8 @@ def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
     gc.disable()  # Python's collector would pause each process at its own moment: collect on all at once instead
     step = r.start
     try:
-        with runlog.profiling(r.out, cfg.train.profile_steps, r.accelerator.process_index, r.accelerator.device.type == "cuda") as profiler:
+        with runlog.profiling(r.out, cfg.train.profile_steps, r.total_steps - r.start, r.accelerator.process_index,
+                              r.accelerator.device.type == "cuda") as profiler:
             for step in range(r.start, r.total_steps):
                 loop.launched(fallback.first_step(r, step, train_step) if step == r.start else train_step(r, step))  # the previous step is read meanwhile
                 profiler.step()
