@@ -408,6 +408,25 @@ def test_a_replica_that_drifts_is_caught_at_the_end_of_the_run(tmp_path):
     assert not (tmp_path / "run" / "adapter").exists()  # nothing diverged is saved
 
 
+def test_a_validation_pass_leaves_a_4bit_base_as_it_trains(monkeypatch):
+    """bitsandbytes repacks a 4-bit weight for CPU inference at its first eval-mode forward without
+    gradients where the CPU has AVX512-BF16 (this process is made to think it has, whatever it has),
+    dropping the double quantization and rounding the scales to bf16: validation mid-run would leave
+    training on other weights. The base's codes and scales come out of an eval pass bit for bit."""
+    import bitsandbytes as bnb
+
+    monkeypatch.setattr(bnb.nn.modules, "has_avx512bf16", lambda: True)
+    cfg = config.load(TINY, [])
+    base = model_lib.load_model(cfg.model, "qlora", torch.device("cpu"), cfg.train.precision, 0)
+    layers = model_lib.four_bit_layers(base)
+    state = lambda: [(m.weight.data.clone(), m.weight.quant_state.absmax.clone()) for m in layers]  # noqa: E731
+    before = state()
+    base.eval()
+    with torch.no_grad():
+        base(torch.tensor([[256, 72, 105, 33, 10, 65]]))
+    assert len(layers) == 14 and all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(before, state()))
+
+
 def test_a_compile_that_fails_falls_back_to_eager_layers_with_the_same_losses(tmp_path, monkeypatch, capsys):
     """Compiling the layers fails in the first step (a backend that raises, as a broken toolchain
     would): the run goes on with eager layers, one line says why, and the losses are eager's."""

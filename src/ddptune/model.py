@@ -230,7 +230,17 @@ def load_model(m: ModelConfig, method: str, device: torch.device, precision: str
     else:
         model = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, revision=m.revision, **kwargs)
     model.config.use_cache = False
+    never_repack(model)
     return model
+
+
+def never_repack(model) -> None:
+    """No 4-bit layer repacks its weight for CPU inference. On CPUs with AVX512-BF16, bitsandbytes does
+    so in place at a layer's first eval-mode forward without gradients: it drops the double quantization
+    and rounds the block scales to bf16. A validation pass mid-run would then leave the rest of training
+    on other base weights (seen: the loss after one validation moved by 2.6e-3 on a 4-step tiny run)."""
+    for layer in four_bit_layers(model):
+        layer.support_avx512bf16_for_cpu = False
 
 
 def dequantize_base(model, precision: str, device: torch.device):
@@ -391,14 +401,13 @@ def keep_quant_state(model) -> int:
     """Ready a 4-bit base for a sharder that swaps each weight for a shard of it and gathers it back
     as a plain tensor before each forward (FSDP2): every 4-bit layer holds its weight's quantization
     state itself (bitsandbytes puts it back onto the gathered weight in the layer's forward), and
-    never repacks its weight for CPU inference in place (bitsandbytes does so on CPUs with AVX512-BF16
-    in eval mode, rewriting the shared state for a layout the next gathered weight does not have).
-    Returns how many 4-bit layers there are."""
+    never repacks its weight for CPU inference (`never_repack`: that would rewrite the shared state for
+    a layout the next gathered weight does not have). Returns how many 4-bit layers there are."""
     layers = four_bit_layers(model)
     for m in layers:
         if getattr(m.weight, "quant_state", None) is not None:
             m.quant_state = m.weight.quant_state
-        m.support_avx512bf16_for_cpu = False
+    never_repack(model)
     return len(layers)
 
 
