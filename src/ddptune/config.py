@@ -176,8 +176,7 @@ class TrainConfig:
     """Validation loss every N optimizer steps (needs data.val); 0: only at the end."""
     profile_steps: int = 0
     """Profile N optimizer steps with torch.profiler once the run is steady: after its first 60 steps, or as
-    late as a shorter run allows, at least after the first two. Writes output_dir/profile.txt and a
-    timeline per process (trace.json, trace-rankK.json). 0: off."""
+    late as a shorter run allows (after 2 at least): output_dir/profile.txt and trace.json, trace-rankK.json per process. 0: off."""
     log_with: Literal["none", "tensorboard", "wandb", "mlflow"] = "none"
     """Also send metrics.jsonl's rows to TensorBoard (output_dir/tensorboard), Weights & Biases or
     MLflow (project `ddptune`, run named after output_dir; pip install wandb or mlflow)."""
@@ -209,11 +208,9 @@ class Config:
 
 
 # Keys ddptune now decides itself (speed.py), each refused with one line that says so.
-RETIRED = {"train.dequantize_base", "train.cuda_graph_scope", "train.cuda_graph_lengths", "train.ddp_bucket_mb",
-           "train.profile_after"}
+RETIRED = {"train.dequantize_base", "train.cuda_graph_scope", "train.cuda_graph_lengths", "train.ddp_bucket_mb", "train.profile_after"}
 PROFILE_AFTER = 2  # steps before the profiled ones (train.profile_steps) at least: the first step compiles
-PROFILE_STEADY = 60  # and at most, where the run is that long: early steps still meet new row lengths, whose
-                     # first matrix multiplies cost milliseconds of host time each and make a step look host-bound
+PROFILE_STEADY = 60  # and at most (runlog.profile_wait): early steps still meet row lengths for the first time
 
 
 # ---------------------------------------------------------------------------------------------

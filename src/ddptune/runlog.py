@@ -197,7 +197,9 @@ class _NoProfiler:
 
 def profile_wait(steps_left: int, n: int) -> int:
     """Steps before the `n` profiled ones of a run with `steps_left` steps to go: PROFILE_STEADY where
-    the run is long enough, else as many as leave room for them, and at least PROFILE_AFTER."""
+    the run is long enough, else as many as leave room for them, and at least PROFILE_AFTER. Early
+    steps meet row lengths for the first time, whose first matrix multiplies cost milliseconds of host
+    time each: a profile of them reads as host-bound where the run's steady steps are not."""
     return max(config_lib.PROFILE_AFTER, min(config_lib.PROFILE_STEADY, steps_left - n))
 
 
