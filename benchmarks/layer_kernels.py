@@ -34,6 +34,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 
+def _on(value: str) -> bool:
+    return value.lower() in ("1", "true", "on")
+
+
 def settings(text: str) -> tuple[dict, dict]:
     """(environment, options) of a variant's SETTINGS."""
     env, options = {}, {"dropout": None, "combo": True, "inductor": {}}
@@ -42,9 +46,9 @@ def settings(text: str) -> tuple[dict, dict]:
         if key == "dropout":
             options["dropout"] = float(value)
         elif key == "combo":
-            options["combo"] = value.lower() in ("1", "true", "on")
+            options["combo"] = _on(value)
         elif key.startswith("inductor."):
-            options["inductor"][key.split(".", 1)[1]] = value.lower() in ("1", "true", "on")
+            options["inductor"][key.split(".", 1)[1]] = _on(value)
         elif key.isupper():
             env[key] = value
         else:
@@ -164,9 +168,10 @@ def main(argv=None) -> int:
         print(json.dumps(measure(o["preset"], o["tokens"], o["layers"], o["dropout"], o["combo"], o["repeat"], o["inductor"])))
         return 0
     results = {"preset": args.preset, "layers": args.layers, "repeat": args.repeat, "variants": {}}
-    for v in args.variant or ["shipped="]:
-        name, _, text = v.partition("=")
+    variants = [v.partition("=")[::2] for v in args.variant or ["shipped="]]
+    for _, text in variants:
         settings(text)  # a bad setting stops before any run
+    for name, text in variants:
         r = results["variants"][name] = run_variant(name, text, args)
         print(name, json.dumps({k: r.get(k) for k in ("rc", "wall_s", "first_step_s", "first_loss", "tokens", "peak_gib")}), flush=True)
         if args.json:

@@ -20,10 +20,12 @@ def test_a_variants_settings_split_into_environment_inductor_switches_and_option
     assert layer_kernels.settings("") == ({}, {"dropout": None, "combo": True, "inductor": {}})
 
 
-def test_an_unknown_setting_stops_before_any_run():
+def test_an_unknown_setting_stops_before_any_run(monkeypatch):
+    ran = []
+    monkeypatch.setattr(layer_kernels, "run_variant", lambda name, *_: ran.append(name) or {"rc": 0})
     with pytest.raises(SystemExit) as stop:
-        layer_kernels.main(["--variant", "bad=lora_rank=8"])
-    assert stop.value.code not in (0, None)
+        layer_kernels.main(["--variant", "shipped=", "--variant", "bad=lora_rank=8"])
+    assert stop.value.code not in (0, None) and ran == []
 
 
 @pytest.mark.parametrize("tokens", [120, 3324])
