@@ -313,7 +313,7 @@ CASES = [
     ("save lead NaN", [*TRAIN, "train.save_lead_seconds=.nan"], ["train.save_lead_seconds: must be a positive number of seconds"]),
     # --- --resume
     ("resume into nothing", [*TRAIN, "--resume"], ["output_dir: --resume found no checkpoints in"]),
-    ("resume a finished run", ["train", "{cfg}", "output_dir={done}", "--resume"], ["is complete (it wrote summary.json and its weights): nothing to resume"]),
+    ("resume a finished run", ["train", "{cfg}", "output_dir={done}", "--resume"], ["is complete (it wrote summary.json and its weights, adapter/): nothing to resume"]),
     ("resume with no complete checkpoint", ["train", "{cfg}", "output_dir={bare}", "train.save_every=2", "--resume"],
      ["--resume: no checkpoint in ", "can be read back", "start afresh into a new output_dir"]),
     ("resume from a checkpoint of 0 processes", ["train", "{cfg}", "output_dir={noworld}", "train.save_every=2", "--resume"],

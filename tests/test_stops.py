@@ -230,3 +230,42 @@ def test_a_stop_is_timed_from_recent_steps_not_the_first():
                            "needs about 10.5 s, more than train.save_lead_seconds=10")
     assert times.note(4, 9.0, [90.0, 1.0, 5.0, 6.0]) is None  # warned once
     assert saving.SaveTimes(lead=None).note(1, 0.25, []) == "ddptune: a checkpoint (step 1) took 0.25 s to save"
+
+
+def _digest(folder) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def left_runs(tmp_path_factory) -> dict:
+    """A LoRA run in each state a resubmission can meet: finished with no checkpoint (save_every 0),
+    interrupted after its step-2 checkpoint, and interrupted having saved none."""
+    base = tmp_path_factory.mktemp("left")
+    runs = {name: base / name for name in ("finished", "checkpointed", "unsaved")}
+    for name, out in runs.items():
+        assert cli.main(_train(out, *(["train.save_every=2"] if name == "checkpointed" else []))) == 0
+    for out in (runs["checkpointed"], runs["unsaved"]):
+        for path in (out / "adapter", out / "summary.json", out / "checkpoints" / "step-000004"):
+            path.unlink() if path.is_file() else __import__("shutil").rmtree(path, ignore_errors=True)
+    return runs
+
+
+@pytest.mark.parametrize("mode", [["--resume", "auto"], ["--resume"]], ids=["auto", "resume"])
+@pytest.mark.parametrize("change", [[], ["train.method=full"], ["train.lr=0.5"]], ids=["same", "method", "lr"])
+@pytest.mark.parametrize("state", ["finished", "checkpointed", "unsaved"])
+def test_a_resubmission_never_replaces_a_run_of_another_config(left_runs, tmp_path, capsys, state, change, mode):
+    """{finished, interrupted with a checkpoint, interrupted without} x {same config, another method,
+    another lr} x {--resume auto (what the SLURM script passes), --resume}: a finished run is never
+    started again, a changed config is refused naming the key, and a refusal changes no file."""
+    out = tmp_path / "run"
+    __import__("shutil").copytree(left_runs[state], out)
+    before = _digest(out)
+    code = cli.main(_train(out, *(["train.save_every=2"] if state == "checkpointed" else []), *change, *mode))
+    goes_on = not change and (state == "checkpointed" or (state == "unsaved" and mode == ["--resume", "auto"]))
+    if goes_on:
+        assert code == 0 and json.loads((out / "summary.json").read_text())["steps"] == 4
+        assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    else:
+        assert code == 2 and _digest(out) == before
+        if change and not (mode == ["--resume"] and state == "unsaved"):  # (that one has nothing to resume from)
+            assert change[0].split("=")[0] in capsys.readouterr().err  # the key that differs is named

@@ -239,9 +239,11 @@ def template_problems(cfg: Config) -> list[str]:
 def resume_mode(cfg: Config, resume: str | None, overwrite: bool) -> tuple[bool, bool]:
     """(resume, overwrite) for `--resume` (yes), `--resume auto` and neither. auto starts the run when
     output_dir holds none, continues it from its newest checkpoint when it holds an unfinished one,
-    and starts it again when that one saved no checkpoint yet (its own files cleared, nothing else):
-    what a job a scheduler requeued after preempting it needs. Without --resume, a run that stopped
-    or failed before its first step (rundir.untrained) is started again over its own files."""
+    and starts it again when that one saved no checkpoint yet (its own files cleared, nothing else),
+    but only with the config it was started with: what a job a scheduler requeued after preempting it
+    needs. A finished run (by what it wrote) is never started again: output_problems refuses it. Without
+    --resume, a run that stopped or failed before its first step (rundir.untrained) is started again
+    over its own files."""
     if resume is None:
         return False, overwrite or rundir.untrained(Path(cfg.output_dir))
     if resume == "yes":
@@ -251,9 +253,11 @@ def resume_mode(cfg: Config, resume: str | None, overwrite: bool) -> tuple[bool,
     out = Path(cfg.output_dir)
     if not rundir.entries(out) or not rundir.is_run(out):
         return False, False  # a new run (and output_problems refuses a folder of someone else's files)
-    if (out / "summary.json").is_file() and rundir.trained_weights_dir(out, cfg.train.method).is_dir():
-        return True, False  # complete: output_problems says so
-    return (True, False) if has_checkpoint(out) else (False, True)
+    if rundir.finished(out) or has_checkpoint(out):
+        return True, False  # complete (output_problems says so) or continued
+    if problems := config_changes(out, cfg):  # its files would be cleared for a run of another config
+        raise ConfigError(problems)
+    return False, True
 
 
 def has_checkpoint(output_dir: str | Path) -> bool:
@@ -274,9 +278,14 @@ def output_problems(cfg: Config, resume: bool, world_size: int | None = None, ov
         return ["--overwrite: cannot be combined with --resume (continue the run, or start it again, not both)"]
     if not resume:
         return fresh_start_problems(out, overwrite)
-    if (out / "summary.json").is_file() and rundir.trained_weights_dir(out, cfg.train.method).is_dir():
-        return [f"output_dir: the run in {out} is complete (it wrote summary.json and its weights): nothing to resume "
-                "(raise train.max_steps into a new output_dir to train on)"]
+    if weights := rundir.finished(out):
+        try:
+            changed = ", ".join(changed_keys(out, cfg))
+        except ConfigError:
+            changed = ""  # its config.yaml cannot be read: the run is complete all the same
+        return [f"output_dir: the run in {out} is complete (it wrote summary.json and its weights, {weights.name}/): "
+                "nothing to resume" + (f"; this config differs from its config.yaml in {changed}" if changed else "")
+                + " (choose a new output_dir to train again; nothing was deleted)"]
     if rundir.untrained(out):
         return [f"output_dir: --resume found no checkpoints in {out}: its run stopped before its first step (run the "
                 "same command without --resume to start it)"]
@@ -314,17 +323,31 @@ def output_problems(cfg: Config, resume: bool, world_size: int | None = None, ov
         return [f"--resume: {path} was written by {state['world_size']} processes with {state['global_batch']} samples "
                 f"per optimizer step; {world_size} process(es) would not take the same: set "
                 f"train.effective_batch_size={state['global_batch']} (or resume with --nproc {state['world_size']})"]
-    if not (out / "config.yaml").exists():
-        return []
+    return config_changes(out, cfg, same_batch)
+
+
+def config_changes(out: Path, cfg: Config, same_batch: bool = False) -> list[str]:
+    """A line per key whose value in `cfg` is not the one the run in `out` was made with (its
+    config.yaml), leaving out the keys that change no result (and the batch keys where the global batch
+    is the same); none when the run has no config.yaml. A run continues or starts again only as itself."""
     try:
-        saved = config_lib.flatten(config_lib.read_yaml(out / "config.yaml", "output_dir"))
+        changed = changed_keys(out, cfg, same_batch)
     except ConfigError as e:
         return [f"{e.problems[0]} (resume needs the run's own config.yaml)"]
+    return [f"{key}: is {new!r} but the run being resumed used {old!r} (resume with the same config)"
+            for key, (new, old) in changed.items()]
+
+
+def changed_keys(out: Path, cfg: Config, same_batch: bool = False) -> dict[str, tuple]:
+    """{key: (value in cfg, value in the run's config.yaml)} for config_changes; ConfigError when that
+    file cannot be read."""
+    if not (out / "config.yaml").exists():
+        return {}
+    saved = config_lib.flatten(config_lib.read_yaml(out / "config.yaml", "output_dir"))
     defaults = config_lib.flatten(config_lib.to_dict(Config()))
-    return [f"{key}: is {value!r} but the run being resumed used {saved.get(key)!r} (resume with the same config)"
-            for key, value in config_lib.flatten(config_lib.to_dict(cfg)).items()
+    return {key: (value, saved.get(key)) for key, value in config_lib.flatten(config_lib.to_dict(cfg)).items()
             if saved.get(key) != value and key not in RESUME_MAY_CHANGE and not (same_batch and key in BATCH_KEYS)
-            and not (key not in saved and value == defaults[key])]  # a key newer than the run, at its default
+            and not (key not in saved and value == defaults[key])}  # a key newer than the run, at its default
 
 
 def fresh_start_problems(out: Path, overwrite: bool) -> list[str]:

@@ -240,7 +240,7 @@ def _stopped(cfg, signum: int) -> int:
 
     if launch.is_main_process():
         print(f"ddptune: stopped by {signal.Signals(signum).name}; "
-              f"{rundir.saved_line(Path(cfg.output_dir), cfg.train.method)}", file=sys.stderr)
+              f"{rundir.saved_line(Path(cfg.output_dir))}", file=sys.stderr)
     return 128 + signum
 
 

@@ -124,15 +124,22 @@ def untrained(folder: Path) -> bool:
     return bool(found) and is_run(folder) and all(p.name in BEFORE_TRAINING for p in found)
 
 
+def finished(folder: Path) -> Path | None:
+    """The final weights of the run in `folder` when it finished (its summary.json and its `adapter/` or
+    `model/`, whichever method it used), else None: judged by what the run wrote, never by a new config."""
+    if not (Path(folder) / "summary.json").is_file():
+        return None
+    return next((w for w in (Path(folder) / "adapter", Path(folder) / "model") if w.is_dir()), None)
+
+
 def trained_weights_dir(run_dir: Path, method: str) -> Path:
     """Where a finished run keeps what it trained: `model/` (full fine-tuning) or `adapter/`."""
     return Path(run_dir) / ("model" if method == "full" else "adapter")
 
 
-def saved_line(out: Path, method: str) -> str:
+def saved_line(out: Path) -> str:
     """What a run that stopped left in `out`, and the command that goes on from there."""
-    weights = trained_weights_dir(out, method)
-    if (out / "summary.json").is_file() and weights.is_dir():
+    if weights := finished(out):
         return f"the run had finished training and saved {weights} (score it with: ddptune eval {out})"
     saved = checkpoint.list_checkpoints(out / "checkpoints")
     if saved:

@@ -255,7 +255,7 @@ def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
             raise
         raise dist.Stalled(f"step {step + 1}: {dist.first_line(e)}: another process hung (it waited more than "
                            f"train.timeout_minutes={cfg.train.timeout_minutes:g}) or died (see that process's output); "
-                           f"{rundir.saved_line(r.out, cfg.train.method)}") from None
+                           f"{rundir.saved_line(r.out)}") from None
     finally:
         loop.close()
         gc.unfreeze()
