@@ -1,0 +1,207 @@
+"""Rows of a data source, streamed, whatever holds them: files, Arrow folders, the hub or the demo.
+
+Sources: JSON lines, a JSON list, Parquet, CSV, a folder written by `datasets.save_to_disk`,
+`hub:ID[:SPLIT]` and the built-in `demo`. `chunks(source, rows)` yields the selected rows in order, a few hundred at a time, as (row number,
+item) pairs: an item is a JSON line's bytes (parsed where it is tokenized, in a worker process:
+`parse`) or a row already read (a dict). Nothing holds a whole file: a JSON-lines file is read line
+by line, Parquet by record batch, CSV by line, Arrow folders and hub data through `datasets`' memory
+map. A JSON list is the exception: one process parses it whole, the one that tokenizes it. Row numbers
+count rows, not lines (blank lines are skipped); a JSON line that does not parse is named by its line
+in the file. Rows read through Arrow leave out the keys a row lacks (Arrow gives them as null).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+from importlib import resources
+from itertools import islice
+from pathlib import Path
+
+from ddptune.config import parse_rows
+
+CHUNK = 256  # rows handed to a tokenizing worker at a time
+KINDS = ("jsonl", "json", "parquet", "csv", "arrow", "hub")
+SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+FORMS = "a .jsonl/.json/.parquet/.csv file, a datasets.save_to_disk folder, `demo`, or hub:ID"
+
+
+class BadLine(ValueError):
+    """A JSON line that does not parse: `line` is its number in the file (1-based)."""
+
+    def __init__(self, line: int, why: str):
+        super().__init__(why)
+        self.line = line
+
+
+def path_of(source: str) -> str:
+    """The file behind `source` (`demo`: the package's own demo dialogues)."""
+    return str(resources.files("ddptune").joinpath("demo_data/demo.jsonl")) if source == "demo" else source
+
+
+def kind(source: str) -> str | None:
+    """How `source` is read, or None when it is nothing this module reads."""
+    if source.startswith("hub:"):
+        return "hub"
+    path = Path(path_of(source))
+    if path.is_dir():
+        return "arrow" if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file() else None
+    return SUFFIXES.get(path.suffix.lower(), "json")
+
+
+def identity(source: str) -> list:
+    """What names the source's content for a cache key: a file's real path, size and modification
+    time; an Arrow folder's files likewise; hub data by its id and datasets' own fingerprint."""
+    k = kind(source)
+    if k == "hub":
+        return [source, _dataset(source)._fingerprint]
+    path = Path(path_of(source))
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    return [os.path.realpath(path)] + [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+
+
+def count(source: str) -> int:
+    """The source's rows, counted without parsing them (a JSON list is parsed)."""
+    k, path = kind(source), path_of(source)
+    if k == "jsonl":
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    if k == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    if k == "csv":
+        with open(path, newline="", encoding="utf-8") as f:
+            return sum(1 for _ in csv.DictReader(f))
+    if k in ("arrow", "hub"):
+        return len(_dataset(source))
+    return len(_json_list(path))
+
+
+def selection(source: str, rows: str | None) -> range:
+    """The row numbers `rows` ("START:STOP", None: all) selects from the source's rows."""
+    return range(count(source))[parse_rows(rows)]
+
+
+def head(source: str, n: int) -> list:
+    """The first `n` rows, parsed (a format is named from these)."""
+    out = []
+    for chunk in chunks(source, range(n)):
+        out += [parse(item, number) for number, item in chunk]
+    return out
+
+
+def chunks(source: str, picked: range, size: int = CHUNK):
+    """The rows numbered in `picked` (a range of step 1), in order, as lists of (row number, item)."""
+    if not picked:
+        return
+    rows = _rows(source, picked.start)
+    batch = []
+    for number, item in islice(rows, len(picked)):
+        batch.append((number, item))
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def parse(item, number: int):
+    """A row from what `chunks` gave: a JSON line's bytes parsed (UnicodeDecodeError when they are not
+    UTF-8, BadLine when they are not JSON), else the row itself."""
+    if not isinstance(item, tuple):
+        return item
+    line, raw = item
+    text = raw.decode("utf-8")
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise BadLine(line, f"{getattr(e, 'msg', e)} at column {getattr(e, 'colno', '?')}") from None
+
+
+def _rows(source: str, start: int):
+    """(row number, item) from row `start` on."""
+    k, path = kind(source), path_of(source)
+    if k == "jsonl":
+        yield from _jsonl(path, start)
+    elif k == "parquet":
+        yield from enumerate(_parquet(path, start), start)
+    elif k == "csv":
+        with open(path, newline="", encoding="utf-8") as f:
+            yield from islice(enumerate(csv.DictReader(f)), start, None)
+    elif k in ("arrow", "hub"):
+        yield from enumerate(_arrow(_dataset(source), start), start)
+    else:
+        yield from islice(enumerate(_json_list(path)), start, None)
+
+
+def _jsonl(path: str, start: int):
+    """(row number, (line number, the line's bytes)) of every non-blank line from row `start` on."""
+    number = 0
+    with open(path, "rb") as f:
+        for line_number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if number >= start:
+                yield number, (line_number, line)
+            number += 1
+
+
+def _parquet(path: str, start: int):
+    import pyarrow.parquet as pq
+
+    seen = 0  # rows before this batch
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        if seen + batch.num_rows > start:
+            yield from (_present(r) for r in batch.slice(max(start - seen, 0)).to_pylist())
+        seen += batch.num_rows
+
+
+def _arrow(ds, start: int):
+    for a in range(start, len(ds), 1024):
+        yield from (_present(r) for r in ds.select(range(a, min(a + 1024, len(ds)))).to_list())
+
+
+def _present(value):
+    """A row read through Arrow, the keys it did not have (null in Arrow's table) left out, in nested objects too."""
+    if isinstance(value, dict):
+        return {k: _present(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_present(v) for v in value]
+    return value
+
+
+_DATASETS: dict = {}
+
+
+def _dataset(source: str):
+    """A folder of datasets.save_to_disk (its one split, or `train`), or hub data, memory-mapped by `datasets`."""
+    if source not in _DATASETS:
+        import datasets
+
+        if source.startswith("hub:"):
+            ident, _, split = source[4:].partition(":")
+            ds = datasets.load_dataset(ident, split=split or "train")
+        else:
+            ds = datasets.load_from_disk(source)
+            if isinstance(ds, datasets.DatasetDict):
+                ds = ds["train"] if "train" in ds or len(ds) != 1 else next(iter(ds.values()))
+        _DATASETS.clear()  # one at a time: a source is read through, then the next
+        _DATASETS[source] = ds
+    return _DATASETS[source]
+
+
+def _json_list(path: str) -> list:
+    """A JSON list file's rows, parsed once per process (kept while it is the one being read)."""
+    key = (os.path.realpath(path), os.stat(path).st_mtime_ns)
+    if key not in _LISTS:
+        with open(path, encoding="utf-8") as f:
+            rows = json.load(f)
+        if not isinstance(rows, list):
+            raise ValueError(f"{path} holds a JSON {type(rows).__name__}, not a list of rows")
+        _LISTS.clear()
+        _LISTS[key] = rows
+    return _LISTS[key]
+
+
+_LISTS: dict = {}
