@@ -148,6 +148,31 @@ def test_a_long_conversation_keeps_its_final_reply_and_loses_its_earliest_tokens
     assert chat.tokenize(smollm2, parts, len(answer)) is None  # no room for one token before the reply: dropped
 
 
+PLAIN = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endfor %}"
+         "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+
+
+def test_a_long_conversation_given_its_turns_is_cut_inside_its_user_turns_keeping_its_instruction():
+    """One token a byte: the system turn, every header and both replies stay whole; the first user
+    turn (before the last) loses its latest tokens first (its instruction, at its start, goes last),
+    the last user turn only when that is not enough."""
+    tok = with_template(PLAIN)
+    first, last = "Summarize: " + "a" * 300, "And in French? " + "b" * 100
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": first},
+            {"role": "assistant", "content": "Short."}, {"role": "user", "content": last}, {"role": "assistant", "content": "Court."}]
+    parts = chat.pieces(tok, conv)
+    whole = "".join(t for t, _ in parts)
+    for excess, kept_first, kept_last in ((50, 261, 115), (300, 11, 115), (400, 0, 26)):
+        example = chat.tokenize(tok, parts, len(whole) - excess, conv)
+        want = whole.replace(first, first[:kept_first]).replace(last, last[:kept_last])
+        assert example["cut"] == "user" and tok.decode(example["input_ids"]) == want
+        trained = tok.decode([t for t in example["labels"] if t != tokens.IGNORE])
+        assert trained == "Short.<|end|>Court.<|end|>"  # both replies and their end-of-turn tokens, as trained whole
+    # the user turns cannot give enough: the earliest tokens go instead, as without the turns
+    tight = chat.tokenize(tok, parts, 40, conv)
+    assert tight["cut"] == "earliest" and tight == chat.tokenize(tok, parts, 40)
+
+
 def test_a_5_mb_user_turn_gives_the_ids_of_its_end_quickly(smollm2):
     """Only the end of a long turn can be kept: it alone is tokenized (tokens.last_ids)."""
     text = "\n".join(r["dialogue"] for r in data.read_rows("demo"))

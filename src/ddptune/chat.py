@@ -6,8 +6,11 @@ assistant turn k begins where the turns before it, rendered with the generation 
 ends where the turns through it end, so the span holds the turn's text and its end-of-turn token.
 `pieces` cuts the whole rendering at those points, each piece trained or not, and refuses (one line,
 `TemplateProblem`) a span that is empty, a mask that would cover every token, and a prefix that does
-not render as the beginning of the whole. Each piece is tokenized on its own; a conversation longer
-than data.max_length keeps its final assistant turn whole and loses its earliest tokens (`tokenize`).
+not render as the beginning of the whole. Each piece is tokenized on its own. A conversation longer
+than data.max_length keeps its system turn and final assistant turn whole and is cut inside its user
+turns, the longest before the last first, each losing its latest tokens (its beginning, where an
+instruction stands, stays); where that is not enough, or the turns' text cannot be found in the
+rendering, it loses its earliest tokens instead (`tokenize`).
 """
 from __future__ import annotations
 
@@ -92,21 +95,78 @@ def template_problem(tokenizer, loss_on: str) -> str | None:
     return None
 
 
-def tokenize(tokenizer, parts: list[tuple[str, bool]], max_length: int) -> dict | None:
+def tokenize(tokenizer, parts: list[tuple[str, bool]], max_length: int, messages: list[dict] | None = None) -> dict | None:
     """input_ids and labels (IGNORE where untrained) of a conversation's pieces, each tokenized on its
-    own. Too long, it keeps its final assistant turn whole and the latest tokens of what comes before
-    (`"cut": True`); None (dropped) when that turn alone leaves no room for one token before it."""
-    return tokenize_many(tokenizer, [parts], max_length)[0]
+    own. Too long, it keeps its final assistant turn whole and is cut inside its user turns (given
+    its `messages`; `"cut": "user"`) or else loses its earliest tokens (`"cut": "earliest"`); None
+    (dropped) when that turn alone leaves no room for one token before it."""
+    return tokenize_many(tokenizer, [parts], max_length, [messages])[0]
 
 
-def tokenize_many(tokenizer, conversations: list[list[tuple[str, bool]]], max_length: int) -> list[dict | None]:
+def tokenize_many(tokenizer, conversations: list[list[tuple[str, bool]]], max_length: int,
+                  messages: list[list[dict] | None] | None = None) -> list[dict | None]:
     """`tokenize` of each conversation: the pieces of those short enough in one call to the tokenizer,
     of each longer one only as much as can be kept (tokens.first_ids, last_ids)."""
     limit = tokens.bound(tokenizer, max_length)
     short = [sum(len(text) for text, _ in parts) <= limit for parts in conversations]
     flat = iter(tokens.many_ids(tokenizer, [text for parts, s in zip(conversations, short) if s for text, _ in parts]))
-    return [_fit(tokenizer, parts, [next(flat) for _ in parts] if s else None, max_length)
-            for parts, s in zip(conversations, short)]
+    out = []
+    for parts, s, turns in zip(conversations, short, messages or [None] * len(conversations)):
+        got = [next(flat) for _ in parts] if s else None
+        if got is not None and sum(map(len, got)) <= max_length:
+            out.append(_fit(tokenizer, parts, got, max_length))
+        else:
+            out.append((turns and in_user_turns(tokenizer, parts, turns, max_length)) or _fit(tokenizer, parts, got, max_length))
+    return out
+
+
+def in_user_turns(tokenizer, parts: list[tuple[str, bool]], messages: list[dict], max_length: int) -> dict | None:
+    """The example of an over-long conversation cut inside its user turns: the longest user turn
+    before the last first, the last one only after them, each keeping its first tokens, until it
+    fits. None where that cannot make it fit (long assistant turns or headers), or where no user turn's
+    text is found in the rendering: the caller then cuts the earliest tokens."""
+    segments = _segments(parts, messages)
+    if segments is None:
+        return None
+    got = [tokens.first_ids(tokenizer, text, max_length + 1) if turn is not None else tokens.ids(tokenizer, text)
+           for text, _, turn in segments]
+    excess = sum(map(len, got)) - max_length
+    order = sorted((k for k, (_, _, turn) in enumerate(segments) if turn is not None),
+                   key=lambda k: (segments[k][2], -len(got[k]), k))  # turns before the last first, longest first
+    for k in order:
+        if excess <= 0:
+            break
+        take = min(excess, len(got[k]))
+        got[k], excess = got[k][:len(got[k]) - take], excess - take
+    if excess > 0 or len(got[-1]) >= max_length:
+        return None
+    ids = [t for g in got for t in g]
+    labels = [t for g, (_, trained, _) in zip(got, segments) for t in (g if trained else [IGNORE] * len(g))]
+    return {"input_ids": ids, "labels": labels, "prompt_len": next(i for i, t in enumerate(labels) if t != IGNORE),
+            "cut": "user"}
+
+
+def _segments(parts: list[tuple[str, bool]], messages: list[dict]) -> list[tuple[str, bool, bool | None]] | None:
+    """The pieces, each context piece split around the text of the user turns it holds: (text, trained,
+    None, or for a user turn's text whether it is the last user turn). None when no user turn's text
+    is found, in order, inside a context piece."""
+    whole, spans, pos = "".join(text for text, _ in parts), [], 0
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+    for i, m in enumerate(messages):
+        text = m["content"].strip()
+        at = whole.find(text, pos) if text else -1
+        if at >= 0:
+            pos = at + len(text)
+            spans += [(at, pos, i == last_user)] if m["role"] == "user" else []
+    out, start = [], 0
+    for text, trained in parts:
+        end, cursor = start + len(text), start
+        for a, b, last in ([] if trained else [sp for sp in spans if start <= sp[0] and sp[1] <= end]):
+            out += [(whole[cursor:a], False, None), (whole[a:b], False, last)]
+            cursor = b
+        out.append((whole[cursor:end], trained, None))
+        start = end
+    return [seg for seg in out if seg[0]] if any(seg[2] is not None for seg in out) else None
 
 
 def _fit(tokenizer, parts: list[tuple[str, bool]], got: list[list[int]] | None, max_length: int) -> dict | None:
@@ -129,7 +189,7 @@ def _fit(tokenizer, parts: list[tuple[str, bool]], got: list[list[int]] | None, 
     ids, labels = ids + answer, labels + answer
     example = {"input_ids": ids, "labels": labels, "prompt_len": next(i for i, t in enumerate(labels) if t != IGNORE)}
     if cut:
-        example["cut"] = True
+        example["cut"] = "earliest"
     return example
 
 
