@@ -40,6 +40,42 @@ def detect(rows: list, d, fmt: str | None = None) -> str:
     return "dialogue"
 
 
+def of_row(row, d) -> str | None:
+    """The first format whose keys the row holds (dialogue first, as `detect`), or None."""
+    return next((f for f in FORMATS if isinstance(row, dict) and set(keys_of(f, d)) <= row.keys()), None)
+
+
+def mixed(rows: list, d) -> str | None:
+    """With data.format auto: what is wrong when the first rows are of different formats (one format per source)."""
+    if d.format != "auto":
+        return None
+    found = [of_row(r, d) for r in rows[:AUTO_ROWS]]
+    kinds = list(dict.fromkeys(f for f in found if f))
+    if len(kinds) < 2:
+        return None
+    second = next(i for i, f in enumerate(found) if f == kinds[1])
+    return (f"its first rows are of two formats: row {found.index(kinds[0])} is a {kinds[0]} row, row {second} a "
+            f"{kinds[1]} row (one format per source: split the file by format and give data.train a list of them)")
+
+
+def other_format(row, fmt: str, d) -> str | None:
+    """For a row that `fmt` cannot use but another format can: what to say instead of its missing keys."""
+    other = of_row(row, d) if d.format == "auto" else None
+    if other is None or other == fmt:
+        return None
+    return (f"is a {other} row, but the source's first rows are {fmt} rows (one format per source: split the file "
+            "by format and give data.train a list of them)")
+
+
+def text_problem(text: str) -> str | None:
+    """What keeps a string from being tokenized: a lone surrogate (valid JSON, not valid Unicode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"holds text that is not valid Unicode (a lone surrogate at character {e.start}; remove or replace it)"
+    return None
+
+
 def kind(value) -> str:
     """What a JSON value is, in words, shown briefly."""
     shown = repr(value)
@@ -97,6 +133,8 @@ def problem(row, fmt: str, answer: bool = True) -> str | None:
             return (f"has no text {where!r}" if missing else f"{where} holds {kind(text)}, not text") + " (write it as a string)"
         if not text.strip():
             return f"{where} is empty (give every turn its text, or remove the turn)"
+        if wrong := text_problem(text):
+            return f"{where} {wrong}"
     roles = [t[0] for t in turns]
     if "system" in roles[1:]:
         return f"{turns[roles.index('system', 1)][2]} is a system turn after the first (only the first turn may be one)"
