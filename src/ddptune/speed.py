@@ -80,7 +80,8 @@ GRAPH_COUNTS = (1, 2, 4)      # padded lengths tried
 FORCE_ENV = "DDPTUNE_SPEED"
 FORCE_KEYS = {"graphs": ("off", "layers", "step"), "lengths": int, "checkpointing": bool, "dequantize": bool,
               "bucket_mb": float, "compile": bool, "combo": bool, "samples": int, "epochs": float}
-HORIZON_KEYS = {"samples", "epochs"}  # not choices: the job the choices are made for
+HORIZON_KEYS = {"samples", "epochs"}
+WORK_STEPS = 64  # steps whose shares the choices are estimated from (Work.of)  # not choices: the job the choices are made for
 
 
 @dataclass(frozen=True)
@@ -88,19 +89,23 @@ class Work:
     """What the run's remaining steps compute on one process: each step's packed rows' tokens and
     targets (the busiest process's), from the same split the steps will use."""
     steps: int
-    rows: list[tuple[int, int]]    # (tokens, targets) of every packed row of every step and process
+    rows: list[tuple[int, int]]    # (tokens, targets) of every packed row of the sampled steps, every process
     forwards: float                # forwards a step, per process
     tokens: float                  # real tokens a step, per process
     targets: float                 # loss targets a step, per process
 
     @classmethod
     def of(cls, stream: batches.Stream, first: int, last: int) -> "Work":
+        """Over at most WORK_STEPS of the steps, spread evenly (all of them in a shorter run): a long
+        run's choices are made in the same time as a short one's, from the same kind of sample."""
+        picked = sorted({first + (last - first) * k // WORK_STEPS for k in range(WORK_STEPS)}) \
+            if last - first > WORK_STEPS else range(first, last)
         rows, forwards = [], 0
-        for s in range(first, last):
+        for s in picked:
             share = stream.share(s)
             forwards += max(len(f) for f in share.forwards)
             rows += [(batches.tokens_of(g), batches.target_tokens(g)) for f in share.forwards for g in f]
-        steps, parts = max(last - first, 1), stream.parts
+        steps, parts = max(len(picked), 1), stream.parts
         return cls(last - first, rows, forwards / steps, sum(t for t, _ in rows) / steps / parts,
                    sum(t for _, t in rows) / steps / parts)
 
