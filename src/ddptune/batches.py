@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,20 +31,21 @@ def step_samples(n_rows: int, global_batch: int, step: int, seed: int) -> list[i
     out = []
     for pos in range(step * global_batch, (step + 1) * global_batch):
         epoch, i = divmod(pos, n_rows)
-        out.append(_permutation(n_rows, seed, epoch)[i])
+        out.append(int(_permutation(n_rows, seed, epoch)[i]))
     return out
 
 
 _PERMS: dict = {}
 
 
-def _permutation(n_rows: int, seed: int, epoch: int) -> list[int]:
+def _permutation(n_rows: int, seed: int, epoch: int):
+    """An epoch's order of the rows, as an int64 array (8 bytes a row: a Python list took 36)."""
     key = (n_rows, seed, epoch)
     if key not in _PERMS:
         if len(_PERMS) > 8:  # a few: two epochs of each source of a mixture
             _PERMS.pop(next(iter(_PERMS)))
         g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-        _PERMS[key] = torch.randperm(n_rows, generator=g).tolist()
+        _PERMS[key] = torch.randperm(n_rows, generator=g).numpy()
     return _PERMS[key]
 
 
@@ -60,30 +62,30 @@ def mixed_step_samples(mix: tuple[tuple[int, int], ...], global_batch: int, step
     for pos in range(step * global_batch, (step + 1) * global_batch):
         epoch, i = divmod(pos, period)
         labels, ranks = _interleaving(tuple(n for _, n in mix), seed, epoch)
-        j = labels[i]
+        j = int(labels[i])
         rows, draws = mix[j]
-        source_epoch, k = divmod(epoch * draws + ranks[i], rows)
-        out.append(offsets[j] + _permutation(rows, seed + 7_919 * j, source_epoch)[k])
+        source_epoch, k = divmod(epoch * draws + int(ranks[i]), rows)
+        out.append(offsets[j] + int(_permutation(rows, seed + 7_919 * j, source_epoch)[k]))
     return out
 
 
 _MIXES: dict = {}
 
 
-def _interleaving(draws: tuple[int, ...], seed: int, epoch: int) -> tuple[list[int], list[int]]:
-    """(the source of each sample of a mixture's epoch, how many of that source's come before it)."""
+def _interleaving(draws: tuple[int, ...], seed: int, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the source of each sample of a mixture's epoch, how many of that source's come before it), as arrays."""
     key = (draws, seed, epoch)
     if key not in _MIXES:
         if len(_MIXES) > 2:
             _MIXES.pop(next(iter(_MIXES)))
         g = torch.Generator().manual_seed(seed * 1_000_003 + epoch + 500_009)
         order = torch.repeat_interleave(torch.arange(len(draws)), torch.tensor(draws))
-        labels = order[torch.randperm(len(order), generator=g)].tolist()
-        seen, ranks = [0] * len(draws), []
-        for j in labels:
-            ranks.append(seen[j])
-            seen[j] += 1
-        _MIXES[key] = (labels, ranks)
+        labels = order[torch.randperm(len(order), generator=g)]
+        ranks = torch.empty_like(labels)
+        for j in range(len(draws)):  # the k-th sample of source j has rank k
+            where = (labels == j).nonzero().squeeze(1)
+            ranks[where] = torch.arange(len(where))
+        _MIXES[key] = (labels.numpy(), ranks.numpy())
     return _MIXES[key]
 
 
@@ -283,9 +285,9 @@ class Stream:
     (equal sample counts too with padded batches, whose micro-batches must line up), each grouped
     into forwards. `lockstep`: every share runs as many forwards (FSDP gathers weights in each).
     `graph_lengths`: with CUDA graphs, the lengths packed rows are padded to."""
-    examples: list[dict]
-    costs: list[float]       # model FLOPs of each example: what the shares balance
-    targets: list[int]       # loss targets (summary tokens) of each example
+    examples: Sequence[dict]  # store.Examples: an example is read when a step takes it
+    costs: Sequence[float]   # model FLOPs of each example: what the shares balance
+    targets: Sequence[int]   # loss targets (summary tokens) of each example
     global_batch: int
     parts: int
     seed: int
@@ -320,8 +322,8 @@ class Stream:
             computed = tokens
         else:
             computed = [sum(len(g) * max(len(e["input_ids"]) for e in g) for g in rows) for rows in forwards]
-        costs = [sum(self.costs[idx[j]] for j in g) for g in groups]
-        return Share(forwards, sum(self.targets[i] for i in idx), tokens, computed, costs)
+        costs = [float(sum(self.costs[idx[j]] for j in g)) for g in groups]
+        return Share(forwards, int(sum(self.targets[i] for i in idx)), tokens, computed, costs)
 
     def layout(self, examples: list[dict]) -> list[list[dict]]:
         """The examples of each forward pass: packed rows of at most tokens_per_forward tokens, or
