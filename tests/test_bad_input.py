@@ -121,6 +121,16 @@ def make_data(tmp: Path) -> None:
     for name, conv in conversations.items():  # row 2 of each is bad
         (tmp / f"{name}.jsonl").write_text("".join(json.dumps({"messages": turns if i != 2 else conv}) + "\n" for i in range(8)))
     (tmp / "chats.jsonl").write_text(json.dumps({"messages": turns}) + "\n")
+    lone = [dict(DEMO_ROW, id=i) for i in range(8)]
+    lone[3]["dialogue"] = "A: hi \ud800"  # valid JSON (json.dumps writes \\ud800), not valid Unicode
+    (tmp / "surrogate.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lone))
+    (tmp / "surrogatechat.jsonl").write_text("".join(json.dumps({"messages": [turns[0], {"role": "assistant", "content": (
+        "They \udc80 greet." if i == 4 else "They greet.")}]}) + "\n" for i in range(8)))
+    completion = {"prompt": "A: hi", "completion": "They greet."}
+    (tmp / "mixedfirst.jsonl").write_text("".join(json.dumps({"messages": turns} if i % 2 == 0 else completion) + "\n"
+                                                  for i in range(8)))
+    (tmp / "mixedlater.jsonl").write_text("".join(json.dumps({"messages": turns} if i < 10 else completion) + "\n"
+                                                  for i in range(12)))
     for name, template in (("nopromptok", "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"),
                            ("rewritingtok", "{% for m in messages %}{% if m['role'] == 'assistant' and 'hi' in m['content'] %}"
                                             "<|old|>{% else %}<|{{ m['role'] }}|>{% endif %}{{ m['content'] }}<|end|>{% endfor %}"
@@ -271,6 +281,17 @@ CASES = [
     ("no assistant turn", [*TRAIN, "data.train={noreply}", "data.train_rows=null"], ["data.train: row 2 of ", "has no assistant turn"]),
     ("tool turn", [*TRAIN, "data.train={toolturn}", "data.train_rows=null"], ["data.train: row 2 of ", "turn 1 is a tool turn ('tool')"]),
     ("validation row without a reply", [*TRAIN, "data.val={noreply}", "data.val_rows=null"], ["data.val: row 2 of ", "has no assistant turn"]),
+    ("lone surrogate in a dialogue", [*TRAIN, "data.train={surrogate}", "data.train_rows=null"],
+     ["data.train: row 3 of ", ": column 'dialogue' holds text that is not valid Unicode (a lone surrogate at character 6"]),
+    ("lone surrogate in a turn", [*TRAIN, "data.train={surrogatechat}", "data.train_rows=null"],
+     ["data.train: row 4 of ", "(messages): turn 1 holds text that is not valid Unicode (a lone surrogate at character 5"]),
+    ("lone surrogate in ddptune data", ["data", "{cfg}", "data.train={surrogate}", "data.train_rows=null"],
+     ["data.train: row 3 of ", "not valid Unicode"]),
+    ("first rows of two formats", [*TRAIN, "data.train={mixedfirst}", "data.train_rows=null"],
+     ["data.train: ", "mixedfirst.jsonl: its first rows are of two formats: row 0 is a messages row, row 1 a "
+      "prompt_completion row (one format per source"]),
+    ("later rows of another format", [*TRAIN, "data.train={mixedlater}", "data.train_rows=null"],
+     ["data.train: row 10 of ", "is a prompt_completion row, but the source's first rows are messages rows"]),
     ("format that the rows are not", [*TRAIN, "data.format=sharegpt"], ["data.train: row 0 of demo (sharegpt): has no 'conversations'"]),
     ("template without a generation prompt", [*TRAIN, "data.train={chats}", "data.train_rows=null",
                                               "model.tokenizer={nopromptok}", "data.val=null"],

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 import multiproc
 from conftest import ROOT, metrics
-from ddptune import checkpoint, config, data, model as model_lib, step, train
+from ddptune import checkpoint, config, model as model_lib, step, tokenized, train
 from ddptune.config import ConfigError
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -53,15 +53,18 @@ def test_planted_pickles_never_run(tmp_path):
         with pytest.raises(ValueError, match="cannot be read"):
             checkpoint.load(bad, m, opt, sched, 0)
         assert not marker.exists(), name
-    # the tokenized-data cache: a planted pickle is not read, the cache is made again
-    (cache,) = (out / "cache").iterdir()
-    assert cache.suffix == ".json"
-    cache.write_bytes(pickle.dumps(Payload(marker)))
+    # the tokenized data: a pickle planted in its index (with the size its meta.json names) is not
+    # read, and the store is made again
     cfg = config.load(TINY)
-    rows = data.load_split(cfg.data.train, cfg.data.train_rows, cfg.data)
     tok = model_lib.load_tokenizer(cfg.model)
-    again = data.tokenize_cached(rows, tok, cfg.data, out / "cache", data.fingerprint(tok))
-    assert not marker.exists() and len(again) == len(rows) and json.loads(cache.read_text()) == again
+    folder = Path(tokenized.prepare(cfg.data, tok).train[0][1])
+    want = tokenized.load(tokenized.prepare(cfg.data, tok))[0][:]
+    (folder / "index.npy").write_bytes(pickle.dumps(Payload(marker)))
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["bytes"]["index.npy"] = (folder / "index.npy").stat().st_size
+    (folder / "meta.json").write_text(json.dumps(meta))
+    again = tokenized.prepare(cfg.data, tok)
+    assert not marker.exists() and again.made == ("demo",) and tokenized.load(again)[0][:] == want
 
 
 def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path):

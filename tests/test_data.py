@@ -214,20 +214,6 @@ def test_check_reports_missing_rows(tmp_path):
     assert data.check(DataConfig(train="demo", train_rows="0:100")) == ([], 100)
 
 
-def test_a_data_file_is_read_once_per_process(tmp_path, monkeypatch):
-    """checks.validate and the training loader both ask for the rows of train and val (often one
-    file): the file is read once, unless it changes."""
-    path = tmp_path / "rows.json"
-    path.write_text(json.dumps([{"dialogue": f"A: hi {i}", "summary": "Hi."} for i in range(20)]))
-    reads = []
-    original = data._read_rows
-    monkeypatch.setattr(data, "_read_rows", lambda source: reads.append(source) or original(source))
-    d = DataConfig(train=str(path), train_rows="0:15", val=str(path), val_rows="15:20")
-    assert data.check(d) == ([], 15)
-    assert len(data.load_split(d.train, d.train_rows, d)) == 15 and len(data.load_split(d.val, d.val_rows, d)) == 5
-    assert reads == [str(path)]
-
-
 # --- a long dialogue is tokenized only as far as it can be kept ---------------------------------
 
 def uncut_example(tok, pieces, dialogue: str, summary: str, max_length: int) -> tuple[list[int], int]:

@@ -133,12 +133,12 @@ def test_weights_set_the_draws_per_epoch():
     d = DataConfig(train=[config.SourceConfig("a.jsonl", weight=1), config.SourceConfig("b.jsonl", weight=1),
                           config.SourceConfig("c.jsonl", weight=2, name="chat")])
     assert [s.name for s in data.sources(d)] == ["a", "b", "chat"]
-    examples = [{"source": n} for n, k in (("a", 30), ("b", 500), ("chat", 70)) for _ in range(k)]
-    assert data.mixture(d, examples) == ((30, 150), (500, 150), (70, 300))
+    sizes = [30, 500, 70]  # examples of a, b and chat
+    assert data.mixture(d, sizes) == ((30, 150), (500, 150), (70, 300))
     d.train[0].weight = 0.001
     with pytest.raises(config.ConfigError, match=r"data.train\[0\]: weight 0.001 draws no sample in an epoch of 600"):
-        data.mixture(d, examples)
-    assert data.mixture(DataConfig(), examples) == ()
+        data.mixture(d, sizes)
+    assert data.mixture(DataConfig(), [600]) == ()
 
 
 def mixed_run(overrides: list[str]) -> dict:

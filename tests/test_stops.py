@@ -111,17 +111,20 @@ def test_a_stop_as_the_run_ends_keeps_its_code_and_a_worker_whose_peer_left_on_a
 
 
 def test_a_run_that_fails_after_validation_leaves_a_folder_a_plain_rerun_accepts(tmp_path, capsys):
-    """A tokenizer folder that passes the checks but does not load: one line, exit 2, and the next
-    run into that folder starts without --overwrite."""
-    broken = tmp_path / "tokenizer"
-    broken.mkdir()
-    (broken / "tokenizer_config.json").write_text("{}")
-    (broken / "tokenizer.json").write_text('{"not": "a tokenizer"}')
+    """A model folder whose config passes the checks (they read no weights) but whose weights do not
+    load: one line, exit 2, and the next run into that folder starts without --overwrite. (A
+    tokenizer that does not load is refused by validation itself, which tokenizes the data.)"""
+    from ddptune import model as model_lib
+
+    broken = tmp_path / "model"
+    model_lib.preset_config("tiny", "sdpa").save_pretrained(broken)
+    (broken / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not json")
+    model_lib.byte_tokenizer().save_pretrained(tmp_path / "tokenizer")
     out = tmp_path / "run"
-    assert cli.main(_train(out, f"model.tokenizer={broken}")) == 2
+    assert cli.main(_train(out, f"model.source={broken}", f"model.tokenizer={tmp_path / 'tokenizer'}")) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"ddptune: invalid config: model.tokenizer: the tokenizer of {broken} "
-                                               "cannot be loaded (KeyError: "), err
+    assert len(err) == 1 and err[0].startswith(f"ddptune: invalid config: model.source: the model of {broken} "
+                                               "cannot be loaded ("), err
     assert rundir.untrained(out) and not os.path.lexists(out / lock.NAME)
     assert cli.main(_train(out)) == 0
     assert json.loads((out / "summary.json").read_text())["steps"] == 4

@@ -16,9 +16,11 @@ import importlib.util
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
-from ddptune import batchplan, checkpoint, config as config_lib, data as data_lib, launch, lock, rundir, sources
+from ddptune import batchplan, checkpoint, config as config_lib, data as data_lib, launch, lock, rows as rows_lib, rundir
+from ddptune import sources, tokenized
 from ddptune.batchplan import BatchPlan
 from ddptune.config import Config, ConfigError
 
@@ -26,7 +28,9 @@ from ddptune.config import Config, ConfigError
 def validate(cfg: Config, world_size: int, resume: bool = False, overwrite: bool = False,
              output: bool = True) -> BatchPlan:
     """Every problem of a run's config, its data, its model source and (unless `output` is false: a
-    node other than the first of a multi-node job, which writes nothing) its output_dir."""
+    node other than the first of a multi-node job, which writes nothing) its output_dir. Where all of
+    that holds, the data is prepared (tokenized.prepare, every row checked) when it and its tokenizer
+    are here (hub data or a hub tokenizer: train.setup prepares it)."""
     problems = config_lib.check_values(cfg)
     if cfg.train.method == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
         problems.append("train.method: qlora needs bitsandbytes (pip install bitsandbytes) or use method=lora")
@@ -35,8 +39,6 @@ def validate(cfg: Config, world_size: int, resume: bool = False, overwrite: bool
             problems.append(f"train.log_with: {cfg.train.log_with} is not installed (pip install {cfg.train.log_with}) "
                             "or use train.log_with=none")
     problems, n_train = input_problems(cfg, problems)
-    if not problems:
-        problems += template_problems(cfg)
     if output:
         problems += output_problems(cfg, resume, world_size, overwrite)
     plan = None
@@ -44,10 +46,15 @@ def validate(cfg: Config, world_size: int, resume: bool = False, overwrite: bool
         plan = batchplan.batch_plan(cfg.train, world_size)
     except ConfigError as e:
         problems += e.problems
-    if plan and n_train is not None and not problems:
-        problems += rows_problems(n_train, plan)
     if not problems:  # the rest imports torch and transformers: only once everything above holds
         problems += code_problems(cfg)
+    local = not any(s.source.startswith("hub:") for split in ("train", "val") for s in data_lib.sources(cfg.data, split))
+    if not problems and local and (tokenizer := local_tokenizer(cfg)) is not None:
+        problems += template_problems(cfg, tokenizer)
+        if not problems:  # every row checked and tokenized, once: the run reads what this made
+            n_train = len(tokenized.load(tokenized.prepare(cfg.data, tokenizer, progress=sys.stderr.isatty()))[0])
+    if plan and n_train is not None and not problems:
+        problems += rows_problems(n_train, plan)
     if problems:
         raise ConfigError(problems)
     return plan
@@ -55,10 +62,10 @@ def validate(cfg: Config, world_size: int, resume: bool = False, overwrite: bool
 
 def input_problems(cfg: Config, problems: list[str]) -> tuple[list[str], int | None]:
     """`problems` found so far, then the model source and tokenizer and the data paths, then (where
-    nothing is wrong yet) the data's rows and columns: what a run and `ddptune data` check before
-    tokenizing. Returns them with the number of training rows (None where they were not read)."""
+    nothing is wrong yet) the data's first rows and row counts: what a run and `ddptune data` check
+    before tokenizing. Returns them with the number of training rows (None where they were not read)."""
     problems = problems + sources.source_problems(cfg.model) + data_file_problems(cfg.data)
-    if problems or (problems := jsonl_problems(cfg.data)):
+    if problems:
         return problems, None
     return data_lib.check(cfg.data)
 
@@ -87,9 +94,11 @@ def code_problems(cfg: Config) -> list[str]:
 def loading(m: config_lib.ModelConfig, what: str):
     """Around loading the tokenizer or the model after validation: what the files or the hub make
     fail (a hub that cannot be reached, files that are not a tokenizer's or a model's) becomes one
-    line naming the field, not a traceback. For the model only OSError and ValueError: others (out of
-    memory, say) are not the config's."""
-    kinds = Exception if what == "tokenizer" else (OSError, ValueError)
+    line naming the field, not a traceback. For the model only OSError, ValueError and a damaged
+    safetensors file: others (out of memory, say) are not the config's."""
+    from safetensors import SafetensorError  # a weights file that is cut or not safetensors
+
+    kinds = Exception if what == "tokenizer" else (OSError, ValueError, SafetensorError)
     try:
         yield
     except (ConfigError, launch.Stopped):
@@ -103,6 +112,9 @@ def loading(m: config_lib.ModelConfig, what: str):
 
 def rows_problems(n_rows: int, plan: BatchPlan) -> list[str]:
     """Training rows against one global batch (hub data is counted only once loaded: train calls this too)."""
+    if n_rows < plan.world_size:  # no batch setting can help: each process takes a sample a step
+        return [f"--nproc: {plan.world_size} processes are more than the {n_rows} training rows (each process takes "
+                f"at least one sample a step: use at most {n_rows} processes, or more rows in data.train)"]
     if n_rows < plan.global_batch:
         return [f"data.train: {n_rows} rows are fewer than one global batch of {plan.global_batch} "
                 "(select more rows, or lower train.micro_batch_size, the accumulation or effective_batch_size)"]
@@ -184,35 +196,15 @@ def layer_names(src, cfg: Config) -> list[str] | str | None:
 
 
 def data_file_problems(d: config_lib.DataConfig) -> list[str]:
-    """A data path that is there but no regular file: a FIFO (reading it would wait for a writer), a
-    folder, a symlink loop or one to nothing (a path that is not there at all: data.check says so)."""
+    """A data path that is there but is neither a regular file nor a datasets.save_to_disk folder: a
+    FIFO (reading it would wait for a writer), another folder, a symlink loop or one to nothing (a
+    path that is not there at all: data.check says so)."""
     problems = []
     for field, source in ((s.field, s.source) for split in ("train", "val") for s in data_lib.sources(d, split)):
-        if source and source != "demo" and not source.startswith("hub:") and os.path.lexists(source) and not Path(source).is_file():
-            problems.append(f"{field}: {source} {config_lib.not_a_file(Path(source))} (give a .json/.jsonl file, `demo`, or hub:ID)")
-    return problems
-
-
-def jsonl_problems(d: config_lib.DataConfig) -> list[str]:
-    """The first line of each .jsonl data file that is not JSON, by its line number in the file."""
-    problems = []
-    for field, source in ((s.field, s.source) for split in ("train", "val") for s in data_lib.sources(d, split)):
-        if not source or not source.endswith(".jsonl") or not Path(source).is_file():
-            continue
-        try:
-            lines = Path(source).read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as e:
-            problems.append(f"{field}: cannot read {source} ({type(e).__name__}: {e}) (give a UTF-8 JSON-lines file)")
-            continue
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                json.loads(line)
-            except ValueError as e:
-                problems.append(f"{field}: line {number} of {source} is not JSON ({getattr(e, 'msg', e)} at column "
-                                f"{getattr(e, 'colno', '?')}) (fix or remove that line)")
-                break
+        path = Path(source)
+        if source and source != "demo" and not source.startswith("hub:") and os.path.lexists(source) \
+                and not path.is_file() and not (path.is_dir() and rows_lib.kind(source) == "arrow"):
+            problems.append(f"{field}: {source} {config_lib.not_a_file(path)} (give {rows_lib.FORMS})")
     return problems
 
 
@@ -224,16 +216,26 @@ def profile_problems(t, total: int) -> list[str]:
     return []
 
 
-def template_problems(cfg: Config) -> list[str]:
-    """Chat data: every conversation's loss mask through the tokenizer's chat template (data.template_problems),
-    when the tokenizer is here to read (a hub one is checked as the run tokenizes)."""
+def local_tokenizer(cfg: Config):
+    """The run's tokenizer where it can be read here (not a hub id, which the run fetches), else None."""
     m = cfg.model
-    if not (Path(m.tokenizer).is_dir() if m.tokenizer else sources.resolve_source(m).kind != "hub") \
-            or not data_lib.chat_sources(cfg.data):
-        return []
+    if not (Path(m.tokenizer).is_dir() if m.tokenizer else sources.resolve_source(m).kind != "hub"):
+        return None
     from ddptune import model as model_lib  # (the model's code: only once the light checks have passed)
 
-    return data_lib.template_problems(cfg.data, model_lib.load_tokenizer(m))
+    with loading(m, "tokenizer"):
+        return model_lib.load_tokenizer(m)
+
+
+def template_problems(cfg: Config, tokenizer) -> list[str]:
+    """Chat data: the tokenizer's chat template can give conversations a loss mask (chat.template_problem's
+    probe; every conversation's own mask is checked as it is tokenized)."""
+    if not data_lib.chat_sources(cfg.data):
+        return []
+    from ddptune import chat
+
+    problem = chat.template_problem(tokenizer, cfg.data.loss_on)
+    return [f"model.tokenizer: {problem}"] if problem else []
 
 
 def resume_mode(cfg: Config, resume: str | None, overwrite: bool) -> tuple[bool, bool]:

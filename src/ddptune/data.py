@@ -1,25 +1,24 @@
-"""Training data: its sources, their rows read once, prompts and masks, tokens made once and cached.
+"""Training data: its sources, their rows checked and normalised, and their prompts and examples tokenized.
 
-data.train and data.val are each one source or a list of them (`sources`); each source's rows are
-read once per process and its format named (formats.py). A dialogue row's prompt goes through the
-tokenizer's chat template when it has one (else a plain template); its loss covers the summary
-tokens only (labels -100 elsewhere), and an over-long example is cut inside the dialogue, so the
-summary always survives. Every other format is a conversation, masked and cut by chat.py. Nothing
-here knows about processes; batches.py cuts the tokenized examples into steps and forwards.
+data.train and data.val are each one source or a list of them (`sources`); a source's rows are read
+in chunks (rows.py), its format named from its first rows and every row checked (formats.py). A
+dialogue row's prompt goes through the tokenizer's chat template when it has one (else a plain
+template); its loss covers the summary tokens only (labels -100 elsewhere), and an over-long example
+is cut inside the dialogue, so the summary always survives. Every other format is a conversation,
+masked and cut by chat.py. `tokenize` makes the examples of a list of rows in batched calls of the
+tokenizer; tokenized.py does so for whole sources on every core and keeps what it made. Nothing here
+knows about processes; batches.py cuts the examples into steps and forwards.
 """
 from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
-import os
-import tempfile
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
-from ddptune import chat, formats
+from ddptune import chat, formats, rows as rows_lib, tokens as tokens_lib
 from ddptune.config import ConfigError, DataConfig, SourceConfig, parse_rows
+from ddptune.formats import KINDS
 from ddptune.tokens import IGNORE, MARGIN_TOKENS, first_ids, ids as _ids, longest_token  # noqa: F401 - data's names too
 
 PLAIN_TEMPLATE = "{instruction}\n\n### Dialogue:\n{dialogue}\n\n### Summary:\n"
@@ -85,12 +84,12 @@ def source_problems(d: DataConfig) -> list[str]:
     return problems
 
 
-def mixture(d: DataConfig, train: list[dict]) -> tuple[tuple[int, int], ...]:
+def mixture(d: DataConfig, sizes: list[int]) -> tuple[tuple[int, int], ...]:
     """For several training sources: (rows, draws per epoch) of each, in order (batches.Stream's
-    `mix`); () for one. An epoch draws as many samples as there are rows in all, each source's
-    share of them its weight's (largest remainders), so the stated proportions hold exactly."""
+    `mix`), from each source's example count; () for one. An epoch draws as many samples as there are
+    rows in all, each source's share of them its weight's (largest remainders), so the stated proportions hold exactly."""
     found = sources(d, "train")
-    return draws(found, [sum(1 for e in train if e.get("source") == s.name) for s in found]) if len(found) > 1 else ()
+    return draws(found, sizes) if len(found) > 1 else ()
 
 
 def draws(found: list[Source], sizes: list[int]) -> tuple[tuple[int, int], ...]:
@@ -110,68 +109,86 @@ def draws(found: list[Source], sizes: list[int]) -> tuple[tuple[int, int], ...]:
 # Rows
 
 
-def read_rows(source: str) -> list[dict]:
-    """All rows of `demo`, a .json list file, a .jsonl file, or `hub:ID[:SPLIT]`. A file is read
-    once per process (train and val are often slices of one file): later calls get the same rows."""
-    key = (source, Path(source).stat().st_mtime_ns if Path(source).is_file() else None)
-    if key not in _ROWS:
-        if len(_ROWS) >= 4:  # keep a few files' rows at most (the sources of a mixture, its validation)
-            _ROWS.pop(next(iter(_ROWS)))
-        _ROWS[key] = _read_rows(source)
-    return _ROWS[key]
+def first_rows(source: str) -> list:
+    """The first rows of a source, parsed: what its format is named from."""
+    return rows_lib.head(source, formats.AUTO_ROWS)
 
 
-_ROWS: dict = {}
+def format_of(source: str, d: DataConfig) -> str:
+    return formats.detect(first_rows(source), d)
 
 
-def _read_rows(source: str) -> list[dict]:
-    if source == "demo":
-        text = resources.files("ddptune").joinpath("demo_data/demo.jsonl").read_text(encoding="utf-8")
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
-    if source.startswith("hub:"):
-        from datasets import load_dataset  # optional; only for hub datasets
-
-        ident, _, split = source[4:].partition(":")
-        return [dict(r) for r in load_dataset(ident, split=split or "train")]
-    path = Path(source)
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".jsonl":
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
-    rows = json.loads(text)
-    if not isinstance(rows, list):
-        raise ValueError(f"{source} holds a JSON {type(rows).__name__}, not a list of rows")
-    return rows
+def read_problem(field: str, source: str, e: Exception) -> str:
+    """The line for a source that cannot be read: a JSON line that does not parse (by its line in the
+    file), text that is not UTF-8, or a file that is no list of rows."""
+    if isinstance(e, rows_lib.BadLine):
+        return f"{field}: line {e.line} of {source} is not JSON ({e}) (fix or remove that line)"
+    if isinstance(e, UnicodeDecodeError):
+        return f"{field}: cannot read {source} (UnicodeDecodeError: {e}) (give a UTF-8 file)"
+    return f"{field}: cannot read {source} ({str(e).splitlines()[0]}; expected {rows_lib.FORMS})"
 
 
-def load_split(source: str, rows: str | None, d: DataConfig, field: str = "data.train") -> list[dict]:
-    """The selected rows, normalised (formats.normalise): {"id", "dialogue", "summary"} dicts, or
-    {"id", "messages"} for a chat format. ConfigError for the first row that cannot be used."""
-    data = read_rows(source)
-    fmt = formats.detect(data, d)
-    if problem := first_row_problem(field, source, data, fmt, d):
-        raise ConfigError([problem])
-    picked = range(len(data))[parse_rows(rows)]
-    if fmt == "dialogue":  # as it always was
-        return [{"id": str(data[i].get("id", i)), "dialogue": data[i][d.dialogue_column],
-                 "summary": data[i][d.summary_column]} for i in picked]
-    return [formats.normalise(data[i], i, fmt, d) for i in picked]
+def row_problem(row, fmt: str, d: DataConfig) -> str | None:
+    """What keeps one row from being used as `fmt`, said after "row N of SOURCE", or None."""
+    wrong = dialogue_problem(row, d) if fmt == "dialogue" else formats.problem(row, fmt)
+    if wrong is None:
+        return None
+    if other := formats.other_format(row, fmt, d):
+        return f" {other}"
+    return wrong if fmt == "dialogue" else f" ({fmt}): {wrong}"
 
 
-def first_row_problem(field: str, source: str, data: list, fmt: str, d: DataConfig) -> str | None:
-    """The first row of `data` that `fmt` cannot use, said as it is."""
-    if fmt == "dialogue":
-        columns = [column_problem(field, source, data, col, key)
-                   for col, key in ((d.dialogue_column, "dialogue_column"), (d.summary_column, "summary_column"))]
-        return next((p for p in columns if p), None)  # a row that is not an object: said once
-    for i, row in enumerate(data):
-        if problem := formats.problem(row, fmt):
-            return f"{field}: row {i} of {source} ({fmt}): {problem}"
+def dialogue_problem(row, d: DataConfig) -> str | None:
+    """A dialogue row that is not an object, lacks a column, or whose column holds something else
+    than text (a number, a list, a lone surrogate), each said as it is."""
+    if not isinstance(row, dict):
+        return (f" is {KINDS.get(type(row), type(row).__name__)}, not an object of columns (give every row its "
+                "dialogue and summary as text columns)")
+    for col, key in ((d.dialogue_column, "dialogue_column"), (d.summary_column, "summary_column")):
+        if col not in row:
+            return f" has no text column {col!r} (set data.{key} to one of: {', '.join(sorted(map(str, row))) or 'none'})"
+        if not isinstance(row[col], str):
+            return (f": column {col!r} holds {formats.kind(row[col])}, not text (write it as a string, or set data.{key} "
+                    "to a column of text)")
+        if wrong := formats.text_problem(row[col]):
+            return f": column {col!r} {wrong}"
     return None
 
 
+def normalise(row: dict, number: int, fmt: str, d: DataConfig) -> dict:
+    """A checked row as {"id", "dialogue", "summary"} or {"id", "messages"}."""
+    if fmt == "dialogue":
+        return {"id": str(row.get("id", number)), "dialogue": row[d.dialogue_column], "summary": row[d.summary_column]}
+    return formats.normalise(row, number, fmt, d)
+
+
+def load_split(source: str, rows: str | None, d: DataConfig, field: str = "data.train") -> list[dict]:
+    """The selected rows, checked and normalised: what evaluation and `ddptune data --show` read (a run
+    reads its examples from tokenized.py's stores). ConfigError for the first row that cannot be used."""
+    fmt, out = format_of(source, d), []
+    try:
+        for chunk in rows_lib.chunks(source, rows_lib.selection(source, rows)):
+            for number, item in chunk:
+                row = rows_lib.parse(item, number)
+                if wrong := row_problem(row, fmt, d):
+                    raise ConfigError([f"{field}: row {number} of {source}{wrong}"])
+                out.append(normalise(row, number, fmt, d))
+    except (ValueError, OSError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError([read_problem(field, source, e)]) from None
+    return out
+
+
+def read_rows(source: str) -> list:
+    """Every row of a small source, parsed (tools and tests; a run streams its rows instead)."""
+    return [rows_lib.parse(item, n) for chunk in rows_lib.chunks(source, rows_lib.selection(source, None)) for n, item in chunk]
+
+
 def check(d: DataConfig) -> tuple[list[str], int | None]:
-    """(problems with the sources, their files and rows, the number of training rows selected or None
-    when unknown before loading: hub data). Reads each file once; tokenizes nothing."""
+    """(problems with the sources, their files, their first rows and their row slices; the number of
+    training rows selected, None when unknown before loading: hub data). Reads a file's first rows
+    and counts its rows; tokenized.prepare checks every row as it tokenizes it."""
     problems, n_train = source_problems(d), 0
     if problems:
         return problems, None
@@ -181,51 +198,55 @@ def check(d: DataConfig) -> tuple[list[str], int | None]:
             if source.startswith("hub:"):
                 n_train = None if split == "train" else n_train
                 if importlib.util.find_spec("datasets") is None:
-                    problems.append(f"{field}: {source} needs the datasets package (pip install 'ddptune[hub]', and internet), "
-                                    "or give a local .json/.jsonl file")
+                    problems.append(f"{field}: {source} needs the datasets package (pip install datasets, and internet), "
+                                    "or give a local file")
                 continue
-            if source != "demo" and not Path(source).is_file():
-                problems.append(f"{field}: file {source!r} not found (give a .json/.jsonl path, `demo`, or hub:ID)")
+            if rows_lib.kind(source) is None or not Path(rows_lib.path_of(source)).exists():
+                what = "is a folder that datasets.save_to_disk did not write" if Path(source).is_dir() else "not found"
+                problems.append(f"{field}: file {source!r} {what} (give {rows_lib.FORMS})")
                 continue
             try:
-                data = read_rows(source)
-            except (ValueError, json.JSONDecodeError) as e:
-                problems.append(f"{field}: cannot read {source} ({str(e).splitlines()[0]}; expected a JSON list or JSON lines)")
+                first, total = first_rows(source), rows_lib.count(source)
+            except (ValueError, OSError) as e:
+                problems.append(read_problem(field, source, e))
                 continue
-            if not data:
-                problems.append(f"{field}: {source} holds no rows (give a JSON list or JSON lines of rows with "
-                                f"{d.dialogue_column!r} and {d.summary_column!r} text, or of another data.format)")
-                continue
-            if problem := first_row_problem(field, source, data, formats.detect(data, d), d):
-                problems.append(problem)
-            selected = len(data[parse_rows(s.rows)])
-            if not selected:
-                problems.append(f"{field}: rows {s.rows!r} select nothing from {len(data)} rows of {source}")
+            problems += source_row_problems(s, first, total, d)
             if split == "train" and n_train is not None:
-                n_train += selected
+                n_train += len(range(total)[parse_rows(s.rows)])
     return problems, n_train
 
 
-KINDS = {bool: "true/false", int: "a number", float: "a number", list: "a list", dict: "an object", type(None): "null"}
+def source_row_problems(s: Source, first: list, total: int, d: DataConfig) -> list[str]:
+    """A source that holds no rows, whose first rows are of two formats or cannot be used, or whose row slice selects none."""
+    if not total:
+        return [f"{s.field}: {s.source} holds no rows (give a JSON list or JSON lines of rows with {d.dialogue_column!r} "
+                f"and {d.summary_column!r} text, or of another data.format)"]
+    if wrong := formats.mixed(first, d):
+        return [f"{s.field}: {s.source}: {wrong}"]
+    fmt = formats.detect(first, d)
+    bad = next(((i, w) for i, r in enumerate(first) if (w := row_problem(r, fmt, d))), None)
+    if bad:
+        return [f"{s.field}: row {bad[0]} of {s.source}{bad[1]}"]
+    if not len(range(total)[parse_rows(s.rows)]):
+        return [f"{s.field}: rows {s.rows!r} select nothing from {total} rows of {s.source}"]
+    return []
 
 
-def column_problem(field: str, source: str, data: list, col: str, key: str) -> str | None:
-    """The first row of `data` whose `col` is not text: a row that is not an object, one without
-    the column, or one whose column holds something else (a number, a list...), each said as it is."""
-    i = next((i for i, r in enumerate(data) if not isinstance(r, dict) or not isinstance(r.get(col), str)), None)
-    if i is None:
-        return None
-    row = data[i]
-    if not isinstance(row, dict):
-        return (f"{field}: row {i} of {source} is {KINDS.get(type(row), type(row).__name__)}, not an object of "
-                "columns (give every row its dialogue and summary as text columns)")
-    if col not in row:
-        return (f"{field}: row {i} of {source} has no text column {col!r} "
-                f"(set data.{key} to one of: {', '.join(sorted(map(str, row))) or 'none'})")
-    value = repr(row[col])
-    return (f"{field}: row {i} of {source}: column {col!r} holds {KINDS.get(type(row[col]), type(row[col]).__name__)} "
-            f"({value if len(value) <= 40 else value[:37] + '...'}), not text (write it as a string, or set data.{key} "
-            "to a column of text)")
+def chat_sources(d: DataConfig) -> list[tuple[Source, str]]:
+    """The local sources (of train and val) whose rows are conversations, with their format."""
+    found = [(s, format_of(s.source, d)) for split in ("train", "val") for s in sources(d, split)
+             if not s.source.startswith("hub:")]
+    return [(s, fmt) for s, fmt in found if fmt != "dialogue"]
+
+
+def trains_conversations(d: DataConfig) -> bool:
+    """Whether the training data is in a chat format (data.format, or the first readable source's rows)."""
+    if d.format != "auto":
+        return d.format != "dialogue"
+    try:
+        return format_of(sources(d)[0].source, d) != "dialogue"
+    except (OSError, ValueError, ImportError, IndexError):  # gone since, or hub data out of reach
+        return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,151 +282,60 @@ def tokenize_example(tokenizer, pieces: tuple[str, str, str], dialogue: str, sum
     return {"input_ids": prompt + target, "labels": [IGNORE] * len(prompt) + target, "prompt_len": len(prompt)}
 
 
-def tokenize(rows: list[dict], tokenizer, d: DataConfig, progress: bool = False, field: str = "data.train") -> list:
-    """Every row tokenized, None for a conversation dropped as too long (chat.tokenize); `progress`:
-    a bar on stderr (tens of thousands of rows take a while). ConfigError when a conversation's
-    template gives no loss mask (checks.validate has looked at every row of local data already)."""
-    from tqdm.auto import tqdm
+def tokenize_dialogues(tokenizer, pieces: tuple[str, str, str], rows: list[dict], max_length: int) -> list[dict]:
+    """`tokenize_example` of every row, in two batched calls of the tokenizer (the summaries, then the
+    dialogues with the room each leaves): the same ids. An example that lost tokens to max_length
+    (its dialogue's end, or its summary's beyond half of max_length) says `"cut": "dialogue"`."""
+    before, after, end = pieces
+    pre, post, tail = _ids(tokenizer, before), _ids(tokenizer, after), _ids(tokenizer, end)
+    half = max_length // 2
+    summaries = firsts(tokenizer, [r["summary"] for r in rows], [half + 1] * len(rows))
+    targets = [(s[:half] + tail)[:half] for s in summaries]
+    rooms = [max_length - len(pre) - len(post) - len(t) for t in targets]
+    dialogues = firsts(tokenizer, [r["dialogue"] for r in rows], [room + 1 for room in rooms])
+    out = []
+    for s, target, room, dia in zip(summaries, targets, rooms, dialogues):
+        prompt = pre + dia[:max(room, 0)] + post
+        example = {"input_ids": prompt + target, "labels": [IGNORE] * len(prompt) + target, "prompt_len": len(prompt)}
+        if len(s[:half]) + len(tail) > half or len(dia) > max(room, 0):
+            example["cut"] = "dialogue"
+        out.append(example)
+    return out
 
-    bar = tqdm(rows, desc="tokenize", disable=not progress, leave=False, dynamic_ncols=True)
-    if not rows or "messages" not in rows[0]:  # dialogues (a source's rows share one format)
-        pieces = prompt_pieces(tokenizer, d.instruction) if rows else None
-        return [tokenize_example(tokenizer, pieces, r["dialogue"], r["summary"], d.max_length) for r in bar]
+
+def firsts(tokenizer, texts: list[str], ns: list[int]) -> list[list[int]]:
+    """`first_ids(tokenizer, text, n)` of each text: those short enough tokenized whole in one call."""
+    whole = [k for k, (text, n) in enumerate(zip(texts, ns))
+             if n > 0 and (len(text) <= tokens_lib.bound(tokenizer, n) or not getattr(tokenizer, "is_fast", False))]
+    got = dict(zip(whole, tokens_lib.many_ids(tokenizer, [texts[k] for k in whole])))
+    return [got[k][:n] if k in got else first_ids(tokenizer, text, n) for k, (text, n) in enumerate(zip(texts, ns))]
+
+
+def tokenize(rows: list[dict], tokenizer, d: DataConfig, where: list[str] | None = None) -> list:
+    """Every row tokenized, None for a conversation dropped as too long (chat.tokenize), in batched
+    calls. ConfigError when a conversation's template gives no loss mask, naming the row by `where`
+    (default: its id)."""
+    if not rows:
+        return []
+    if "messages" not in rows[0]:  # dialogues (a source's rows share one format)
+        return tokenize_dialogues(tokenizer, prompt_pieces(tokenizer, d.instruction), rows, d.max_length)
     if problem := chat.template_problem(tokenizer, d.loss_on):
         raise ConfigError([f"model.tokenizer: {problem}"])
-    out = []
-    for start in range(0, len(rows), CHUNK):
-        parts = []
-        for r in rows[start:start + CHUNK]:
-            try:
-                parts.append(chat.pieces(tokenizer, r["messages"], d.loss_on))
-            except chat.TemplateProblem as e:
-                raise ConfigError([f"{field}: row {r['id']}: {e}"]) from None
-        out += chat.tokenize_many(tokenizer, parts, d.max_length)
-        bar.update(len(parts))
-    bar.close()
-    return out
-
-
-CHUNK = 256  # conversations tokenized in one call
-
-
-def chat_sources(d: DataConfig) -> list[tuple[Source, str]]:
-    """The local sources (of train and val) whose rows are conversations, with their format."""
-    found = [(s, formats.detect(read_rows(s.source), d)) for split in ("train", "val") for s in sources(d, split)
-             if not s.source.startswith("hub:")]
-    return [(s, fmt) for s, fmt in found if fmt != "dialogue"]
-
-
-def trains_conversations(d: DataConfig) -> bool:
-    """Whether the training data is in a chat format (data.format, or the first readable source's rows)."""
-    if d.format != "auto":
-        return d.format != "dialogue"
-    try:
-        return formats.detect(read_rows(sources(d)[0].source), d) != "dialogue"
-    except (OSError, ValueError, ImportError, IndexError):  # gone since, or hub data out of reach
-        return False
-
-
-def template_problems(d: DataConfig, tokenizer) -> list[str]:
-    """Every conversation of the local sources rendered through the template and its mask checked
-    (chat.pieces), before anything is tokenized or started: the first problem of each source."""
-    found = chat_sources(d)
-    if found and (problem := chat.template_problem(tokenizer, d.loss_on)):
-        return [f"model.tokenizer: {problem}"]
-    problems = []
-    for s, fmt in found:
-        data = read_rows(s.source)
-        for i in range(len(data))[parse_rows(s.rows)]:
-            try:
-                chat.pieces(tokenizer, formats.normalise(data[i], i, fmt, d)["messages"], d.loss_on)
-            except chat.TemplateProblem as e:
-                problems.append(f"{s.field}: row {i} of {s.source}: {e}")
-                break
-    return problems
-
-
-def tokenize_cached(rows: list[dict], tokenizer, d: DataConfig, cache_dir: str | os.PathLike, tok_id: str,
-                    progress: bool = False, field: str = "data.train") -> list:
-    """Tokenize once and keep the result in `cache_dir` as JSON (data only: nothing is unpickled);
-    later callers (other processes) read it. The caller makes one process go first; the file is
-    written atomically, and one that cannot be read is made again."""
-    chat_key = [d.loss_on] if any("messages" in r for r in rows) else []  # dialogue rows: the key they always had
-    key = hashlib.sha256(
-        json.dumps([rows, d.instruction, d.max_length, tok_id, *chat_key], sort_keys=True).encode()
-    ).hexdigest()[:20]
-    path = Path(cache_dir) / f"tokenized-{key}.json"
-    stamp = (path.stat().st_mtime_ns, path.stat().st_size) if path.exists() else None
-    if stamp and _TOKENIZED.get(path, (None,))[0] == stamp:  # this process made or read it just now
-        return _TOKENIZED[path][1]
-    if path.exists():
+    parts = []
+    for k, r in enumerate(rows):
         try:
-            cached = json.loads(path.read_text())
-            if isinstance(cached, list) and all(e is None or isinstance(e, dict) and set(e) - {"cut"} == EXAMPLE_KEYS
-                                                for e in cached):
-                remember(path, stamp, cached)
-                return cached
-        except (ValueError, UnicodeDecodeError):
-            pass
-    out = tokenize(rows, tokenizer, d, progress, field)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(out, f)
-    os.replace(tmp, path)
-    remember(path, (path.stat().st_mtime_ns, path.stat().st_size), out)
-    return out
-
-
-def remember(path: Path, stamp: tuple, examples: list) -> None:
-    """Keep a few cache files' examples (a run's sources) for this process's next call."""
-    _TOKENIZED.pop(path, None)
-    if len(_TOKENIZED) >= 8:
-        _TOKENIZED.pop(next(iter(_TOKENIZED)))
-    _TOKENIZED[path] = (stamp, examples)
-
-
-EXAMPLE_KEYS = {"input_ids", "labels", "prompt_len"}
-_TOKENIZED: dict = {}  # the last cache file made or read: {path: ((mtime, size), examples)}
-
-
-def _tokenized(d: DataConfig, tokenizer, cache_dir: Path, progress: bool = False):
-    """(split, source, its examples with None for the dropped rows), for every source in turn."""
-    tok_id = fingerprint(tokenizer)
-    for split in ("train", "val"):
-        for s in sources(d, split):
-            rows = load_split(s.source, s.rows, d, s.field)
-            yield split, s, tokenize_cached(rows, tokenizer, d, cache_dir, tok_id, progress, s.field)
-
-
-def load(d: DataConfig, tokenizer, cache_dir: Path, progress: bool = False) -> tuple[list[dict], list[dict]]:
-    """The tokenized training and validation examples (tokenize_cached: tokenized once, then read).
-    With several sources in a split, each example names its own (`"source"`)."""
-    out = {"train": [], "val": []}
-    for split, s, examples in _tokenized(d, tokenizer, cache_dir, progress):
-        kept = [e for e in examples if e is not None]
-        out[split] += [dict(e, source=s.name) for e in kept] if len(sources(d, split)) > 1 else kept
-    return out["train"], out["val"]
-
-
-def prepare(d: DataConfig, tokenizer, cache_dir: Path, progress: bool = False) -> list[str]:
-    """Tokenize and cache every source (what `load` then reads), checking each row; one line for each
-    source whose rows were cut or dropped to fit data.max_length."""
-    lines, kept = [], []
-    for split, s, examples in _tokenized(d, tokenizer, cache_dir, progress):
-        cut, dropped = sum(1 for e in examples if e and e.get("cut")), examples.count(None)
-        kept += [len(examples) - dropped] if split == "train" else []
-        if cut or dropped:
-            lines.append(f"{s.field} ({s.name}): {cut} of {len(examples)} rows cut to data.max_length={d.max_length} "
-                         f"(their earliest tokens), {dropped} dropped (their final assistant turn alone is too long)")
-    if len(kept) > 1:
-        draws(sources(d, "train"), kept)
-    return lines
+            parts.append(chat.pieces(tokenizer, r["messages"], d.loss_on))
+        except chat.TemplateProblem as e:
+            raise ConfigError([f"{where[k] if where else 'data.train: row ' + r['id']}: {e}"]) from None
+    return chat.tokenize_many(tokenizer, parts, d.max_length, [r["messages"] for r in rows])
 
 
 def fingerprint(tokenizer) -> str:
-    """A short hash of the tokenizer's vocabulary and template, for caching tokenized data."""
+    """A short hash of what tokenizing depends on in the tokenizer: its whole definition where it has
+    one (vocabulary, merges, normalizer, pre-tokenizer), its chat template and special tokens."""
     h = hashlib.sha256()
-    h.update(repr(sorted(tokenizer.get_vocab().items())).encode())
-    h.update(str(getattr(tokenizer, "chat_template", None)).encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    h.update(backend.to_str().encode() if backend is not None else repr(sorted(tokenizer.get_vocab().items())).encode())
+    for part in (getattr(tokenizer, "chat_template", None), tokenizer.bos_token, tokenizer.eos_token):
+        h.update(str(part).encode() + b"\x00")
     return h.hexdigest()[:16]

@@ -355,6 +355,23 @@ def on_main(accelerator: Accelerator, fn):
     return result
 
 
+def on_node(accelerator: Accelerator, fn):
+    """Run `fn()` on the first process of each machine only (the others of that machine wait); every
+    process returns its machine's result, or every process raises the first exception any raised. For
+    what each machine must make on its own disk (a cache that is not shared), once a machine."""
+    result, error = None, None
+    if accelerator.is_local_main_process:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below, on every process
+            error = e
+    answers = gather((result, error)) if accelerator.num_processes > 1 else [(result, error)]
+    error = next((e for _, e in answers if e is not None), None)
+    if error is not None:
+        raise error
+    return answers[accelerator.process_index - accelerator.local_process_index][0]  # this machine's first process
+
+
 def gather(obj) -> list:
     """`obj` from every process, in rank order (a collective: every process must call it)."""
     return gather_object([obj])

@@ -45,7 +45,7 @@ def main(args) -> int:
         """The output folder, the data and the model (its code is imported only when all else holds):
         read once per job, not by every process."""
         found = [*found, *rundir.folder_problems("--out" if args.out else "eval", out)]
-        found += checks.jsonl_problems(cfg.data) or data.check(cfg.data)[0] if data_ok else []
+        found += data.check(cfg.data)[0] if data_ok else []
         return found + (checks.model_problems(cfg) if not found else sources.source_problems(cfg.model))
 
     if not launch.in_launched_process():  # here, before any process starts (--nproc's workers skip it: we did)

