@@ -1,0 +1,200 @@
+"""Data at scale: generated chat rows prepared for training, and what training processes hold of them.
+
+    python benchmarks/data_scale.py --tokenizer TOKENIZER_DIR --rows 100000,1000000 [--before TREE]
+        [--before-rows 100000] [--nproc 1,2,8] [--samsum PATH] --out benchmarks/results/NAME.json
+
+For each row count, one JSON-lines file of distinct chat rows made from SAMSum's validation rows: a
+system turn, the user's instruction and dialogue (ending in the row's own number), the summary as the
+assistant's reply. TOKENIZER_DIR is SmolLM2's tokenizer (the demo model's), saved with save_pretrained.
+Measured in one command, each tree (this checkout, and --before's, an older commit's worktree, for
+row counts up to --before-rows) run as `python -m ddptune` with its own src/ on PYTHONPATH:
+- prepare: `ddptune data` on the file into an empty DDPTUNE_CACHE: rows/s from its wall time less its
+  tokenizer's load; for this checkout the store's bytes a token, and the same command again with the
+  cache filled (a second run on the same data);
+- the anchor, in this process: Hugging Face datasets' `Dataset.from_json`, then `map(batched=True,
+  num_proc=cores)` with the tokenizer's batched `apply_chat_template(tokenize=True)`; rows/s of each;
+- train: `ddptune train --nproc N` on CPU processes (gloo), preset:smollm2-135m (random weights in
+  SmolLM2's shape and vocabulary), one optimizer step, the cache filled by the runs before: seconds
+  from launch to the first step's line in metrics.jsonl, and each process's peak resident memory and
+  peak anonymous (not file-backed) memory, polled from /proc every 0.1 s. The same run on
+  --small rows gives what the model and libraries take: the difference is the data's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SYSTEM = "You are a careful assistant who summarizes conversations."
+INSTRUCTION = "Summarize the following dialogue."
+
+
+def commit(tree: Path) -> str:
+    return subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def make_rows(samsum: Path, n: int, path: Path) -> None:
+    base = json.loads(samsum.read_text())
+    with open(path, "w") as f:
+        for i in range(n):
+            r = base[i % len(base)]
+            f.write(json.dumps({"messages": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"{INSTRUCTION}\n\n{r['dialogue']}\n(conversation {i})"},
+                {"role": "assistant", "content": r["summary"]}]}) + "\n")
+
+
+def env_of(tree: Path, cache: Path) -> dict:
+    return dict(os.environ, PYTHONPATH=str(tree / "src"), HF_HUB_OFFLINE="1", DDPTUNE_CACHE=str(cache),
+                CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+
+
+def prepare(tree: Path, args, data: Path, cache: Path) -> dict:
+    """`ddptune data` on the file: wall seconds, the tokenizer's load, rows/s of the rest."""
+    cmd = [sys.executable, "-m", "ddptune", "data", str(ROOT / "configs" / "demo.yaml"), "model.source=preset:smollm2-135m",
+           f"model.tokenizer={args.tokenizer}", f"data.train={data}", "data.train_rows=null", "data.val=null",
+           "data.max_length=512"]
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=tree, env=env_of(tree, cache), capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    if proc.returncode:
+        raise SystemExit(f"{tree}: ddptune data: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+    load = float(m.group(1)) if (m := re.search(r"tokenizer loaded in ([0-9.]+)s", proc.stderr)) else 0.0
+    rows = sum(int(c) for c in re.findall(r"^\| train \| \S+ \| \S+ \| (\d+) \|", proc.stdout, re.M))
+    return {"wall_s": round(wall, 2), "tokenizer_load_s": load, "rows": rows,
+            "rows_per_s": round(rows / max(wall - load, 1e-9), 1), "stdout_table": proc.stdout.splitlines()[1:5]}
+
+
+def store_bytes(cache: Path) -> dict:
+    metas = [json.loads(p.read_text()) for p in (cache / "tokens").glob("*/meta.json")]
+    tokens, size = sum(m["tokens"] for m in metas), sum(sum(m["bytes"].values()) for m in metas)
+    return {"store_tokens": tokens, "store_bytes": size, "bytes_per_token": round(size / max(tokens, 1), 3)}
+
+
+def anchor(args, data: Path) -> dict:
+    """datasets + the tokenizer's batched chat template, as TRL-style trainers prepare chat rows."""
+    import datasets
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    with tempfile.TemporaryDirectory() as hf:
+        t0 = time.perf_counter()
+        ds = datasets.Dataset.from_json(str(data), cache_dir=hf)
+        t1 = time.perf_counter()
+        ds.map(lambda b: {"input_ids": tok.apply_chat_template(b["messages"], tokenize=True, return_dict=False)},
+               batched=True, num_proc=len(os.sched_getaffinity(0)), remove_columns=["messages"])
+        t2 = time.perf_counter()
+    return {"from_json_s": round(t1 - t0, 2), "from_json_rows_per_s": round(len(ds) / (t1 - t0), 1),
+            "map_s": round(t2 - t1, 2), "map_rows_per_s": round(len(ds) / (t2 - t1), 1), "num_proc": len(os.sched_getaffinity(0))}
+
+
+def status(pid: int) -> dict:
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return {}
+    return {k: int(v.split()[0]) * 1024 for k, v in re.findall(r"^(VmHWM|RssAnon):\s+(.+)$", text, re.M)}
+
+
+def descendants(pid: int) -> list[int]:
+    import psutil
+
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def train(tree: Path, args, data: Path, cache: Path, nproc: int, work: Path) -> dict:
+    """One optimizer step at `nproc` CPU processes: launch to the first step, memory of each process."""
+    out = work / f"run-{nproc}-{time.monotonic_ns()}"
+    cmd = [sys.executable, "-m", "ddptune", "train", str(ROOT / "configs" / "demo.yaml"), "model.source=preset:smollm2-135m",
+           f"model.tokenizer={args.tokenizer}", f"data.train={data}", "data.train_rows=null", "data.val=null",
+           "data.max_length=512", "eval.enabled=false", "train.max_steps=1", f"train.effective_batch_size={8 * nproc}",
+           "train.micro_batch_size=8", f"output_dir={out}", "--nproc", str(nproc)]
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=tree, env=env_of(tree, cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak: dict[int, dict] = {}
+    first_step = None
+    while proc.poll() is None:
+        for pid in descendants(proc.pid):
+            now = status(pid)
+            seen = peak.setdefault(pid, {"VmHWM": 0, "RssAnon": 0})
+            for k, v in now.items():
+                seen[k] = max(seen[k], v)
+        if first_step is None and (out / "metrics.jsonl").is_file() and '"loss"' in (out / "metrics.jsonl").read_text():
+            first_step = time.perf_counter() - started
+        time.sleep(0.1)
+    _, err = proc.communicate()
+    if proc.returncode:
+        raise SystemExit(f"{tree}: ddptune train --nproc {nproc}: exit {proc.returncode}\n{err[-3000:]}")
+    workers = sorted((v for v in peak.values() if v["VmHWM"]), key=lambda v: -v["VmHWM"])[:nproc]
+    gib = lambda b: round(b / 2**30, 3)  # noqa: E731
+    return {"nproc": nproc, "launch_to_first_step_s": round(first_step, 2) if first_step else None,
+            "wall_s": round(time.perf_counter() - started, 2),
+            "launcher_peak_rss_gib": gib(status(proc.pid).get("VmHWM", 0)),
+            "worker_peak_rss_gib": [gib(v["VmHWM"]) for v in workers],
+            "worker_peak_anon_gib": [gib(v["RssAnon"]) for v in workers],
+            "workers_peak_anon_total_gib": gib(sum(v["RssAnon"] for v in workers))}
+
+
+def one_tree(tree: Path, args, data: Path, small: Path, rows: int, work: Path) -> dict:
+    cache = work / f"cache-{tree.name}-{rows}"
+    row = {"tree": str(tree), "commit": commit(tree), "rows": rows, "prepare": prepare(tree, args, data, cache)}
+    if tree == ROOT:
+        row["store"] = store_bytes(cache)
+        row["prepare_again"] = prepare(tree, args, data, cache)
+    row["train"] = [train(tree, args, data, cache, n, work) for n in args.nproc]
+    row["train_small"] = [train(tree, args, small, cache, n, work) for n in args.nproc]
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--rows", default="100000,1000000")
+    p.add_argument("--before", type=Path, help="an older checkout (a git worktree) to measure beside this one")
+    p.add_argument("--before-rows", type=int, default=100000)
+    p.add_argument("--nproc", default="1,2,8")
+    p.add_argument("--small", type=int, default=1000)
+    p.add_argument("--samsum", type=Path, default=ROOT.parent / "shared" / "data" / "samsum_validation.json")
+    p.add_argument("--skip-anchor", action="store_true")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    args.nproc = [int(n) for n in args.nproc.split(",")]
+    args.tokenizer = str(Path(args.tokenizer).resolve())
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        small = work / "small.jsonl"
+        make_rows(args.samsum, args.small, small)
+        for rows in (int(r) for r in args.rows.split(",")):
+            data = work / f"chat-{rows}.jsonl"
+            make_rows(args.samsum, rows, data)
+            trees = [ROOT] + ([args.before.resolve()] if args.before and rows <= args.before_rows else [])
+            results += [one_tree(tree, args, data, small, rows, work) for tree in trees]
+            if not args.skip_anchor:
+                results.append({"anchor": "datasets", "rows": rows, **anchor(args, data)})
+                print(json.dumps(results[-1]), flush=True)
+            data.unlink()
+    out = {"command": " ".join(["python", "benchmarks/data_scale.py", *sys.argv[1:]]), "commit": commit(ROOT),
+           "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpus": len(os.sched_getaffinity(0)),
+           "machine": platform.processor() or platform.machine(), "python": platform.python_version(), "results": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
