@@ -83,7 +83,7 @@ def acquire(folder: str | os.PathLike) -> Lock:
             if holder.get("host", info["host"]) != info["host"] and not earlier:
                 raise ConfigError([f"output_dir: {folder} is locked by pid {_pids(holder)} on host {holder['host']} "
                                    f"(if no run is writing there any more, remove {path})"])
-            if not earlier and any(_alive(pid) for pid in holder.get("pids", [])):
+            if not earlier and any(alive(pid) for pid in holder.get("pids", [])):
                 raise ConfigError([f"output_dir: {folder} is in use by the run of pid {_pids(holder)} on {holder.get('host')}, "
                                    f"started {_when(holder)} (wait for it to end, or choose another output_dir)"])
             _take_over(path, raw, holder)
@@ -114,7 +114,7 @@ def held(folder: str | os.PathLike) -> bool:
     if holder.get("host", socket.gethostname()) != socket.gethostname():
         return True
     pids = holder.get("pids")
-    return isinstance(pids, list) and any(_alive(pid) for pid in pids)
+    return isinstance(pids, list) and any(alive(pid) for pid in pids)
 
 
 def join(folder: str | os.PathLike) -> None:
@@ -214,7 +214,7 @@ def _read(path: Path) -> tuple[bytes | None, dict | None]:
     return raw, holder if isinstance(holder, dict) else None
 
 
-def _alive(pid) -> bool:
+def alive(pid) -> bool:
     """Whether process `pid` of this host still runs. A process killed but not yet reaped by its
     parent (a zombie: a launcher or shell that has not waited for it yet) still answers a signal
     check, yet writes nothing more: it counts as ended, read from its state in /proc (where there
