@@ -399,6 +399,12 @@ CASES = [
     ("scale global batch does not split", ["scale", "{cfg}", "--nproc", "1,3", "--mode", "same-global"],
      ["--nproc 3 (same-global): the global batch of 4 samples does not split over 3 processes"]),
     ("scale config missing", ["scale", "{tmp}/nope.yaml", "--nproc", "1,2"], ["config: ", "not found"]),
+    # more processes than training rows (400): no batch setting can give each a sample, so the line names --nproc
+    ("scale counts above the rows", ["scale", "{cfg}", "--nproc", "1,2,100000"], ["invalid config: --nproc: 100000 ", " 400 "]),
+    ("scale counts above the rows, same global batch", ["scale", "{cfg}", "--nproc", "1,100000,500", "--mode", "same-global"],
+     ["invalid config: --nproc: 500, 100000 ", " 400 "]),
+    ("scale counts above the rows under fsdp", ["scale", "{cfg}", "--nproc", "1,100000", "train.strategy=fsdp"],
+     ["invalid config: --nproc: 100000 ", " 400 "]),
 ]
 
 

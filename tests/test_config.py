@@ -161,3 +161,33 @@ def test_a_problem_line_quotes_a_bounded_part_of_a_value(tmp_path, text, field):
         config.load(path)
     assert len(str(e.value)) < 1500 and len(e.value.problems) <= 4, str(e.value)[:2000]
     assert e.value.problems[0].startswith(field), e.value.problems[0][:300]
+
+
+def test_a_row_slice_written_without_quotes_is_the_slice_written(tmp_path, capsys):
+    """YAML 1.1 reads an unquoted 1:30 as the base-60 number 90 (1:30:00 as 5400): a slice written
+    without quotes was refused as a number or taken as another slice's bound. A number written with
+    colons is read as the text it is (as YAML 1.2 reads it): data.train_rows, data.val_rows and a
+    source's rows take it as the slice written; one that is no START:STOP is refused naming it, and a
+    key that wants a number refuses it instead of taking the base-60 value."""
+    from ddptune import cli
+
+    path = tmp_path / "cfg.yaml"
+    path.write_text((ROOT / "configs" / "tiny.yaml").read_text().replace('train_rows: "0:400"', "train_rows: 1:30")
+                    .replace('val_rows: "560:600"', "val_rows: 10:20"))
+    cfg = config.load(path)
+    assert (cfg.data.train_rows, cfg.data.val_rows) == ("1:30", "10:20") and config.check_values(cfg) == []
+    assert config.parse_rows(cfg.data.train_rows) == slice(1, 30)
+    assert config.load(path, ["data.val_rows=5:59"]).data.val_rows == "5:59"
+    listed = config.load(path, ["data.train=[{source: demo, rows: 1:30}, {source: demo, rows: 40:50, name: b}]",
+                                "data.train_rows=null"])
+    assert [s.rows for s in listed.data.train] == ["1:30", "40:50"] and data.source_problems(listed.data) == []
+    with pytest.raises(ConfigError) as e:
+        config.load(path, ["train.max_steps=1:30"])  # not 90
+    assert e.value.problems[0].startswith("train.max_steps: '1:30' "), e.value.problems
+    for override, field in (("data.train_rows=1:30:00", "data.train_rows"), ("data.val_rows=1:30:00", "data.val_rows"),
+                            ("data.train=[{source: demo, rows: 1:30:00}]", "data.train[0].rows")):
+        rows = ["data.train_rows=null"] if field.endswith(".rows") else []
+        assert cli.main(["train", str(path), override, *rows, f"output_dir={tmp_path / 'out'}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{field}: '1:30:00' " in err[0], err
+        assert not (tmp_path / "out").exists()

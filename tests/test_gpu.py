@@ -277,6 +277,70 @@ def test_a_step_that_fails_to_record_falls_back_to_its_compiled_layers(tmp_path,
 
 
 @cuda
+def test_a_failed_recording_leaves_the_stream_the_pool_and_the_random_generator_as_they_were():
+    """A recording that an operation invalidates (a synchronization inside it, which a CUDA graph
+    cannot hold), after a random draw inside it: Unrecordable, and nothing of the capture stays. The
+    current stream is the one before, no capture is under way, a random draw outside any recording
+    works and draws what its seed draws, and the same memory pool records and replays a graph again."""
+    from ddptune import graphs
+
+    side, pool, before = torch.cuda.Stream(), torch.cuda.graph_pool_handle(), torch.cuda.current_stream()
+    x = torch.ones(1 << 16, device="cuda")
+
+    def broken():
+        torch.nn.functional.dropout(x, 0.5)  # the default generator takes part in the recording
+        torch.cuda.synchronize()
+
+    with pytest.raises(graphs.Unrecordable):
+        graphs.record(broken, pool, side)
+    assert torch.cuda.current_stream() == before and not torch.cuda.is_current_stream_capturing()
+    torch.manual_seed(3)
+    drawn = torch.randn(1024, device="cuda")
+    torch.manual_seed(3)
+    assert torch.equal(drawn, torch.randn(1024, device="cuda"))
+    graph = graphs.record(lambda: x.mul_(3), pool, side)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert x[0].item() == 3
+
+
+@cuda
+def test_after_a_failed_recording_the_same_process_draws_random_numbers_and_records_a_second_run(tmp_path, monkeypatch):
+    """The whole step fails to record (a synchronization inside it) and the run falls back to its
+    compiled layers, whose LoRA dropout draws random numbers every step; then, in the same process, a
+    random draw and a second run whose whole step records. A failed recording once left the CUDA
+    generator capturing: the next random operation anywhere in the process raised."""
+    from conftest import ROOT
+    from ddptune import config, graphs, train
+
+    record = graphs.StepGraphs.record
+
+    def failing(self, work):
+        def broken():
+            work()
+            torch.cuda.synchronize()
+        return record(self, broken)
+
+    def run(name):
+        monkeypatch.setenv("DDPTUNE_SPEED", "graphs=step,lengths=1,dequantize=false")
+        cfg = config.load(ROOT / "configs" / "tiny.yaml", [
+            f"output_dir={tmp_path / name}", "train.max_steps=6", "data.val=null", "eval.enabled=false", "train.compile=true",
+            "train.micro_batch_size=8", "lora.dropout=0.1"])
+        summary, _ = train.run(cfg)
+        return summary, losses_of(tmp_path / name)
+
+    monkeypatch.setattr(graphs.StepGraphs, "record", failing)
+    fell_summary, fell = run("fell")
+    assert fell_summary["cuda_graphs"] == "off" and len(fell) == 6
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in fell)
+    assert torch.randn(1024, device="cuda").isfinite().all()
+    monkeypatch.setattr(graphs.StepGraphs, "record", record)
+    summary, recorded = run("recorded")
+    assert summary["cuda_graphs"] == "step" and len(recorded) == 6
+    assert all(math.isfinite(r["loss"]) for r in recorded) and recorded[-1]["loss"] < recorded[0]["loss"]
+
+
+@cuda
 def test_combined_kernels_train_to_the_losses_of_compiled_layers_without_them(tmp_path, monkeypatch):
     """Combined kernels change how kernels are launched, not the math: compiled layers without graphs
     (where the decider turns them on) give the losses and gradient norms they give without them, within

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -70,6 +72,36 @@ def test_resume_beside_a_live_run_is_refused(tmp_path, capsys, no_work):
     finally:
         worker.kill()
         worker.wait()
+
+
+def proc_state(pid: int) -> str:
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return text[text.rfind(")") + 2]
+
+
+def test_a_holder_killed_but_not_yet_reaped_has_ended(tmp_path, capsys):
+    """kill -9 of the run holding the lock, before its parent has waited for it: the process is a
+    zombie, which still answers a signal check but writes nothing more. Its lock is taken over at
+    once, not only once the parent reaps it."""
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        plant(out, [holder.pid])
+        assert lock.held(out)
+        os.kill(holder.pid, signal.SIGKILL)  # and no wait(): this test, its parent, leaves it unreaped
+        deadline = time.time() + 10
+        while proc_state(holder.pid) != "Z" and time.time() < deadline:
+            time.sleep(0.01)
+        assert proc_state(holder.pid) == "Z"
+        os.kill(holder.pid, 0)  # the pid still answers
+        assert not lock.held(out)
+        with lock.acquire(out):
+            assert json.loads((out / lock.NAME).read_text())["pids"] == [os.getpid()]
+        assert "took over the lock of a run that is no longer running" in capsys.readouterr().err
+        assert proc_state(holder.pid) == "Z"  # taken over while still unreaped
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_a_lock_from_another_host_is_never_taken_over(tmp_path):

@@ -78,6 +78,21 @@ def test_bad_input_is_refused_with_one_line(run, tmp_path, monkeypatch, capsys):
     assert "has no config.yaml" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("bad", [{"dialogue": 5}, {"dialogue": None, "id": "x"}, {"dialogue": ["A: hi"]}, 7, ["A: hi"]],
+                         ids=["number", "null", "list", "a number for a row", "a list for a row"])
+def test_a_row_whose_dialogue_is_not_text_is_refused_naming_the_row_and_the_value(run, tmp_path, monkeypatch, capsys, bad):
+    """A row that holds its dialogue field with a value that is not a string, or a line that is not an
+    object: one line naming the line and the value found (not "no such field"), exit 2, nothing written."""
+    out = tmp_path / "predictions.jsonl"
+    monkeypatch.setattr("sys.stdin", io.StringIO(jsonl([demo_rows(0, 1)[0], bad])))
+    assert cli.main(["predict", str(run), "-", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    value = bad["dialogue"] if isinstance(bad, dict) else bad
+    assert len(err) == 1 and err[0].startswith("ddptune: invalid config: --input: line 2 of stdin"), err
+    assert f"({value!r})" in err[0] and ("'dialogue'" in err[0]) == isinstance(bad, dict), err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("name, content", [c[1:] for c in DAMAGED if c[0] in ("torn weights", "adapter_config.json not JSON")],
                          ids=["torn weights", "adapter_config.json not JSON"])
 def test_a_damaged_adapter_is_refused_by_predict_and_eval(run, tmp_path, capsys, name, content):

@@ -7,8 +7,9 @@ the first step every layer is compiled (and, for layer graphs, recorded) at ever
 step shape this process will meet is recorded too: the forwards and backwards (step.forward_backward,
 DDP's all-reduce inside the last), and one graph for all shapes of step.clip_and_update. Nothing of
 the warm-up stays: no gradient is all-reduced, gradients are zeroed after, and the random state is
-put back. Recording can fail (an operation that cannot be captured): `Unrecordable` says why, and
-the whole step falls back to compiled layers launched one by one.
+put back. Recording can fail (an operation that cannot be captured): `Unrecordable` says why, what
+the failed capture left (the current stream, the allocator's pool, the random generator) is put back,
+and the whole step falls back to compiled layers launched one by one.
 """
 from __future__ import annotations
 
@@ -26,6 +27,54 @@ DDP_WARMUP = 11  # eager DDP steps before a capture (PyTorch's notes on DDP unde
 
 class Unrecordable(RuntimeError):
     """Recording the whole step failed."""
+
+
+def record(work, pool, side: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+    """`work()` recorded as a CUDA graph on the stream `side`, its memory from `pool`. A recording
+    that fails raises Unrecordable and leaves the process as it found it (`_end_failed_recording`)."""
+    graph, current = torch.cuda.CUDAGraph(), torch.cuda.current_stream(side.device)
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=side):
+            work()
+    except RuntimeError as e:
+        _end_failed_recording(graph, pool, side, current)
+        raise Unrecordable(f"recording the step failed ({dist.first_line(e)})") from e
+    return graph
+
+
+def _end_failed_recording(graph: torch.cuda.CUDAGraph, pool, side: torch.cuda.Stream, current: torch.cuda.Stream) -> None:
+    """Undo what a failed recording left. An operation a capture cannot hold (a synchronization, say)
+    invalidates it, and then torch.cuda.graph's exit raises in CUDAGraph.capture_end at
+    cudaStreamEndCapture (which ends the stream's capture all the same), before the rest of it runs:
+    - the current stream stays `side` (the exit never reaches its stream context): put back;
+    - the caching allocator keeps the capture among those under way, with its pool's count of users
+      raised for a graph that will never release it (the pool's memory would never be freed, and the
+      allocator skips its recycling of cross-stream blocks while a capture is under way): the pool
+      is ended and released here, only where the capture never got that far (endAllocateToPool
+      refuses a pool no capture is allocating to, so a pool is never released twice);
+    - the device's default generator stays in capture mode (torch 2.11: the next random operation
+      outside a recording raises "Offset increment outside graph capture encountered unexpectedly"):
+      it takes a copy of its state (the same seed and offset), which is not capturing. Graphs recorded
+      before hold the old state, so they must not be replayed: StepGraphs drops them all with the engine.
+    A capture still under way on `side` (an error that came before capture_end did) is ended first.
+    The pinned-memory allocator's own note of the capture has no Python handle; its filter no longer
+    matches any stream once the capture has ended."""
+    device = side.device.index if side.device.index is not None else torch.cuda.current_device()
+    with torch.cuda.stream(side):
+        if torch.cuda.is_current_stream_capturing():
+            try:
+                graph.capture_end()
+            except RuntimeError:
+                pass  # invalidated: the capture has ended all the same, and the rest is undone below
+    torch.cuda.set_stream(current)
+    try:
+        torch._C._cuda_endAllocateToPool(device, pool)
+    except RuntimeError:
+        pass  # capture_end ended it (and the graph's own reset releases the pool) or it never began
+    else:
+        torch._C._cuda_releasePool(device, pool)
+    generator = torch.cuda.default_generators[device]
+    generator.graphsafe_set_state(generator.clone_state())
 
 
 def prepare(parts: step_lib.Parts, loss_model, stream: Stream, first: int, last: int, speed, process: int, pad_id: int,
@@ -133,13 +182,7 @@ class StepGraphs:
         self.figures = step_lib.clip_and_update(self.parts, self.loss_sum)
 
     def record(self, work) -> torch.cuda.CUDAGraph:
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.side):
-                work()
-        except RuntimeError as e:
-            raise Unrecordable(f"recording the step failed ({dist.first_line(e)})") from e
-        return graph
+        return record(work, self.pool, self.side)
 
     def warm_ddp(self, group: list[dict]) -> None:
         """DDP_WARMUP forwards and backwards of one row through DDP, every process as many: the

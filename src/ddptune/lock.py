@@ -2,8 +2,9 @@
 
 `acquire(folder)` creates `folder/.ddptune.lock` atomically (O_CREAT | O_EXCL) with the pid and host
 of this process, so a second run or `--resume` into the same folder is refused with one line (a
-`ConfigError`). A lock whose processes have all ended (on this host) is stale: it is taken over with
-a warning, under a second O_EXCL file so that of two runs finding it at once only one takes it over.
+`ConfigError`). A lock whose processes have all ended on this host (a killed process that its parent
+has not reaped yet, a zombie, has ended) is stale: it is taken over with a warning, under a second
+O_EXCL file so that of two runs finding it at once only one takes it over.
 A lock written on another host cannot be checked there: it is refused with the path to remove,
 unless an earlier start of the same SLURM job wrote it (SLURM_JOB_ID, a lower SLURM_RESTART_COUNT):
 a requeued job starts only once its earlier start has ended, so that lock is stale wherever it was.
@@ -82,7 +83,7 @@ def acquire(folder: str | os.PathLike) -> Lock:
             if holder.get("host", info["host"]) != info["host"] and not earlier:
                 raise ConfigError([f"output_dir: {folder} is locked by pid {_pids(holder)} on host {holder['host']} "
                                    f"(if no run is writing there any more, remove {path})"])
-            if not earlier and any(_alive(pid) for pid in holder.get("pids", [])):
+            if not earlier and any(alive(pid) for pid in holder.get("pids", [])):
                 raise ConfigError([f"output_dir: {folder} is in use by the run of pid {_pids(holder)} on {holder.get('host')}, "
                                    f"started {_when(holder)} (wait for it to end, or choose another output_dir)"])
             _take_over(path, raw, holder)
@@ -113,7 +114,7 @@ def held(folder: str | os.PathLike) -> bool:
     if holder.get("host", socket.gethostname()) != socket.gethostname():
         return True
     pids = holder.get("pids")
-    return isinstance(pids, list) and any(_alive(pid) for pid in pids)
+    return isinstance(pids, list) and any(alive(pid) for pid in pids)
 
 
 def join(folder: str | os.PathLike) -> None:
@@ -213,7 +214,11 @@ def _read(path: Path) -> tuple[bytes | None, dict | None]:
     return raw, holder if isinstance(holder, dict) else None
 
 
-def _alive(pid) -> bool:
+def alive(pid) -> bool:
+    """Whether process `pid` of this host still runs. A process killed but not yet reaped by its
+    parent (a zombie: a launcher or shell that has not waited for it yet) still answers a signal
+    check, yet writes nothing more: it counts as ended, read from its state in /proc (where there
+    is no /proc, the signal check alone answers)."""
     if not isinstance(pid, int) or pid <= 0:
         return False
     try:
@@ -221,8 +226,19 @@ def _alive(pid) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's process
-        return True
-    return True
+        pass
+    return _state(pid) not in ("Z", "X")  # zombie, or dead while being reaped
+
+
+def _state(pid: int) -> str | None:
+    """The one-letter state of `pid` in /proc/PID/stat (R, S, D, Z, ...); None where it cannot be read."""
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    # "PID (COMMAND) STATE ...": the command may hold spaces and parentheses, so read after the last ")"
+    rest = stat_line[stat_line.rfind(b")") + 1:].split()
+    return rest[0].decode("ascii", "replace") if rest else None
 
 
 def _mtime(path: Path) -> float:

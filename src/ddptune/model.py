@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
+from ddptune import sources
 from ddptune.attention import register_attention
 from ddptune.checkpoint import atomic_dir
 from ddptune.config import LoraConfig, ModelConfig
 from ddptune.rundir import trained_weights_dir  # noqa: F401 - model.trained_weights_dir, for its callers
-from ddptune.sources import PRESETS, resolve_source  # noqa: F401 - model.resolve_source, for its callers
+from ddptune.sources import PRESETS, cache_root, resolve_source  # noqa: F401 - model.resolve_source, for its callers
 
 
 class _DropHubKernelNotice(logging.Filter):
@@ -143,10 +144,6 @@ def preset_folder(name: str, seed: int, cache_dir: str | os.PathLike | None = No
     return _written_once(folder, write)
 
 
-def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    return Path(cache_dir or os.environ.get("DDPTUNE_CACHE", Path.home() / ".cache" / "ddptune"))
-
-
 def _written_once(folder: Path, write) -> Path:
     """`write(tmp)` fills a temporary folder beside `folder`, which is then renamed into place: a
     reader never sees half a folder, and where another process got there first its folder stays."""
@@ -165,34 +162,28 @@ def _written_once(folder: Path, write) -> Path:
 
 def gguf_folder(src, part: str, cache_dir: str | os.PathLike | None = None, build: bool = True) -> Path | None:
     """A GGUF file's `part` ("model": config and fp32 weights; "tokenizer") as a plain transformers
-    folder, converted once into the cache. Loading a GGUF parses its metadata again for the config, the
-    weights and the tokenizer (3 s each for SmolLM2's 49k-token vocabulary on a 2-core CPU) and
-    dequantizes every tensor: 18 s there, against about a second for the folder. The values are the
-    dequantized ones either way. Keyed by the file's path, size and time and the transformers
-    version. `build=False`: the folder if it exists, else None."""
-    import transformers
-
+    folder, converted once into the cache (sources.cached_conversion: checked against the record of
+    its files on every use, converted again where damaged). Loading a GGUF parses its metadata again
+    for the config, the weights and the tokenizer (3 s each for SmolLM2's 49k-token vocabulary on a
+    2-core CPU) and dequantizes every tensor: 18 s there, against about a second for the folder. The
+    values are the dequantized ones either way. `build=False`: the folder if it is whole, else None."""
     path = (Path(src.path) / src.gguf_file).resolve()
-    st = path.stat()
-    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}".encode()).hexdigest()[:16]
-    folder = cache_root(cache_dir) / "gguf" / f"{path.stem}-{key}" / part
-    if (folder / ("config.json" if part == "model" else "tokenizer_config.json")).is_file() or not build:
-        return folder if folder.is_dir() else None
+    folder = sources.converted_folder(src, part, cache_dir)
+    return sources.cached_conversion(folder, path, functools.partial(_convert_gguf, path, part) if build else None)
 
-    def write(tmp: Path) -> None:
-        if part == "tokenizer":
-            AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
-            return
-        from safetensors.torch import save_model
 
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-        save_model(model, str(tmp / "model.safetensors"))  # tied weights once, as save_pretrained keeps them
-        model.generation_config.save_pretrained(tmp)
-        if hasattr(model.config, "quantization_config"):  # the GGUF loader's; the weights saved are plain values
-            del model.config.quantization_config
-        model.config.save_pretrained(tmp)  # last: a folder with config.json is complete
+def _convert_gguf(path: Path, part: str, tmp: Path) -> None:
+    if part == "tokenizer":
+        AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
+        return
+    from safetensors.torch import save_model
 
-    return _written_once(folder, write)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    save_model(model, str(tmp / "model.safetensors"))  # tied weights once, as save_pretrained keeps them
+    model.generation_config.save_pretrained(tmp)
+    if hasattr(model.config, "quantization_config"):  # the GGUF loader's; the weights saved are plain values
+        del model.config.quantization_config
+    model.config.save_pretrained(tmp)
 
 
 def load_model(m: ModelConfig, method: str, device: torch.device, precision: str, seed: int,

@@ -148,11 +148,23 @@ def read_rows(source: str, d) -> tuple[list[dict], list[dict]]:
     for number, row in zip(numbers, rows):
         if fmt != "dialogue" and (problem := formats.problem(row, fmt, answer=False)):
             raise ConfigError([f"{where}: line {number} of {name} ({fmt}): {problem}"])
-        if fmt == "dialogue" and (not isinstance(row, dict) or not isinstance(row.get(column), str)):
-            keys = ", ".join(sorted(row)) if isinstance(row, dict) else type(row).__name__
-            raise ConfigError([f"{where}: line {number} of {name} has no text field {column!r} (it has: {keys or 'nothing'}; "
-                               f"give each row a {column!r} string, set data.dialogue_column=NAME, or data.format to "
-                               "the rows' format)"])
+        if fmt == "dialogue" and (problem := dialogue_problem(row, column)):
+            raise ConfigError([f"{where}: line {number} of {name} {problem}"])
     if fmt == "dialogue":
         return rows, [{"id": str(i), "dialogue": r[column], "summary": ""} for i, r in enumerate(rows)]
     return rows, [formats.normalise(r, i, fmt, d) for i, r in enumerate(rows)]
+
+
+def dialogue_problem(row, column: str) -> str | None:
+    """What keeps a row of the dialogue format from being prompted, as the rest of a line naming the
+    row; None when its `column` holds text."""
+    sample = f'{{"{column}": "A: hi\\nB: hello"}}'
+    if not isinstance(row, dict):
+        return f"is {formats.kind(row)}, not an object of fields (one JSON object per line, e.g. {sample})"
+    if column not in row:
+        keys = ", ".join(sorted(row))
+        return (f"has no text field {column!r} (it has: {keys or 'nothing'}; give each row a {column!r} string, set "
+                "data.dialogue_column=NAME, or data.format to the rows' format)")
+    if not isinstance(row[column], str):
+        return f"holds {formats.kind(row[column])} in {column!r}, not text (write the dialogue as a JSON string, e.g. {sample})"
+    return None

@@ -100,8 +100,8 @@ def plan_runs(args, cfg, out: Path, counts: list[int], modes: list[str], warmup:
         problems.append(f"--warmup {warmup} / --steps {measured}: need warm-up >= 0 and at least 1 measured step")
     if cuda and max(counts) > torch.cuda.device_count():
         problems.append(f"--nproc: {max(counts)} processes but only {torch.cuda.device_count()} GPUs (one process per GPU)")
-    if problems:
-        raise ConfigError(problems)
+    if problems or (problems := scaling.count_problems(counts, checks.input_problems(cfg, [])[1])):
+        raise ConfigError(problems)  # (a count above the rows would otherwise be refused for its batch, not its count)
     plans = {(m, n): scaling.plan_for(cfg.train, m, n) for m in modes for n in counts}  # raises for a count that does not divide
     windows = {m: scaling.sample_window([plans[m, n].global_batch for n in counts], warmup, measured) for m in modes}
     runs = {}

@@ -53,6 +53,17 @@ def parse_counts(text: str) -> list[int]:
     return sorted(counts)
 
 
+def count_problems(counts: list[int], n_rows: int | None) -> list[str]:
+    """Each process takes at least one sample a step, so a process count above the training rows
+    cannot run whatever the batch keys say: one line naming those counts (none while the rows are
+    not known, as for hub data before it loads)."""
+    over = [n for n in counts if n_rows is not None and n > n_rows]
+    if not over:
+        return []
+    return [f"--nproc: {', '.join(map(str, over))} processes are more than the {n_rows} training rows (each process takes "
+            f"at least one sample a step: give counts up to {n_rows}, or more rows in data.train)"]
+
+
 def parse_sizes(text: str) -> list[int]:
     """All-reduce sizes to time; "none" times none (no bandwidth, so no predictions)."""
     from ddptune import comm

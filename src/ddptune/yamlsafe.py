@@ -1,4 +1,4 @@
-"""A YAML loader that refuses a key given twice and nested aliases, and quoting that keeps a line short."""
+"""A strict YAML loader (no key twice, no nested aliases, no base-60 numbers) and quoting that keeps a line short."""
 from __future__ import annotations
 
 import typing
@@ -50,6 +50,19 @@ class StrictLoader(yaml.SafeLoader):
         finally:
             self._open.pop()
 
+    def construct_yaml_int(self, node):
+        """YAML 1.1 reads digits joined by colons as a base-60 number (an unquoted row slice 1:30 is 90,
+        1:30:00 is 5400), which no config means: they stay the text written, as YAML 1.2 reads them;
+        a key that wants a number then refuses the text, and a row slice is the slice written."""
+        if ":" in node.value:
+            return self.construct_scalar(node)
+        return super().construct_yaml_int(node)
+
+    def construct_yaml_float(self, node):  # 1:30.5, base 60 with a fraction: the text written, as above
+        if ":" in node.value:
+            return self.construct_scalar(node)
+        return super().construct_yaml_float(node)
+
     def construct_mapping(self, node, deep=False):
         seen: dict = {}
         for key_node, _ in node.value:
@@ -61,3 +74,7 @@ class StrictLoader(yaml.SafeLoader):
             if isinstance(key, typing.Hashable):
                 seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
+
+
+StrictLoader.add_constructor("tag:yaml.org,2002:int", StrictLoader.construct_yaml_int)
+StrictLoader.add_constructor("tag:yaml.org,2002:float", StrictLoader.construct_yaml_float)
