@@ -93,6 +93,19 @@ def test_a_row_whose_dialogue_is_not_text_is_refused_naming_the_row_and_the_valu
     assert not out.exists()
 
 
+@pytest.mark.parametrize("bad", [{"dialogue": "A: hi \ud800"}, {"messages": [{"role": "user", "content": "Hi \udfff"}]}],
+                         ids=["dialogue", "messages"])
+def test_a_lone_surrogate_is_refused_naming_the_line_and_the_character(run, tmp_path, monkeypatch, capsys, bad):
+    """Valid JSON that is not valid Unicode crashed the tokenizer; now one line, exit 2, nothing written."""
+    out = tmp_path / "predictions.jsonl"
+    first = demo_rows(0, 1)[0] if "dialogue" in bad else {"messages": [{"role": "user", "content": "Hello"}]}
+    monkeypatch.setattr("sys.stdin", io.StringIO(jsonl([first, bad])))
+    assert cli.main(["predict", str(run), "-", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ddptune: invalid config: --input: line 2 of stdin"), err
+    assert f"a lone surrogate at character {6 if 'dialogue' in bad else 3}" in err[0] and not out.exists()
+
+
 @pytest.mark.parametrize("name, content", [c[1:] for c in DAMAGED if c[0] in ("torn weights", "adapter_config.json not JSON")],
                          ids=["torn weights", "adapter_config.json not JSON"])
 def test_a_damaged_adapter_is_refused_by_predict_and_eval(run, tmp_path, capsys, name, content):

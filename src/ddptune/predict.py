@@ -167,4 +167,6 @@ def dialogue_problem(row, column: str) -> str | None:
                 "data.dialogue_column=NAME, or data.format to the rows' format)")
     if not isinstance(row[column], str):
         return f"holds {formats.kind(row[column])} in {column!r}, not text (write the dialogue as a JSON string, e.g. {sample})"
+    if wrong := formats.text_problem(row[column]):
+        return f"in {column!r} {wrong}"
     return None
