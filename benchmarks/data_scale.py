@@ -6,18 +6,20 @@
 For each row count, one JSON-lines file of distinct chat rows made from SAMSum's validation rows: a
 system turn, the user's instruction and dialogue (ending in the row's own number), the summary as the
 assistant's reply. TOKENIZER_DIR is SmolLM2's tokenizer (the demo model's), saved with save_pretrained.
-Measured in one command, each tree (this checkout, and --before's, an older commit's worktree, for
-row counts up to --before-rows) run as `python -m ddptune` with its own src/ on PYTHONPATH:
-- prepare: `ddptune data` on the file into an empty DDPTUNE_CACHE: rows/s from its wall time less its
-  tokenizer's load; for this checkout the store's bytes a token, and the same command again with the
-  cache filled (a second run on the same data);
+Each tree (this checkout, and --before's, an older commit's worktree, for row counts up to
+--before-rows) runs with its own src/ on PYTHONPATH and its own empty DDPTUNE_CACHE:
+- prepare: `ddptune data` on the file (every row checked and tokenized as its training does): the
+  rows/s it reports (its time after the tokenizer's load), and its wall time; for this checkout the
+  store's bytes a token, then the same command again (the store found made);
+- hold: at each --nproc, that many processes joined over gloo do with the data what a training
+  process does before its first step (this checkout: tokenized.load, the step stream and its first
+  step; the older one: data.load), after one of them prepared it; each reports its anonymous (not
+  file-backed) memory taken by that, from /proc, and its peak resident memory;
+- train: `ddptune train --nproc N` at the largest --nproc on CPU processes, preset:smollm2-135m
+  (random weights in SmolLM2's shape and vocabulary), one optimizer step, from an empty cache and
+  then again: seconds from launch to the first step's line in metrics.jsonl;
 - the anchor, in this process: Hugging Face datasets' `Dataset.from_json`, then `map(batched=True,
-  num_proc=cores)` with the tokenizer's batched `apply_chat_template(tokenize=True)`; rows/s of each;
-- train: `ddptune train --nproc N` on CPU processes (gloo), preset:smollm2-135m (random weights in
-  SmolLM2's shape and vocabulary), one optimizer step, the cache filled by the runs before: seconds
-  from launch to the first step's line in metrics.jsonl, and each process's peak resident memory and
-  peak anonymous (not file-backed) memory, polled from /proc every 0.1 s. The same run on
-  --small rows gives what the model and libraries take: the difference is the data's.
+  num_proc=cores)` with the tokenizer's batched `apply_chat_template(tokenize=True)`: rows/s of each.
 """
 from __future__ import annotations
 
@@ -63,16 +65,19 @@ def prepare(tree: Path, args, data: Path, cache: Path) -> dict:
     """`ddptune data` on the file: wall seconds, the tokenizer's load, rows/s of the rest."""
     cmd = [sys.executable, "-m", "ddptune", "data", str(ROOT / "configs" / "demo.yaml"), "model.source=preset:smollm2-135m",
            f"model.tokenizer={args.tokenizer}", f"data.train={data}", "data.train_rows=null", "data.val=null",
-           "data.max_length=512"]
+           "data.max_length=512", "eval.enabled=false"]
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=tree, env=env_of(tree, cache), capture_output=True, text=True)
     wall = time.perf_counter() - started
     if proc.returncode:
         raise SystemExit(f"{tree}: ddptune data: exit {proc.returncode}\n{proc.stderr[-3000:]}")
-    load = float(m.group(1)) if (m := re.search(r"tokenizer loaded in ([0-9.]+)s", proc.stderr)) else 0.0
+    rate = re.search(r"rows (?:checked and tokenized|found tokenized) in ([0-9.]+)s \((?:([0-9,]+) rows/s)?", proc.stderr)
+    if rate is None:
+        raise SystemExit(f"{tree}: ddptune data said no rate:\n{proc.stderr[-2000:]}")
     rows = sum(int(c) for c in re.findall(r"^\| train \| \S+ \| \S+ \| (\d+) \|", proc.stdout, re.M))
-    return {"wall_s": round(wall, 2), "tokenizer_load_s": load, "rows": rows,
-            "rows_per_s": round(rows / max(wall - load, 1e-9), 1), "stdout_table": proc.stdout.splitlines()[1:5]}
+    return {"wall_s": round(wall, 2), "rows": rows, "seconds": float(rate.group(1)),
+            "rows_per_s": int(rate.group(2).replace(",", "")) if rate.group(2) else None,
+            "table": proc.stdout.splitlines()[2:5]}
 
 
 def store_bytes(cache: Path) -> dict:
@@ -115,6 +120,73 @@ def descendants(pid: int) -> list[int]:
         return []
 
 
+def anon_bytes() -> int:
+    return status(os.getpid()).get("RssAnon", 0)
+
+
+def hold_worker(args) -> None:
+    """One of --nproc processes (under torch.distributed.run): what a training process does with the
+    data before its first step, and the anonymous memory that took (this process's)."""
+    import gc
+
+    from accelerate import Accelerator
+
+    from ddptune import batches, config, memory, metrics, model as model_lib
+
+    acc = Accelerator(cpu=True)
+    tok = model_lib.load_tokenizer(config.ModelConfig(source="preset:smollm2-135m", tokenizer=args.tokenizer))
+    flops = metrics.FlopModel.of_shape(memory.shape_of(model_lib.preset_config("smollm2-135m", "sdpa")), "lora", 16,
+                                       ["q_proj", "k_proj", "v_proj", "o_proj"])
+    d = config.DataConfig(train=args.hold, max_length=512)
+    gc.collect()
+    before = anon_bytes()
+    try:
+        from ddptune import dist, tokenized
+    except ImportError:  # an older tree: its main process tokenizes into a cache the others read
+        from ddptune import data
+
+        cache = Path(os.environ["DDPTUNE_CACHE"]) / "old-cache"
+        with acc.main_process_first():
+            if acc.is_main_process:
+                data.prepare(d, tok, cache)
+        train, _ = data.load(d, tok, cache)
+        costs = [flops.sample(len(e["input_ids"]), batches.target_tokens([e])) for e in train]
+        targets = [batches.target_tokens([e]) for e in train]
+    else:
+        train, _ = tokenized.load(dist.on_node(acc, lambda: tokenized.prepare(d, tok)))
+        costs, targets = flops.sample(train.lengths, train.targets), train.targets
+    stream = batches.Stream(train, costs, targets, 8 * acc.num_processes, acc.num_processes, 0, True, 8, 4096, 512)
+    stream.share(0)
+    gc.collect()
+    held = anon_bytes() - before
+    Path(args.hold_out, f"rank{acc.process_index}.json").write_text(json.dumps(
+        {"rank": acc.process_index, "examples": len(train), "data_anon_gib": round(held / 2**30, 4),
+         "peak_rss_gib": round(status(os.getpid())["VmHWM"] / 2**30, 4)}))
+    acc.wait_for_everyone()
+
+
+def hold(tree: Path, args, data: Path, cache: Path, nproc: int, work: Path) -> dict:
+    out = work / f"hold-{tree.name}-{nproc}-{time.monotonic_ns()}"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
+           str(Path(__file__).resolve()), "--tokenizer", args.tokenizer, "--hold", str(data), "--hold-out", str(out), "--out", "-"]
+    proc = subprocess.run(cmd, cwd=tree, env=dict(env_of(tree, cache), OMP_NUM_THREADS="1"), capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{tree}: hold at {nproc}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+    ranks = sorted((json.loads(p.read_text()) for p in out.glob("rank*.json")), key=lambda r: r["rank"])
+    return {"nproc": nproc, "examples": ranks[0]["examples"], "data_anon_gib": [r["data_anon_gib"] for r in ranks],
+            "data_anon_total_gib": round(sum(r["data_anon_gib"] for r in ranks), 3),
+            "peak_rss_gib": [r["peak_rss_gib"] for r in ranks]}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def train(tree: Path, args, data: Path, cache: Path, nproc: int, work: Path) -> dict:
     """One optimizer step at `nproc` CPU processes: launch to the first step, memory of each process."""
     out = work / f"run-{nproc}-{time.monotonic_ns()}"
@@ -125,8 +197,9 @@ def train(tree: Path, args, data: Path, cache: Path, nproc: int, work: Path) -> 
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=tree, env=env_of(tree, cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak: dict[int, dict] = {}
-    first_step = None
+    first_step, launcher = None, 0
     while proc.poll() is None:
+        launcher = max(launcher, status(proc.pid).get("VmHWM", 0))
         for pid in descendants(proc.pid):
             now = status(pid)
             seen = peak.setdefault(pid, {"VmHWM": 0, "RssAnon": 0})
@@ -142,20 +215,22 @@ def train(tree: Path, args, data: Path, cache: Path, nproc: int, work: Path) -> 
     gib = lambda b: round(b / 2**30, 3)  # noqa: E731
     return {"nproc": nproc, "launch_to_first_step_s": round(first_step, 2) if first_step else None,
             "wall_s": round(time.perf_counter() - started, 2),
-            "launcher_peak_rss_gib": gib(status(proc.pid).get("VmHWM", 0)),
+            "launcher_peak_rss_gib": gib(launcher),
             "worker_peak_rss_gib": [gib(v["VmHWM"]) for v in workers],
             "worker_peak_anon_gib": [gib(v["RssAnon"]) for v in workers],
             "workers_peak_anon_total_gib": gib(sum(v["RssAnon"] for v in workers))}
 
 
-def one_tree(tree: Path, args, data: Path, small: Path, rows: int, work: Path) -> dict:
+def one_tree(tree: Path, args, data: Path, rows: int, work: Path) -> dict:
     cache = work / f"cache-{tree.name}-{rows}"
     row = {"tree": str(tree), "commit": commit(tree), "rows": rows, "prepare": prepare(tree, args, data, cache)}
     if tree == ROOT:
         row["store"] = store_bytes(cache)
         row["prepare_again"] = prepare(tree, args, data, cache)
-    row["train"] = [train(tree, args, data, cache, n, work) for n in args.nproc]
-    row["train_small"] = [train(tree, args, small, cache, n, work) for n in args.nproc]
+    row["hold"] = [hold(tree, args, data, cache, n, work) for n in args.nproc]
+    cold = work / f"cache-{tree.name}-{rows}-train"
+    row["train_cold"] = train(tree, args, data, cold, max(args.nproc), work)
+    row["train_warm"] = train(tree, args, data, cold, max(args.nproc), work)
     print(json.dumps(row), flush=True)
     return row
 
@@ -167,23 +242,24 @@ def main() -> int:
     p.add_argument("--before", type=Path, help="an older checkout (a git worktree) to measure beside this one")
     p.add_argument("--before-rows", type=int, default=100000)
     p.add_argument("--nproc", default="1,2,8")
-    p.add_argument("--small", type=int, default=1000)
+    p.add_argument("--hold", help=argparse.SUPPRESS)  # a hold worker's data file (hold_worker)
+    p.add_argument("--hold-out", help=argparse.SUPPRESS)
     p.add_argument("--samsum", type=Path, default=ROOT.parent / "shared" / "data" / "samsum_validation.json")
     p.add_argument("--skip-anchor", action="store_true")
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", required=True)
     args = p.parse_args()
+    if args.hold:
+        return hold_worker(args) or 0
     args.nproc = [int(n) for n in args.nproc.split(",")]
     args.tokenizer = str(Path(args.tokenizer).resolve())
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        small = work / "small.jsonl"
-        make_rows(args.samsum, args.small, small)
         for rows in (int(r) for r in args.rows.split(",")):
             data = work / f"chat-{rows}.jsonl"
             make_rows(args.samsum, rows, data)
             trees = [ROOT] + ([args.before.resolve()] if args.before and rows <= args.before_rows else [])
-            results += [one_tree(tree, args, data, small, rows, work) for tree in trees]
+            results += [one_tree(tree, args, data, rows, work) for tree in trees]
             if not args.skip_anchor:
                 results.append({"anchor": "datasets", "rows": rows, **anchor(args, data)})
                 print(json.dumps(results[-1]), flush=True)
@@ -191,8 +267,8 @@ def main() -> int:
     out = {"command": " ".join(["python", "benchmarks/data_scale.py", *sys.argv[1:]]), "commit": commit(ROOT),
            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpus": len(os.sched_getaffinity(0)),
            "machine": platform.processor() or platform.machine(), "python": platform.python_version(), "results": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
 

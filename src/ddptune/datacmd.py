@@ -64,9 +64,9 @@ def main(args) -> int:
               f"{', cut' if example.get('cut') else ''}; trained tokens between [[ and ]]) ---")
         print(marked(tokenizer, example))
     rows = sum(row["rows"] for row in table)
-    how = f"checked and tokenized in {seconds:.2f}s ({rows / max(seconds, 1e-9):,.0f} rows/s" if prepared.made else \
-        f"found tokenized ({seconds:.2f}s"
-    print(f"ddptune data: {rows} rows {how}; the tokenizer loaded in {loaded - started:.1f}s)", file=sys.stderr)
+    how = f"checked and tokenized in {seconds:.2f}s ({rows / max(seconds, 1e-9):,.0f} rows/s; " if prepared.made else \
+        f"found tokenized in {seconds:.2f}s ("
+    print(f"ddptune data: {rows} rows {how}the tokenizer loaded in {loaded - started:.1f}s)", file=sys.stderr)
     return 0
 
 
