@@ -283,6 +283,7 @@ def test_bad_gguf_exports_are_refused_with_one_line_and_nothing_written(tiny_run
     assert "supported: llama" in refused([other, out, "--format", "gguf"], capsys, out)
     assert "--outtype" in refused([tiny_run, out, "--outtype", "q8_0"], capsys, out)
     assert "--dtype" in refused([tiny_run, out, "--format", "gguf", "--dtype", "bf16"], capsys, out)
+    assert "--ollama" in refused([tiny_run, out, "--format", "gguf", "--ollama", "tiny"], capsys, out)  # no chat template
     with monkeypatch.context() as mp:
         mp.setenv("PATH", str(tmp_path / "no-tools"))  # neither llama-quantize nor ollama
         line = refused([tiny_run, out, "--format", "gguf", "--quantize", "q4_k_m"], capsys, out)

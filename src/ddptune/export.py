@@ -39,6 +39,8 @@ from ddptune.config import Config, ConfigError
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}  # torch's names (torch is imported only to merge)
 METHODS = {"lora": "LoRA", "qlora": "QLoRA", "full": "full"}
+TURN_BY_TURN = ("--ollama: the chat template does not render a conversation turn by turn, which an Ollama template "
+                "needs (the run's tokenizer has no template of its own); leave --ollama out and write a Modelfile by hand")
 
 
 def main(args) -> int:
@@ -114,6 +116,8 @@ def _gguf_problems(args, cfg: Config, run_dir: Path, tokenizer) -> list[str]:
     if args.ollama and not _ollama_name_ok(args.ollama):
         problems.append(f"--ollama: {args.ollama!r} is not a model name Ollama takes (letters, digits, '.', '_', '-', "
                         "an optional ':tag'; e.g. demo-summarizer)")
+    if args.ollama and gguf_export.turn_pieces(tokenizer) is None:
+        problems.append(TURN_BY_TURN)
     return problems
 
 
@@ -323,8 +327,7 @@ def _modelfile(gguf_name: str, tokenizer, cfg: Config, stops: list[int]) -> str:
 
     pieces = gguf_export.turn_pieces(tokenizer)
     if pieces is None:
-        raise ConfigError(["--ollama: the chat template does not render a conversation turn by turn, which an "
-                           "Ollama template needs; leave --ollama out and write a Modelfile by hand"])
+        raise ConfigError([TURN_BY_TURN])
     instruction = "" if data.trains_conversations(cfg.data) else f"{cfg.data.instruction}\n\n"  # as the run prompted
     adds_bos = tokenizer.bos_token_id is not None and tokenizer("a")["input_ids"][:1] == [tokenizer.bos_token_id]
     return gguf_export.modelfile(gguf_name, pieces, [tokenizer.decode([i]) for i in stops], cfg.eval.max_new_tokens,
