@@ -215,7 +215,8 @@ def test_pre_tokenizers_are_named_as_llama_cpp_names_them(smollm2, tmp_path):
 
     assert gguf_export.pre_tokenizer(smollm2.tokenizer) == "gpt-2"
     tok = AutoTokenizer.from_pretrained(smollm2.run / "adapter")  # a copy to change
-    for name, step in (("llama-bpe", gguf_export.LLAMA3_SPLIT), ("qwen2", gguf_export.QWEN2_SPLIT)):
+    for name, step in (("llama-bpe", gguf_export.LLAMA3_SPLIT), ("qwen2", gguf_export.QWEN2_SPLIT),
+                       ("tekken", gguf_export.TEKKEN_SPLIT)):
         tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(step), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         assert gguf_export.pre_tokenizer(tok) == name

@@ -46,6 +46,9 @@ ROPE_SCALINGS = ("default", "linear", "llama3")
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"  # Mistral Nemo, Small 3
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -74,7 +77,8 @@ def model_problem(config) -> str | None:
 def pre_tokenizer(tokenizer) -> str | None:
     """llama.cpp's name for how this tokenizer splits text before its merges, read from the
     tokenizer's own pre-tokenizer: GPT-2's regex (`gpt-2`), digits one by one then GPT-2's regex
-    (`smollm`), Llama 3's regex (`llama-bpe`) or Qwen2's (`qwen2`); None for any other."""
+    (`smollm`), Llama 3's regex (`llama-bpe`), Qwen2's (`qwen2`) or Mistral's tekken; None for any other
+    (SentencePiece-style tokenizers, such as Mistral 7B's, are not byte-level BPE: refused)."""
     pre = _backend(tokenizer).get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
     kinds = [s.get("type") for s in steps]
@@ -83,7 +87,8 @@ def pre_tokenizer(tokenizer) -> str | None:
     if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and steps[1].get("use_regex", True):
         return "smollm"
     if kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True) and steps[0].get("behavior") == "Isolated":
-        return {LLAMA3_SPLIT: "llama-bpe", QWEN2_SPLIT: "qwen2"}.get(steps[0].get("pattern", {}).get("Regex"))
+        return {LLAMA3_SPLIT: "llama-bpe", QWEN2_SPLIT: "qwen2", TEKKEN_SPLIT: "tekken"}.get(
+            steps[0].get("pattern", {}).get("Regex"))
     return None
 
 
@@ -94,7 +99,7 @@ def tokenizer_problem(tokenizer) -> str | None:
         return ("model.tokenizer: GGUF export writes byte-level BPE vocabularies (Llama 3, SmolLM2, Qwen, GPT-2 "
                 "style); this tokenizer is not one: export --merge for transformers instead")
     if pre_tokenizer(tokenizer) is None:
-        return ("model.tokenizer: its pre-tokenizer is none that llama.cpp names (gpt-2, smollm, llama-bpe, qwen2), "
+        return ("model.tokenizer: its pre-tokenizer is none that llama.cpp names (gpt-2, smollm, llama-bpe, qwen2, tekken), "
                 "so llama.cpp would split text otherwise: export --merge for transformers instead")
     return None
 
