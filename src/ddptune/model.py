@@ -316,7 +316,7 @@ def add_adapters(model, method: str, lora: LoraConfig, gradient_checkpointing: b
     peft_cfg = PeftLoraConfig(
         r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
         target_modules="all-linear" if targets == ["all-linear"] else targets,
-        task_type="CAUSAL_LM",
+        use_dora=lora.use_dora, use_rslora=lora.use_rslora, task_type="CAUSAL_LM",
     )
     with _peft_quietly():
         return get_peft_model(model, peft_cfg)

