@@ -41,6 +41,9 @@ INSTRUCTION = "Summarize the following dialogue."
 
 
 def commit(tree: Path) -> str:
+    """The tree's commit: its COMMIT file (a copy of an older src/ carried without its history), or git's."""
+    if (tree / "COMMIT").is_file():
+        return (tree / "COMMIT").read_text().strip()
     return subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                           check=True).stdout.strip()
 

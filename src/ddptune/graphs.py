@@ -8,7 +8,7 @@ step shape this process will meet is recorded too: the forwards and backwards (s
 DDP's all-reduce inside the last), and one graph for all shapes of step.clip_and_update. Nothing of
 the warm-up stays: no gradient is all-reduced, gradients are zeroed after, and the random state is
 put back. Recording can fail (an operation that cannot be captured): `Unrecordable` says why, what
-the failed capture left (the current stream, the allocator's pool, the random generator) is put back,
+the failed capture left (the current stream, the random generator) is put back,
 and the whole step falls back to compiled layers launched one by one.
 """
 from __future__ import annotations
@@ -37,21 +37,19 @@ def record(work, pool, side: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
         with torch.cuda.graph(graph, pool=pool, stream=side):
             work()
     except RuntimeError as e:
-        _end_failed_recording(graph, pool, side, current)
+        _end_failed_recording(graph, side, current)
         raise Unrecordable(f"recording the step failed ({dist.first_line(e)})") from e
     return graph
 
 
-def _end_failed_recording(graph: torch.cuda.CUDAGraph, pool, side: torch.cuda.Stream, current: torch.cuda.Stream) -> None:
+def _end_failed_recording(graph: torch.cuda.CUDAGraph, side: torch.cuda.Stream, current: torch.cuda.Stream) -> None:
     """Undo what a failed recording left. An operation a capture cannot hold (a synchronization, say)
     invalidates it, and then torch.cuda.graph's exit raises in CUDAGraph.capture_end at
     cudaStreamEndCapture (which ends the stream's capture all the same), before the rest of it runs:
     - the current stream stays `side` (the exit never reaches its stream context): put back;
-    - the caching allocator keeps the capture among those under way, with its pool's count of users
-      raised for a graph that will never release it (the pool's memory would never be freed, and the
-      allocator skips its recycling of cross-stream blocks while a capture is under way): the pool
-      is ended and released here, only where the capture never got that far (endAllocateToPool
-      refuses a pool no capture is allocating to, so a pool is never released twice);
+    - the caching allocator goes on allocating to the capture's pool (torch 2.11: a later recording
+      into that pool raises "already recording to mempool_id"): the pool is left behind, never
+      recorded into again (the fallback records nothing more, and a later run makes its own pool);
     - the device's default generator stays in capture mode (torch 2.11: the next random operation
       outside a recording raises "Offset increment outside graph capture encountered unexpectedly"):
       it takes a copy of its state (the same seed and offset), which is not capturing. Graphs recorded
@@ -67,12 +65,6 @@ def _end_failed_recording(graph: torch.cuda.CUDAGraph, pool, side: torch.cuda.St
             except RuntimeError:
                 pass  # invalidated: the capture has ended all the same, and the rest is undone below
     torch.cuda.set_stream(current)
-    try:
-        torch._C._cuda_endAllocateToPool(device, pool)
-    except RuntimeError:
-        pass  # capture_end ended it (and the graph's own reset releases the pool) or it never began
-    else:
-        torch._C._cuda_releasePool(device, pool)
     generator = torch.cuda.default_generators[device]
     generator.graphsafe_set_state(generator.clone_state())
 
