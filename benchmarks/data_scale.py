@@ -226,14 +226,16 @@ def train(tree: Path, args, data: Path, cache: Path, nproc: int, work: Path) -> 
 
 def one_tree(tree: Path, args, data: Path, rows: int, work: Path) -> dict:
     cache = work / f"cache-{tree.name}-{rows}"
-    row = {"tree": str(tree), "commit": commit(tree), "rows": rows, "prepare": prepare(tree, args, data, cache)}
+    row = {"tree": str(tree), "commit": commit(tree) if tree != ROOT else args.commit, "rows": rows,
+           "prepare": prepare(tree, args, data, cache)}
     if tree == ROOT:
         row["store"] = store_bytes(cache)
         row["prepare_again"] = prepare(tree, args, data, cache)
-    row["hold"] = [hold(tree, args, data, cache, n, work) for n in args.nproc]
-    cold = work / f"cache-{tree.name}-{rows}-train"
-    row["train_cold"] = train(tree, args, data, cold, max(args.nproc), work)
-    row["train_warm"] = train(tree, args, data, cold, max(args.nproc), work)
+    if not args.prepare_only:
+        row["hold"] = [hold(tree, args, data, cache, n, work) for n in args.nproc]
+        cold = work / f"cache-{tree.name}-{rows}-train"
+        row["train_cold"] = train(tree, args, data, cold, max(args.nproc), work)
+        row["train_warm"] = train(tree, args, data, cold, max(args.nproc), work)
     print(json.dumps(row), flush=True)
     return row
 
@@ -249,12 +251,15 @@ def main() -> int:
     p.add_argument("--hold-out", help=argparse.SUPPRESS)
     p.add_argument("--samsum", type=Path, default=ROOT.parent / "shared" / "data" / "samsum_validation.json")
     p.add_argument("--skip-anchor", action="store_true")
+    p.add_argument("--prepare-only", action="store_true", help="measure preparation alone (no hold, no train)")
+    p.add_argument("--commit", help="this checkout's commit, where its git history is not the one it was made from")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if args.hold:
         return hold_worker(args) or 0
     args.nproc = [int(n) for n in args.nproc.split(",")]
     args.tokenizer = str(Path(args.tokenizer).resolve())
+    args.commit = args.commit or commit(ROOT)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -267,12 +272,16 @@ def main() -> int:
                 results.append({"anchor": "datasets", "rows": rows, **anchor(args, data)})
                 print(json.dumps(results[-1]), flush=True)
             data.unlink()
-    out = {"command": " ".join(["python", "benchmarks/data_scale.py", *sys.argv[1:]]), "commit": commit(ROOT),
+            write(args, results)  # after each row count: a command stopped at its limit keeps what it measured
+    return 0
+
+
+def write(args, results: list) -> None:
+    out = {"command": " ".join(["python", "benchmarks/data_scale.py", *sys.argv[1:]]), "commit": args.commit,
            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpus": len(os.sched_getaffinity(0)),
            "machine": platform.processor() or platform.machine(), "python": platform.python_version(), "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    return 0
 
 
 if __name__ == "__main__":
