@@ -15,6 +15,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain, islice
@@ -152,26 +153,28 @@ def tokenized_chunks(job: Job, tokenizer, chunks, total: int, progress: bool, na
 
 def pooled(job: Job, tokenizer, chunks, workers: int):
     """work() of every chunk in `workers` forked processes, at most two chunks each in flight (a chunk
-    is read only when there is room for it), results in order."""
-    with _forking():
-        pool = multiprocessing.get_context("fork").Pool(workers, initializer=_start_worker, initargs=(job, tokenizer))
-    try:
+    is read only when there is room for it), results in order. Stopped early (a bad row), it waits
+    for the chunks in flight and cancels none that are not: a pool torn down with tasks still queued to
+    its workers can hang (multiprocessing.Pool.terminate did, here); a worker that dies raises."""
+    context = multiprocessing.get_context("fork")
+    with _forking(), ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(job, tokenizer)) as pool:
         pending = deque()
-        for chunk in chunks:
-            pending.append(pool.apply_async(_work, (chunk,)))
-            if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
-    finally:
-        pool.terminate()
-        pool.join()
+        try:
+            for chunk in chunks:
+                pending.append(pool.submit(_work, chunk))
+                if len(pending) >= 2 * workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 @contextmanager
 def _forking():
     """The workers tokenize one batch at a time each: the tokenizer's own threads stay off in them
-    (set before the fork, so that the tokenizer library does not warn of the threads it used here)."""
+    (set before they are forked, at the first chunk, so that the tokenizer library does not warn of
+    the threads it used here)."""
     saved = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
