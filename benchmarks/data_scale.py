@@ -3,9 +3,9 @@
     python benchmarks/data_scale.py --tokenizer TOKENIZER_DIR --rows 100000,1000000 [--before TREE]
         [--before-rows 100000] [--nproc 1,2,8] [--samsum PATH] --out benchmarks/results/NAME.json
 
-For each row count, one JSON-lines file of distinct chat rows made from SAMSum's validation rows: a
-system turn, the user's instruction and dialogue (ending in the row's own number), the summary as the
-assistant's reply. TOKENIZER_DIR is SmolLM2's tokenizer (the demo model's), saved with save_pretrained.
+For each row count (and each of --kinds), one JSON-lines file of distinct rows made from SAMSum's
+validation rows: conversations (a system turn, the user's instruction and dialogue ending in the row's
+own number, the summary as the assistant's reply), or dialogue rows of the same dialogues and summaries. TOKENIZER_DIR is SmolLM2's tokenizer (the demo model's), saved with save_pretrained.
 Each tree (this checkout, and --before's, an older commit's worktree, for row counts up to
 --before-rows) runs with its own src/ on PYTHONPATH and its own empty DDPTUNE_CACHE:
 - prepare: `ddptune data` on the file (every row checked and tokenized as its training does): the
@@ -48,15 +48,18 @@ def commit(tree: Path) -> str:
                           check=True).stdout.strip()
 
 
-def make_rows(samsum: Path, n: int, path: Path) -> None:
+def make_rows(samsum: Path, n: int, path: Path, kind: str = "chat") -> None:
+    """n distinct rows from SAMSum's: conversations (a system turn, the instruction and dialogue, the
+    summary as the reply) or dialogue rows (`dialogue`, `summary`), each dialogue ending in its number."""
     base = json.loads(samsum.read_text())
     with open(path, "w") as f:
         for i in range(n):
             r = base[i % len(base)]
-            f.write(json.dumps({"messages": [
-                {"role": "system", "content": SYSTEM},
-                {"role": "user", "content": f"{INSTRUCTION}\n\n{r['dialogue']}\n(conversation {i})"},
-                {"role": "assistant", "content": r["summary"]}]}) + "\n")
+            dialogue = f"{r['dialogue']}\n(conversation {i})"
+            row = {"dialogue": dialogue, "summary": r["summary"]} if kind == "dialogue" else {"messages": [
+                {"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{INSTRUCTION}\n\n{dialogue}"},
+                {"role": "assistant", "content": r["summary"]}]}
+            f.write(json.dumps(row) + "\n")
 
 
 def env_of(tree: Path, cache: Path) -> dict:
@@ -225,17 +228,17 @@ def train(tree: Path, args, data: Path, cache: Path, nproc: int, work: Path) -> 
 
 
 def one_tree(tree: Path, args, data: Path, rows: int, work: Path) -> dict:
-    cache = work / f"cache-{tree.name}-{rows}"
-    row = {"tree": str(tree), "commit": commit(tree) if tree != ROOT else args.commit, "rows": rows,
+    cache = work / f"cache-{tree.name}-{data.stem}"
+    row = {"tree": str(tree), "commit": commit(tree) if tree != ROOT else args.commit, "rows": rows, "kind": data.stem.split("-")[0],
            "prepare": prepare(tree, args, data, cache)}
     if tree == ROOT:
         row["store"] = store_bytes(cache)
         row["prepare_again"] = prepare(tree, args, data, cache)
     if not args.prepare_only:
         row["hold"] = [hold(tree, args, data, cache, n, work) for n in args.nproc]
-        cold = work / f"cache-{tree.name}-{rows}-train"
-        row["train_cold"] = train(tree, args, data, cold, max(args.nproc), work)
-        row["train_warm"] = train(tree, args, data, cold, max(args.nproc), work)
+        cold = work / f"cache-{tree.name}-{data.stem}-train"
+        row["train_cold"] = train(tree, args, data, cold, args.train_nproc or max(args.nproc), work)
+        row["train_warm"] = train(tree, args, data, cold, args.train_nproc or max(args.nproc), work)
     print(json.dumps(row), flush=True)
     return row
 
@@ -252,6 +255,8 @@ def main() -> int:
     p.add_argument("--samsum", type=Path, default=ROOT.parent / "shared" / "data" / "samsum_validation.json")
     p.add_argument("--skip-anchor", action="store_true")
     p.add_argument("--prepare-only", action="store_true", help="measure preparation alone (no hold, no train)")
+    p.add_argument("--kinds", default="chat", help="chat and/or dialogue rows, e.g. chat,dialogue")
+    p.add_argument("--train-nproc", type=int, help="processes of the train runs (default: the largest --nproc)")
     p.add_argument("--commit", help="this checkout's commit, where its git history is not the one it was made from")
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -263,12 +268,12 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        for rows in (int(r) for r in args.rows.split(",")):
-            data = work / f"chat-{rows}.jsonl"
-            make_rows(args.samsum, rows, data)
+        for kind, rows in ((k, int(r)) for k in args.kinds.split(",") for r in args.rows.split(",")):
+            data = work / f"{kind}-{rows}.jsonl"
+            make_rows(args.samsum, rows, data, kind)
             trees = [ROOT] + ([args.before.resolve()] if args.before and rows <= args.before_rows else [])
             results += [one_tree(tree, args, data, rows, work) for tree in trees]
-            if not args.skip_anchor:
+            if not args.skip_anchor and kind == "chat":
                 results.append({"anchor": "datasets", "rows": rows, **anchor(args, data)})
                 print(json.dumps(results[-1]), flush=True)
             data.unlink()
