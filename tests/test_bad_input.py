@@ -401,6 +401,9 @@ CASES = [
     ("scale config missing", ["scale", "{tmp}/nope.yaml", "--nproc", "1,2"], ["config: ", "not found"]),
     # more processes than training rows (400): no batch setting can give each a sample, so the line names --nproc
     ("scale counts above the rows", ["scale", "{cfg}", "--nproc", "1,2,100000"], ["invalid config: --nproc: 100000 ", " 400 "]),
+    ("train processes above the rows", [*TRAIN, "--nproc", "100000"], ["invalid config: --nproc: 100000 ", " 400 "]),
+    ("train processes above the rows under fsdp", [*TRAIN, "--nproc", "100000", "train.strategy=fsdp"],
+     ["invalid config: --nproc: 100000 ", " 400 "]),
     ("scale counts above the rows, same global batch", ["scale", "{cfg}", "--nproc", "1,100000,500", "--mode", "same-global"],
      ["invalid config: --nproc: 500, 100000 ", " 400 "]),
     ("scale counts above the rows under fsdp", ["scale", "{cfg}", "--nproc", "1,100000", "train.strategy=fsdp"],
