@@ -340,12 +340,7 @@ class ControlChannel:
 def on_main(accelerator: Accelerator, fn):
     """Run `fn()` on the main process only; every process returns its result or raises the same
     exception type with the same message (others wait at the broadcast meanwhile)."""
-    result, error = None, None
-    if accelerator.is_main_process:
-        try:
-            result = fn()
-        except Exception as e:  # noqa: BLE001 - re-raised below, on every process
-            error = e
+    result, error = attempt(fn) if accelerator.is_main_process else (None, None)
     if accelerator.num_processes > 1:
         box = [result, error]
         broadcast_object_list(box, from_process=0)
@@ -359,17 +354,20 @@ def on_node(accelerator: Accelerator, fn):
     """Run `fn()` on the first process of each machine only (the others of that machine wait); every
     process returns its machine's result, or every process raises the first exception any raised. For
     what each machine must make on its own disk (a cache that is not shared), once a machine."""
-    result, error = None, None
-    if accelerator.is_local_main_process:
-        try:
-            result = fn()
-        except Exception as e:  # noqa: BLE001 - re-raised below, on every process
-            error = e
+    result, error = attempt(fn) if accelerator.is_local_main_process else (None, None)
     answers = gather((result, error)) if accelerator.num_processes > 1 else [(result, error)]
     error = next((e for _, e in answers if e is not None), None)
     if error is not None:
         raise error
     return answers[accelerator.process_index - accelerator.local_process_index][0]  # this machine's first process
+
+
+def attempt(fn) -> tuple:
+    """(fn(), None), or (None, the exception it raised): for a result every process is then told."""
+    try:
+        return fn(), None
+    except Exception as e:  # noqa: BLE001 - the caller re-raises it on every process
+        return None, e
 
 
 def gather(obj) -> list:
