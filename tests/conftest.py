@@ -1,6 +1,8 @@
 """Shared helpers: run the real CLI in subprocesses (real launcher, real gloo processes)."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -36,12 +38,13 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("DDPTUNE_CACHE", str(tmp_path_factory.getbasetemp() / "ddptune-cache"))
 
 
-@pytest.fixture
-def parsed_once():
-    """gguf's reader parses each GGUF file's header once in a test: transformers parses SmolLM2's
-    whole header (its 49k-token vocabulary, 6 s of a 2-core CPU) for every config, tokenizer and
-    weights it reads from the file. The file is mapped read-only, and every read still maps and
-    dequantizes its own tensors from it."""
+@contextlib.contextmanager
+def gguf_parsed_once(name_map: bool = False):
+    """gguf's reader parses each GGUF file's header once: transformers parses SmolLM2's whole header
+    (its 49k-token vocabulary, 6 s of a 2-core CPU) for every config, tokenizer and weights it reads
+    from the file. The file is mapped read-only, and every read still maps and dequantizes its own
+    tensors from it. `name_map`: gguf's tensor-name map of an architecture is built once too
+    (transformers' loader builds it again for each of a model's modules). Yields the readers made."""
     import gguf
 
     real, readers = gguf.GGUFReader, {}
@@ -54,6 +57,15 @@ def parsed_once():
 
     with pytest.MonkeyPatch.context() as mp:  # a patch of its own: test_gguf_cache undoes its monkeypatch midway
         mp.setattr(gguf, "GGUFReader", reader)
+        if name_map:
+            mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
+        yield readers
+
+
+@pytest.fixture
+def parsed_once():
+    """gguf_parsed_once for one test."""
+    with gguf_parsed_once() as readers:
         yield readers
 
 

@@ -6,7 +6,6 @@ whole module, and its merged export is shared with the merge test."""
 from __future__ import annotations
 
 import errno
-import functools
 import json
 import os
 import resource
@@ -20,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import ROOT
+from conftest import ROOT, gguf_parsed_once
 from ddptune import chat, cli, data, gguf_export, model as model_lib
 from test_export import export, logits, train_run
 
@@ -30,20 +29,9 @@ HELD_OUT = DEMO[560:563]  # the demo config's validation rows: never trained on
 
 @pytest.fixture(scope="module", autouse=True)
 def read_once():
-    """conftest's parsed_once for the whole module: gguf's reader parses each file's header once,
-    and gguf's tensor-name map for an architecture is built once (transformers' loader builds it
-    again for each of a model's modules: 397 times for SmolLM2, 13 s of a busy 2-core CPU)."""
-    real, readers = gguf.GGUFReader, {}
-
-    def reader(path, mode="r"):
-        key = (os.path.realpath(path), mode)
-        if key not in readers:
-            readers[key] = real(path, mode)
-        return readers[key]
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf, "GGUFReader", reader)
-        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
+    """conftest's gguf_parsed_once for the whole module, gguf's tensor-name map included (transformers'
+    loader built it 397 times for SmolLM2, 13 s of a busy 2-core CPU)."""
+    with gguf_parsed_once(name_map=True):
         yield
 
 
