@@ -61,8 +61,19 @@ def identity(source: str) -> list:
 
 
 def count(source: str) -> int:
-    """The source's rows, counted without parsing them (a JSON list is parsed)."""
+    """The source's rows, counted without parsing them (a JSON list is parsed); once per process for
+    a file as it is (validation counts it, then preparing it selects its rows)."""
     k, path = kind(source), path_of(source)
+    key = repr(identity(source))  # its content as a cache key names it: path, sizes, modification times
+    if key not in _COUNTS:
+        _COUNTS[key] = _count(source, k, path)
+    return _COUNTS[key]
+
+
+_COUNTS: dict = {}
+
+
+def _count(source: str, k: str | None, path: str) -> int:
     if k == "jsonl":
         with open(path, "rb") as f:
             return sum(1 for line in f if line.strip())

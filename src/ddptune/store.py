@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ddptune import checkpoint, sources
 from ddptune.config import ConfigError
 from ddptune.tokens import IGNORE
 
@@ -36,7 +37,7 @@ CUTS = {1: "the end of the dialogue or summary", 2: "inside their longest user t
 
 
 def root() -> Path:
-    return Path(os.environ.get("DDPTUNE_CACHE") or Path.home() / ".cache" / "ddptune") / "tokens"
+    return sources.cache_root() / "tokens"
 
 
 def key_of(parts: list) -> str:
@@ -122,7 +123,7 @@ def ensure(parts: list, vocab: int, fill) -> Store:
         try:
             writer = Writer(tmp, vocab)
             writer.close({"parts": parts, **fill(writer)})
-            os.chmod(tmp, 0o777 & ~_umask())
+            os.chmod(tmp, checkpoint.plain_mode())
             os.replace(tmp, folder)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -145,12 +146,6 @@ def locked(folder: Path):
     with f:
         fcntl.flock(f, fcntl.LOCK_EX)
         yield
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 class Examples(Sequence):
