@@ -14,7 +14,7 @@ PACKAGE = Path(ddptune.__file__).parent
 # modules that know nothing of the rest: YAML, starting processes, checkpoint files, figures, attention
 GROUND = {"yamlsafe", "launch", "checkpoint", "metrics", "report", "attention"}
 COMMANDS = {"cli", "train", "evaluate", "predict", "export", "scale", "plan", "env", "datacmd"}
-MAX_MODULE, MAX_TRAIN, MAX_FUNCTION, MAX_CLASS = 500, 450, 60, 120
+MAX_MODULE, MAX_TRAIN, MAX_FUNCTION, MAX_CLASS = 600, 450, 60, 120
 LONG_ALLOWED = {("cli", "_parser"), ("config", "check_values")}  # the argparse builder, the config's value checks
 
 
