@@ -47,13 +47,52 @@ def test_teardown_keeps_a_launchers_own_variables(monkeypatch):
     assert dict(os.environ) == before and dist.in_launched_process()
 
 
-def test_threads_per_process_are_one_on_gpus_and_a_share_of_the_cores_on_cpus(monkeypatch):
+def test_threads_per_process_are_one_on_gpus_and_a_share_of_the_free_cores_on_cpus(monkeypatch):
     """A GPU process gets 1 OpenMP thread (spinning workers slowed 2-process GPU steps), a CPU one its
-    share of the cores; OMP_NUM_THREADS, when set, wins either way."""
+    share of the cores other work leaves free; OMP_NUM_THREADS, when set, wins either way."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    cores = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(launch, "busy_cores", lambda: 0.0)
     assert dist.default_threads(2, cuda=True) == 1
     assert dist.default_threads(2, cuda=False) == max(1, cores // 2)
     assert dist.default_threads(4 * cores, cuda=False) == 1
+    assert dist.default_threads(1, cuda=False) == cores
+    monkeypatch.setattr(launch, "busy_cores", lambda: 0.9)  # another program on one core
+    assert dist.default_threads(1, cuda=False) == max(1, cores - 1)
+    monkeypatch.setattr(launch, "busy_cores", lambda: 2.0 * cores)  # more than this host's cores
+    assert dist.default_threads(1, cuda=False) == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert dist.default_threads(2, cuda=True) == dist.default_threads(2, cuda=False) == 3
+
+
+def test_a_program_spinning_on_one_of_the_cores_is_seen_busy():
+    """busy_cores reads the kernel's per-core counters: a real process spinning on one of this
+    process's cores counts as at least most of a core (other work on the machine only adds)."""
+    import subprocess
+    import sys
+
+    core = min(os.sched_getaffinity(0))
+    spin = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{core}}})\nwhile True: pass"])
+    try:
+        import time
+
+        time.sleep(0.5)  # started and spinning
+        assert launch.busy_cores(0.5) >= 0.7
+    finally:
+        spin.kill()
+        spin.wait()
+
+
+def test_an_in_process_cpu_run_takes_the_threads_the_free_cores_allow(monkeypatch):
+    """dist.setup on CPU without OMP_NUM_THREADS sets torch's threads from default_threads (torch's
+    own default would be every core, even those other work holds) and says why."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(launch, "busy_cores", lambda: 0.9)
+    before = torch.get_num_threads()
+    try:
+        dist.setup("no")
+        assert torch.get_num_threads() == max(1, len(os.sched_getaffinity(0)) - 1)
+        assert f"{len(os.sched_getaffinity(0))} cores, 0.9 busy" in dist.threads_why
+    finally:
+        dist.teardown()
+        torch.set_num_threads(before)

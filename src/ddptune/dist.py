@@ -28,12 +28,13 @@ from accelerate import Accelerator, FullyShardedDataParallelPlugin
 from accelerate.state import AcceleratorState, GradientState, PartialState
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, broadcast_object_list, gather_object
 
-from ddptune.launch import (VALIDATED, default_threads, in_launched_process, is_main_process,  # noqa: F401
+from ddptune.launch import (VALIDATED, cpu_threads, default_threads, in_launched_process, is_main_process,  # noqa: F401
                             tell_launcher, validated_by_parent)
 
 # what setup() wrote into os.environ, for teardown(): name -> (value before, or None; value written, or None)
 _env_written: dict[str, tuple[str | None, str | None]] = {}
 _made_state = False  # setup() made accelerate's process-wide state: teardown() clears it
+threads_why = "OMP_NUM_THREADS"  # why this process has torch.get_num_threads() threads, in words (setup)
 
 
 def setup(precision: str = "auto", strategy: str = "ddp", log_with: str = "none", logging_dir=None) -> Accelerator:
@@ -61,8 +62,10 @@ def _setup(precision: str, strategy: str, log_with: str, logging_dir) -> Acceler
         # cuDNN's attention spends ~25 ms of CPU per call building a plan for every new sequence
         # length (measured on H200, torch 2.11): with varying lengths it dominated the step.
         torch.backends.cuda.enable_cudnn_sdp(False)
-        if not os.environ.get("OMP_NUM_THREADS"):  # in-process (no launcher set it): what --nproc 1 gives
-            torch.set_num_threads(default_threads(1, cuda))
+    global threads_why
+    if not os.environ.get("OMP_NUM_THREADS"):  # in-process (no launcher set it): what --nproc 1 gives
+        threads, threads_why = cpu_threads(1, cuda)
+        torch.set_num_threads(threads)
     bf16 = precision == "bf16" or (precision == "auto" and cuda)
     # Buffers (rotary frequencies) never change: broadcasting them before every forward would be a
     # collective that makes every process wait for the slowest at each micro-step, not once a step.

@@ -119,19 +119,50 @@ def launch_problems(nnodes: int, node_rank: int, master: str | None, max_restart
 
 def default_threads(nproc: int, cuda: bool | None = None) -> int:
     """OpenMP threads for each of `nproc` processes on this host: OMP_NUM_THREADS when set, else 1
-    on GPUs and cores // nproc on CPUs.
+    on GPUs and, on CPUs, this process's cores less those other work keeps busy, shared out.
 
     A GPU process does no CPU math worth a thread pool, and its workers spin after each parallel
     region: on 2 H200s (32 cores) the 8B QLoRA step at 2 processes took 0.397 s median with 1
     thread each and 0.411 s with 16 (1 process alone: 0.402 s; BENCHMARKS.md, 2026-11-30). torchrun
     also gives 1 thread when it is the launcher, and `setup` gives it to an in-process GPU run. On CPUs
-    the threads do the training: share the cores.
+    the threads do the training: share the cores that are free. A thread on a core another program
+    holds makes every parallel region wait for it: on 2 cores beside other work, a SmolLM2-shaped
+    forward and backward took 5-6x as long with torch's default 2 threads as with 1 (BENCHMARKS.md).
     """
+    return cpu_threads(nproc, cuda)[0]
+
+
+def cpu_threads(nproc: int, cuda: bool | None = None) -> tuple[int, str]:
+    """default_threads(nproc, cuda), and why, in words."""
     if os.environ.get("OMP_NUM_THREADS"):
-        return int(os.environ["OMP_NUM_THREADS"])
+        return int(os.environ["OMP_NUM_THREADS"]), "OMP_NUM_THREADS"
     if _cuda() if cuda is None else cuda:
-        return 1
-    return max(1, (os.cpu_count() or 1) // nproc)
+        return 1, "a GPU process"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    busy = busy_cores()
+    why = f"{cores} cores, {busy:.1f} busy with other work at the start" + (f", {nproc} processes" if nproc > 1 else "")
+    return max(1, (cores - round(busy)) // nproc), why + "; OMP_NUM_THREADS=N sets it"
+
+
+def busy_cores(seconds: float = 0.2) -> float:
+    """How many of this process's cores other processes kept busy over `seconds` (the kernel's
+    per-core counters in /proc/stat, less this process's own CPU time); 0.0 where they cannot be read."""
+    mine = {f"cpu{c}" for c in (os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else ())}
+
+    def sample() -> tuple[float, float]:
+        with open("/proc/stat") as f:
+            fields = [line.split() for line in f if line.split()[0] in mine]
+        busy = sum(sum(map(int, v[1:8])) - int(v[4]) - int(v[5]) for v in fields)  # all but idle and iowait
+        own = os.times()
+        return busy / os.sysconf("SC_CLK_TCK"), own.user + own.system
+
+    try:
+        (b0, own0), start = sample(), time.monotonic()
+        time.sleep(seconds)
+        (b1, own1), span = sample(), time.monotonic() - start
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return max(0.0, (b1 - b0 - (own1 - own0)) / span)
 
 
 def _cuda() -> bool:
