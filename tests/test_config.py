@@ -191,3 +191,31 @@ def test_a_row_slice_written_without_quotes_is_the_slice_written(tmp_path, capsy
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and f"{field}: '1:30:00' " in err[0], err
         assert not (tmp_path / "out").exists()
+
+
+def test_a_row_selection_follows_its_source_when_an_override_replaces_it():
+    """configs/demo.yaml selects rows 0:500 of its demo for training and 560:600 for validation:
+    replacing data.train on the command line drops the file's train_rows (all of your rows train),
+    keeps it when the command line sets it too, and a replaced data.val drops the file's val_rows."""
+    demo = config.load(ROOT / "configs" / "demo.yaml")
+    assert (demo.data.train_rows, demo.data.val_rows) == ("0:500", "560:600")
+    mine = config.load(ROOT / "configs" / "demo.yaml", ["data.train=mine.jsonl"])
+    assert (mine.data.train, mine.data.train_rows, mine.data.val, mine.data.val_rows) == ("mine.jsonl", None, "demo", "560:600")
+    kept = config.load(ROOT / "configs" / "demo.yaml", ["data.train=mine.jsonl", "data.train_rows=0:10"])
+    assert kept.data.train_rows == "0:10"
+    both = config.load(ROOT / "configs" / "demo.yaml", ["data.train=mine.jsonl", "data.val=val.jsonl"])
+    assert (both.data.train_rows, both.data.val_rows) == (None, None)
+    listed = config.load(ROOT / "configs" / "demo.yaml", ["data.train=[{source: a.jsonl}, {source: b.jsonl}]"])
+    assert listed.data.train_rows is None and config.check_values(listed) == []
+    # validation left on the file's demo while training on your data is named; not otherwise
+    assert config.kept_validation(mine, ["data.train=mine.jsonl"]) is not None
+    assert config.kept_validation(both, ["data.train=mine.jsonl", "data.val=val.jsonl"]) is None
+    assert config.kept_validation(demo, []) is None
+
+
+def test_the_rows_a_run_trains_and_validates_on_are_counted_against_their_source():
+    demo = config.load(ROOT / "configs" / "demo.yaml")
+    import re
+
+    assert [tuple(map(lambda x: int(x.replace(",", "")), m)) for m in re.findall(r"\(([\d,]+) of ([\d,]+)\)", data.selection(demo.data))] \
+        == [(500, 600), (40, 600)]

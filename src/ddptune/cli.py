@@ -279,6 +279,8 @@ def _start(cfg, args, nproc: int) -> int:
     checks.validate(cfg, nproc_total, resume=resume, overwrite=args.overwrite, output=first)
     if args.gpu_memory is not None and (problems := checks.memory_problems(cfg, nproc_total, args.gpu_memory)):
         raise ConfigError(problems)  # on CUDA train.setup checks the GPU's own free memory
+    if note := config_lib.kept_validation(cfg, args.overrides):  # a valid run that validates on another source
+        print(f"ddptune: note: {note}", file=sys.stderr)
     # held until the run ends; a second run or --resume is refused
     with lock.acquire(cfg.output_dir) if first else contextlib.nullcontext():
         if args.overwrite and first:

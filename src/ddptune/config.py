@@ -334,10 +334,38 @@ def apply_override(data: dict, override: str) -> str | None:
     return None
 
 
+def overridden(overrides: list[str] | tuple[str, ...]) -> set[str]:
+    """The keys that `key=value` overrides set."""
+    return {o.split("=", 1)[0].strip() for o in overrides if "=" in o}
+
+
+def rows_follow_sources(data: dict, overrides: list[str] | tuple[str, ...]) -> None:
+    """A row selection belongs to its source: where an override replaces data.train (or data.val)
+    and sets no data.train_rows (data.val_rows), the file's selection, made for the file's source,
+    is dropped and every row of the new source is used."""
+    keys, section = overridden(overrides), data.get("data")
+    for source in ("train", "val") if isinstance(section, dict) else ():
+        if f"data.{source}" in keys and f"data.{source}_rows" not in keys and section.get(f"{source}_rows") is not None:
+            section[f"{source}_rows"] = None
+
+
+def kept_validation(cfg: Config, overrides: list[str] | tuple[str, ...]) -> str | None:
+    """One line where an override replaced data.train but the file's data.val (another source) still
+    validates and scores the run; None otherwise."""
+    keys = overridden(overrides)
+    if "data.train" not in keys or "data.val" in keys or cfg.data.val is None or cfg.data.val == cfg.data.train:
+        return None
+    rows = f" rows {cfg.data.val_rows}" if cfg.data.val_rows else ""
+    return (f"data.val: still {cfg.data.val!r}{rows} from the config file, not rows of your data.train: "
+            f"{'validation and ROUGE use' if cfg.eval.enabled else 'validation uses'} it (set data.val=FILE [data.val_rows=A:B], or data.val=null"
+            f"{' eval.enabled=false' if cfg.eval.enabled else ''})")
+
+
 def from_dict(data: dict, overrides: list[str] = ()) -> Config:
     """Build and type-check a Config (no file-system checks)."""
     data = dict(data or {})
     problems = [p for p in (apply_override(data, o) for o in overrides) if p]
+    rows_follow_sources(data, overrides)
     cfg = _build(Config, data, "", problems)
     if problems:
         raise ConfigError(problems)

@@ -105,6 +105,18 @@ def draws(found: list[Source], sizes: list[int]) -> tuple[tuple[int, int], ...]:
     return tuple(zip(sizes, n))
 
 
+def selection(d: DataConfig) -> str:
+    """Which rows of which source train and validate, e.g. "train: rows 0:500 of demo (500 of 1,500)"."""
+    parts = []
+    for split in ("train", "val"):
+        for s in sources(d, split):
+            total = rows_lib.count(s.source)
+            picked = len(range(total)[parse_rows(s.rows)])
+            parts.append(f"{'validate' if split == 'val' else split}: " + (
+                f"rows {s.rows} of {s.source} ({picked:,} of {total:,})" if s.rows else f"all {total:,} rows of {s.source}"))
+    return "; ".join(parts)
+
+
 # ---------------------------------------------------------------------------------------------
 # Rows
 

@@ -50,6 +50,9 @@ def main(args) -> int:
             shown += [(split, s.name, examples, i) for i in range(min(args.show, len(examples)))]
     print(f"ddptune data: {args.config}: {cfg.model.tokenizer or cfg.model.source}, data.max_length {cfg.data.max_length}"
           f", conversations trained on {'every assistant turn' if cfg.data.loss_on == 'assistant' else 'the last assistant turn'}")
+    if note := config_lib.kept_validation(cfg, args.overrides):
+        print(f"ddptune: note: {note}", file=sys.stderr)
+    print(f"data: {data.selection(cfg.data)}")
     print(report.markdown_table(table, COLUMNS), end="")
     print("".join(f"{line}\n" for line in prepared.notes), end="")
     if len(mix_rows) > 1:

@@ -111,7 +111,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     # every row (a refusal stops every process); every process then maps it and holds its index
     prepared = dist.on_node(acc, lambda: tokenized.prepare(cfg.data, tokenizer, progress=sys.stderr.isatty()))
     train_set, val_set = tokenized.load(prepared)
-    acc.print("\n".join(f"ddptune: {line}" for line in [*prepared.notes, f"data ready in {time.perf_counter() - t0:.1f}s; "
+    acc.print("\n".join(f"ddptune: {line}" for line in [f"data: {data.selection(cfg.data)}", *prepared.notes, f"data ready in {time.perf_counter() - t0:.1f}s; "
                                                            f"loading {cfg.model.source} ..."]))
     if problems := checks.rows_problems(len(train_set), plan):  # hub data, or rows dropped as too long
         raise ConfigError(problems)
@@ -211,7 +211,8 @@ def announce(r: Run) -> None:
     trainable, total = model_lib.count_params(r.model)
     lines = [f"{cfg.model.source} | {cfg.train.method} | {trainable:,} of {total:,} parameters trained", *r.speed.lines(),
              f"{acc.num_processes} process(es) on {acc.device.type} ({acc.distributed_type.value}, mixed precision "
-             f"{acc.mixed_precision}){', ' + cfg.model.attn_implementation + ' attention' if cfg.train.packing else ''}",
+             f"{acc.mixed_precision}){', ' + cfg.model.attn_implementation + ' attention' if cfg.train.packing else ''}"
+             + (f", {torch.get_num_threads()} CPU thread(s) each ({dist.threads_why})" if acc.device.type == "cpu" else ""),
              r.plan.describe() + ("; each step's samples split into shares of equal cost" if acc.num_processes > 1 else ""),
              *(f"note: {note}" for note in batchplan.batch_notes(cfg.train)),
              f"{len(r.train_set)} training examples, {len(r.train_set) / r.plan.global_batch:.1f} steps per epoch, "
