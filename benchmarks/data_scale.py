@@ -16,8 +16,9 @@ Each tree (this checkout, and --before's, an older commit's worktree, for row co
   step; the older one: data.load), after one of them prepared it; each reports its anonymous (not
   file-backed) memory taken by that, from /proc, and its peak resident memory;
 - train: `ddptune train --nproc N` at the largest --nproc on CPU processes, preset:smollm2-135m
-  (random weights in SmolLM2's shape and vocabulary), one optimizer step, from an empty cache and
-  then again: seconds from launch to the first step's line in metrics.jsonl;
+  (random weights in SmolLM2's shape and vocabulary), one optimizer step of one sample a process, from
+  an empty cache and then again: seconds from launch to the first step's line in metrics.jsonl, the
+  step's own time (its step_time_s) and their difference, launch to the start of the loop;
 - the anchor, in this process: Hugging Face datasets' `Dataset.from_json`, then `map(batched=True,
   num_proc=cores)` with the tokenizer's batched `apply_chat_template(tokenize=True)`: rows/s of each.
 """
@@ -198,8 +199,8 @@ def train(tree: Path, args, data: Path, cache: Path, nproc: int, work: Path) -> 
     out = work / f"run-{nproc}-{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "ddptune", "train", str(ROOT / "configs" / "demo.yaml"), "model.source=preset:smollm2-135m",
            f"model.tokenizer={args.tokenizer}", f"data.train={data}", "data.train_rows=null", "data.val=null",
-           "data.max_length=512", "eval.enabled=false", "train.max_steps=1", f"train.effective_batch_size={8 * nproc}",
-           "train.micro_batch_size=8", f"output_dir={out}", "--nproc", str(nproc)]
+           "data.max_length=512", "eval.enabled=false", "train.max_steps=1", f"train.effective_batch_size={nproc}",
+           "train.micro_batch_size=1", f"output_dir={out}", "--nproc", str(nproc)]
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=tree, env=env_of(tree, cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak: dict[int, dict] = {}
@@ -217,9 +218,11 @@ def train(tree: Path, args, data: Path, cache: Path, nproc: int, work: Path) -> 
     _, err = proc.communicate()
     if proc.returncode:
         raise SystemExit(f"{tree}: ddptune train --nproc {nproc}: exit {proc.returncode}\n{err[-3000:]}")
+    step = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["step_time_s"]
     workers = sorted((v for v in peak.values() if v["VmHWM"]), key=lambda v: -v["VmHWM"])[:nproc]
     gib = lambda b: round(b / 2**30, 3)  # noqa: E731
     return {"nproc": nproc, "launch_to_first_step_s": round(first_step, 2) if first_step else None,
+            "first_step_s": round(step, 2), "launch_to_loop_s": round(first_step - step, 2) if first_step else None,
             "wall_s": round(time.perf_counter() - started, 2),
             "launcher_peak_rss_gib": gib(launcher),
             "worker_peak_rss_gib": [gib(v["VmHWM"]) for v in workers],
