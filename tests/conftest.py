@@ -32,6 +32,19 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
 
 
+def peak_allocated(fn):
+    """fn()'s value and the most Python memory it held at once, in bytes (tracemalloc): what a test of
+    work that must stay small bounds, since a busy machine changes its seconds but not this."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        value = fn()
+        return value, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Preset checkpoints go to a temporary cache shared by the whole test run, never the user's."""

@@ -3,12 +3,13 @@ with generation markers, checked against transformers' own assistant mask), refu
 cannot give one, and cut to data.max_length keeping the final assistant turn whole."""
 from __future__ import annotations
 
-import time
+import json
 
 import pytest
 
+from conftest import peak_allocated
 from ddptune import chat, data, model as model_lib, tokens
-from ddptune.config import ModelConfig
+from ddptune.config import DataConfig, ModelConfig
 
 # a small template with generation markers: what transformers' return_assistant_tokens_mask reads
 MARKED = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' }}{% if m['role'] == 'assistant' %}{% generation %}"
@@ -64,6 +65,70 @@ def test_smollm2_masks_exactly_the_assistant_turns_and_their_end_of_turn_tokens(
         last = chat.tokenize(smollm2, chat.pieces(smollm2, conv, "last_assistant"), 4096)
         assert trained_runs(smollm2, last) == [replies[-1] + "<|im_end|>\n"]
         assert smollm2.decode(last["input_ids"]) == smollm2.decode(example["input_ids"])
+
+
+def reply_ids(tok, reply: str) -> list[int]:
+    """What an assistant turn trains: its text's ids, then the end its template writes after it, each
+    spelled out here: SmolLM2's '<|im_end|>' and a newline, MARKED's '<|end|>' and a newline, the
+    plain template's end-of-sequence token (a tokenizer without a template)."""
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    if not getattr(tok, "chat_template", None):
+        end = [tok.convert_tokens_to_ids("<|eos|>")]
+    elif tok.chat_template == MARKED:
+        end = ids("<|end|>\n")
+    else:
+        end = [tok.convert_tokens_to_ids("<|im_end|>")] + ids("\n")
+    assert len(end) >= 1 and None not in end and tok.unk_token_id not in end
+    return ids(reply) + end
+
+
+def trained_id_runs(example: dict) -> list[list[int]]:
+    """The ids of each run of trained positions; every trained label is the input id at its position."""
+    runs, previous = [], False
+    for t, label in zip(example["input_ids"], example["labels"], strict=True):
+        trained = label != tokens.IGNORE
+        assert not trained or label == t
+        if trained and not previous:
+            runs.append([])
+        if trained:
+            runs[-1].append(t)
+        previous = trained
+    return runs
+
+
+# one exchange of each row format, and two exchanges (a system turn first) where the format holds turns
+FORMAT_ROWS = {
+    "messages": {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello, who is there?"},
+                              {"role": "assistant", "content": "It is me, Anna."}, {"role": "user", "content": "And why?"},
+                              {"role": "assistant", "content": "To bring the keys back."}]},
+    "sharegpt": {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hello, who is there?"},
+                                   {"from": "gpt", "value": "It is me, Anna."}, {"from": "human", "value": "And why?"},
+                                   {"from": "gpt", "value": "To bring the keys back."}]},
+    "alpaca": {"instruction": "Summarize.", "input": "A: hi\nB: hello", "output": "They greet each other."},
+    "prompt_completion": {"prompt": "Summarize: A: hi, B: hello", "completion": "They greet each other."},
+}
+REPLIES = {"messages": ["It is me, Anna.", "To bring the keys back."], "sharegpt": ["It is me, Anna.", "To bring the keys back."],
+           "alpaca": ["They greet each other."], "prompt_completion": ["They greet each other."]}
+
+
+@pytest.mark.parametrize("fmt", list(FORMAT_ROWS))
+def test_every_chat_format_trains_exactly_its_replies_and_their_end_of_turn_tokens(tmp_path, smollm2, fmt):
+    """Rows read from a file and prepared as a run prepares them: the trained ids are exactly the
+    tokenizer's ids of each assistant reply and the end of turn its template writes, nothing more or
+    less, with SmolLM2's template, a marked one and the plain one; also when the user turn is cut."""
+    path = tmp_path / f"{fmt}.jsonl"
+    path.write_text(json.dumps(FORMAT_ROWS[fmt] | {"id": "0"}) + "\n")
+    for tok in (smollm2, with_template(MARKED), model_lib.byte_tokenizer()):
+        want = [reply_ids(tok, r) for r in REPLIES[fmt]]
+        for loss_on, runs in (("assistant", want), ("last_assistant", want[-1:])):
+            d = DataConfig(max_length=4096, loss_on=loss_on)
+            [example] = data.tokenize(data.load_split(str(path), None, d), tok, d)
+            assert "cut" not in example and trained_id_runs(example) == runs, (fmt, loss_on)
+            assert example["input_ids"][-len(want[-1]):] == want[-1]
+        # too long by 5 tokens: the user turns lose them, every reply stays whole
+        d = DataConfig(max_length=len(example["input_ids"]) - 5)
+        [cut] = data.tokenize(data.load_split(str(path), None, d), tok, d)
+        assert cut["cut"] == "user" and len(cut["input_ids"]) == d.max_length and trained_id_runs(cut) == want, fmt
 
 
 def char_mask_of_marks(tok, conv: list[dict]) -> set[int]:
@@ -173,18 +238,17 @@ def test_a_long_conversation_given_its_turns_is_cut_inside_its_user_turns_keepin
     assert tight["cut"] == "earliest" and tight == chat.tokenize(tok, parts, 40)
 
 
-def test_a_5_mb_user_turn_gives_the_ids_of_its_end_quickly(smollm2):
-    """Only the end of a long turn can be kept: it alone is tokenized (tokens.last_ids)."""
+def test_a_5_mb_user_turn_gives_the_ids_of_its_end_tokenizing_only_its_end(smollm2):
+    """Only the end of a long turn can be kept: it alone is tokenized (tokens.last_ids). Tokenized
+    whole, the turn's ids alone held 66 MB (1.8 GB as the tokenizer's own encoding, and seconds)."""
     text = "\n".join(r["dialogue"] for r in data.read_rows("demo"))
     big = (text * (5_000_000 // len(text) + 1))[:5_000_000]
     conv = [{"role": "user", "content": big}, {"role": "assistant", "content": "A summary."}]
     parts = chat.pieces(smollm2, conv)
-    started = time.perf_counter()
-    example = chat.tokenize(smollm2, parts, 512)
-    seconds = time.perf_counter() - started
+    example, peak = peak_allocated(lambda: chat.tokenize(smollm2, parts, 512))
     want = tokens.ids(smollm2, parts[0][0][-200_000:])[-(512 - len(tokens.ids(smollm2, parts[1][0]))):]
     assert example["input_ids"][:len(want)] == want and len(example["input_ids"]) == 512 and example["cut"]
-    assert seconds < 1.0, seconds
+    assert peak < 25e6, peak
     for text in ("x" * 1_000_000, "abcdefghij " * 100_000, " " * 300_000 + "end"):
         assert tokens.last_ids(smollm2, text, 100) == tokens.ids(smollm2, text)[-100:], text[-10:]
 

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import SHARED_DATA
+from conftest import SHARED_DATA, peak_allocated
 from ddptune import batches, data, metrics, model as model_lib
 from ddptune.config import DataConfig, ModelConfig
 
@@ -21,16 +21,45 @@ def tokenizers():
     return plain, chat
 
 
-def test_loss_covers_the_summary_only_in_both_templates():
-    for tok in tokenizers():
-        pieces = data.prompt_pieces(tok, "Summarize.")
+def summary_ids(tok, summary: str) -> list[int]:
+    """What a dialogue example trains: the summary's ids, then the end the template writes after an
+    answer, each spelled out here: the byte tokenizer's end-of-sequence token without a template,
+    CHAT's '<|end|>' and a newline, SmolLM2's '<|im_end|>' and a newline."""
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    if not getattr(tok, "chat_template", None):
+        end = [tok.convert_tokens_to_ids("<|eos|>")]
+    elif tok.chat_template == CHAT:
+        end = ids("<|end|>\n")
+    else:
+        end = [tok.convert_tokens_to_ids("<|im_end|>")] + ids("\n")
+    assert len(end) >= 1 and None not in end and tok.unk_token_id not in end
+    return ids(summary) + end
+
+
+def assert_trains_exactly(ex: dict, want: list[int]) -> None:
+    """The example's labels are IGNORE over its prompt and its own ids over `want`, its last tokens."""
+    n = len(ex["input_ids"])
+    assert len(ex["labels"]) == n and ex["prompt_len"] == n - len(want)
+    assert ex["input_ids"][-len(want):] == want
+    assert ex["labels"] == [data.IGNORE] * (n - len(want)) + want
+
+
+def test_loss_covers_the_summary_and_its_end_exactly_in_every_template(smollm2):
+    for tok in (*tokenizers(), smollm2):
+        d = DataConfig(instruction="Summarize.", max_length=512)
+        pieces = data.prompt_pieces(tok, d.instruction)
+        want = summary_ids(tok, "They greet.")
         ex = data.tokenize_example(tok, pieces, "A: hi\nB: hello", "They greet.", 512)
-        target = [t for t in ex["labels"] if t != data.IGNORE]
-        assert ex["labels"][: ex["prompt_len"]] == [data.IGNORE] * ex["prompt_len"]
-        assert tok.decode(target).startswith("They greet.")
-        assert len(ex["input_ids"]) == len(ex["labels"])
+        assert_trains_exactly(ex, want)
         prompt = tok.decode(ex["input_ids"][: ex["prompt_len"]])
         assert "A: hi\nB: hello" in prompt and "Summarize." in prompt
+        # the batched path a run prepares its rows through gives the same example
+        rows = [{"id": "0", "dialogue": "A: hi\nB: hello", "summary": "They greet."},
+                {"id": "1", "dialogue": "A: bye", "summary": "A leaves. B stays."}]
+        got = data.tokenize(rows, tok, d)
+        assert_trains_exactly(got[0], want)
+        assert_trains_exactly(got[1], summary_ids(tok, "A leaves. B stays."))
+        assert got[0] == ex
 
 
 def test_chat_template_is_used_when_present():
@@ -39,13 +68,18 @@ def test_chat_template_is_used_when_present():
     assert before.startswith("<|user|>Summarize.") and after == "<|end|>\n<|assistant|>" and end == "<|end|>\n"
 
 
-def test_overlong_examples_are_cut_in_the_dialogue_and_keep_the_summary():
-    tok, _ = tokenizers()
-    pieces = data.prompt_pieces(tok, "Summarize.")
-    ex = data.tokenize_example(tok, pieces, "A: " + "blah " * 500, "Short summary.", 128)
-    assert len(ex["input_ids"]) == 128
-    assert tok.decode([t for t in ex["labels"] if t != data.IGNORE]).startswith("Short summary.")
-    assert tok.decode(ex["input_ids"][: ex["prompt_len"]]).endswith("### Summary:\n")
+def test_overlong_examples_are_cut_in_the_dialogue_and_keep_the_summary(smollm2):
+    plain, chat = tokenizers()
+    for tok in (plain, chat, smollm2):
+        d = DataConfig(instruction="Summarize.", max_length=128)
+        pieces = data.prompt_pieces(tok, d.instruction)
+        ex = data.tokenize_example(tok, pieces, "A: " + "blah " * 500, "Short summary.", 128)
+        assert len(ex["input_ids"]) == 128
+        assert_trains_exactly(ex, summary_ids(tok, "Short summary."))
+        assert tok.decode(ex["input_ids"][: ex["prompt_len"]]).endswith("### Summary:\n" if tok is plain else pieces[1])
+        [batched] = data.tokenize([{"id": "0", "dialogue": "A: " + "blah " * 500, "summary": "Short summary."}], tok, d)
+        assert_trains_exactly(batched, summary_ids(tok, "Short summary."))
+        assert batched == ex | {"cut": "dialogue"}
 
 
 def test_step_plan_covers_each_epoch_once_and_is_one_stream_of_samples():
@@ -239,18 +273,15 @@ def real_text() -> str:
     return "\n\n".join(r["dialogue"] for r in rows)
 
 
-def test_a_5_mb_dialogue_gives_the_ids_of_its_prefix_quickly(smollm2, real_text):
-    """`ddptune predict` on one 5 MB line peaked at 1.8 GB (7.8 s here) tokenizing it whole."""
-    import time
-
+def test_a_5_mb_dialogue_gives_the_ids_of_its_prefix_tokenizing_only_its_start(smollm2, real_text):
+    """`ddptune predict` on one 5 MB line peaked at 1.8 GB (7.8 s here) tokenizing it whole; the
+    whole line's ids alone hold 66 MB of Python memory."""
     big = (real_text * (5_000_000 // len(real_text) + 1))[:5_000_000]
     pieces = data.prompt_pieces(smollm2, "Summarize the following dialogue.")
-    started = time.perf_counter()
-    ex = data.tokenize_example(smollm2, pieces, big, "A summary.", 512)
-    seconds = time.perf_counter() - started
+    ex, peak = peak_allocated(lambda: data.tokenize_example(smollm2, pieces, big, "A summary.", 512))
     want, room = uncut_example(smollm2, pieces, big[:200_000], "A summary.", 512)
     assert room > 400 and len(ex["input_ids"]) == 512 and ex["input_ids"] == want
-    assert seconds < 1.0, seconds
+    assert peak < 25e6, peak
     # text whose words never end (one pre-token of a megabyte), or are all one character
     for text in ("x" * 1_000_000, " " * 1_000_000, "!" * 1_000_000, "1234567" * 150_000, "abcdefghij" * 100_000):
         assert data.tokenize_example(smollm2, pieces, text, "", 128)["input_ids"] == uncut_example(

@@ -124,7 +124,9 @@ def test_a_full_fine_tune_is_evaluated_as_one(tmp_path):
     from safetensors.torch import load_file
 
     saved = load_file(out / "model" / "model.safetensors")
-    assert all(__import__("torch").equal(p.detach(), saved[n]) for n, p in net.named_parameters() if n in saved)
+    params = dict(net.named_parameters())
+    assert params.keys() == saved.keys()  # every weight compared below, none skipped by a name that differs
+    assert all(__import__("torch").equal(p.detach(), saved[n]) for n, p in params.items())
     assert not hasattr(net, "peft_config")
     from ddptune import cli
 

@@ -4,6 +4,7 @@ saved step; a killed launcher or worker ends the whole job; `--resume` then fini
 the unbroken run's adapter; a straggler is named."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -74,8 +75,6 @@ def test_a_hung_process_ends_the_run_with_a_clear_error(tmp_path):
 
 
 def test_a_resume_may_set_a_new_timeout_but_not_a_new_learning_rate(tmp_path):
-    import json
-
     from ddptune import checks
 
     part = tmp_path / "part"
@@ -96,8 +95,6 @@ def train_until_interrupted(overrides: list[str], resume: bool = False) -> str:
 
 
 def test_a_signal_to_one_process_stops_all_after_a_saved_step_and_resume_finishes(tmp_path):
-    import json
-
     out = tmp_path / "run"
     overrides = [f"output_dir={out}", "train.max_steps=60", "data.val=null", "train.save_every=0"]
     procs, results = multiproc.start(train_until_interrupted, 2, overrides)
@@ -176,15 +173,17 @@ def test_a_signal_to_the_launcher_alone_stops_every_worker_after_a_checkpoint(tm
     out = tmp_path / "run"
     proc = _launch(out)
     workers = _workers(proc)
-    sent = time.time()
+    logged = max(r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r)
     proc.send_signal(sig)  # to the launcher only, as `kill` or a scheduler would
     _, err = proc.communicate(timeout=60)
-    assert time.time() - sent < 10, err[-2000:]
     assert proc.returncode == 128 + sig, err[-2000:]
     lines = [l for l in err.splitlines() if l.startswith("ddptune: stopped by")]  # a line of its own, not after the bar
     assert len(lines) == 1 and f"stopped by {sig.name} after step" in lines[0], err[-2000:]
     assert "Traceback" not in err and "ChildFailedError" not in err and "exitcode" not in err
     done = int(lines[0].split("after step ")[1].split(" ")[0])
+    # soon after the signal, counted in steps of the 60: rank 0 logs a step once the next one runs, the
+    # processes agree on a stop one step after it came (2 steps here), and the launcher passes it on
+    assert logged <= done <= logged + 10, (logged, done)
     assert (out / "checkpoints" / f"step-{done:06d}" / "state.json").is_file()
     assert not any(w.is_running() and w.status() != "zombie" for w in workers)
     _resumed_equals(out, unbroken)
@@ -232,15 +231,13 @@ def train_with_a_slow_rank_1(overrides: list[str], metrics_path: str) -> None:
 
 
 def test_a_straggling_process_is_named(tmp_path):
-    import json
-
     out = tmp_path / "run"
     multiproc.run(train_with_a_slow_rank_1, 2, [f"output_dir={out}", "train.max_steps=40", "data.val=null"],
                   str(out / "metrics.jsonl"))
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     slow = [r for r in rows if "slow_rank" in r]
     assert slow and {r["slow_rank"] for r in slow} == {1}, slow
-    assert slow[0]["slow_busy_s"] > 1.5 and slow[0]["others_median_s"] < 0.75
+    assert slow[0]["slow_busy_s"] > 1.5 and slow[0]["slow_busy_s"] - slow[0]["others_median_s"] > 1.0  # the 2 s freeze
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 41))  # the run itself went on
 
 

@@ -244,13 +244,10 @@ def test_the_decider_records_one_length_for_a_short_run_and_explains_each_choice
     assert speed["estimate"]["free_gib"] > 1 and speed["estimate"]["memory_gib"] < speed["estimate"]["free_gib"]
 
 
-@cuda
-def test_a_step_that_fails_to_record_falls_back_to_its_compiled_layers(tmp_path, monkeypatch):
-    """A real capture failure (synchronizing inside the recording, which a CUDA graph cannot hold):
-    the run goes on with its compiled layers launched one by one at the padded length, summary.json
-    says no graphs ran, and the losses are those of compiled layers without graphs."""
-    from conftest import ROOT
-    from ddptune import config, graphs, train
+def fail_every_step_recording(monkeypatch):
+    """Every whole-step recording fails for real from now on: StepGraphs.record records the step's
+    work followed by a synchronization, which a CUDA graph cannot hold. Returns the real record."""
+    from ddptune import graphs
 
     record = graphs.StepGraphs.record
 
@@ -259,6 +256,18 @@ def test_a_step_that_fails_to_record_falls_back_to_its_compiled_layers(tmp_path,
             work()
             torch.cuda.synchronize()
         return record(self, broken)
+
+    monkeypatch.setattr(graphs.StepGraphs, "record", failing)
+    return record
+
+
+@cuda
+def test_a_step_that_fails_to_record_falls_back_to_its_compiled_layers(tmp_path, monkeypatch):
+    """A real capture failure (synchronizing inside the recording, which a CUDA graph cannot hold):
+    the run goes on with its compiled layers launched one by one at the padded length, summary.json
+    says no graphs ran, and the losses are those of compiled layers without graphs."""
+    from conftest import ROOT
+    from ddptune import config, train
 
     def run(name, scope):
         monkeypatch.setenv("DDPTUNE_SPEED", f"graphs={scope},lengths=1,dequantize=false")
@@ -269,7 +278,7 @@ def test_a_step_that_fails_to_record_falls_back_to_its_compiled_layers(tmp_path,
         return summary, losses_of(tmp_path / name)
 
     _, plain = run("plain", "off")
-    monkeypatch.setattr(graphs.StepGraphs, "record", failing)
+    fail_every_step_recording(monkeypatch)
     summary, fell = run("fell", "step")
     assert summary["cuda_graphs"] == "off" and summary["compiled"] and len(summary["padded_lengths"]) == 1
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in fell)
@@ -315,14 +324,6 @@ def test_after_a_failed_recording_the_same_process_draws_random_numbers_and_reco
     from conftest import ROOT
     from ddptune import config, graphs, train
 
-    record = graphs.StepGraphs.record
-
-    def failing(self, work):
-        def broken():
-            work()
-            torch.cuda.synchronize()
-        return record(self, broken)
-
     def run(name):
         monkeypatch.setenv("DDPTUNE_SPEED", "graphs=step,lengths=1,dequantize=false")
         cfg = config.load(ROOT / "configs" / "tiny.yaml", [
@@ -331,7 +332,7 @@ def test_after_a_failed_recording_the_same_process_draws_random_numbers_and_reco
         summary, _ = train.run(cfg)
         return summary, losses_of(tmp_path / name)
 
-    monkeypatch.setattr(graphs.StepGraphs, "record", failing)
+    record = fail_every_step_recording(monkeypatch)
     fell_summary, fell = run("fell")
     assert fell_summary["cuda_graphs"] == "off" and len(fell) == 6
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in fell)

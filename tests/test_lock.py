@@ -123,8 +123,8 @@ def test_a_stale_lock_is_taken_over_with_a_warning_and_the_run_completes(tmp_pat
     assert not (out / lock.NAME).exists()  # released at the end
 
 
-def _race(folder: str, start: float, results) -> None:
-    time.sleep(max(0.0, start - time.time()))
+def _race(folder: str, ready, results) -> None:
+    ready.wait(timeout=120)  # every process started: they race for the lock together
     try:
         held = lock.acquire(folder)
     except config.ConfigError as e:
@@ -140,8 +140,8 @@ def test_racing_runs_take_a_stale_lock_over_once(tmp_path):
     plant(out, [dead_pid()])
     ctx = multiproc.context()
     results = ctx.Queue()
-    start = time.time() + 3.0  # every process started by then
-    procs = [ctx.Process(target=_race, args=(str(out), start, results)) for _ in range(4)]
+    ready = ctx.Barrier(4)
+    procs = [ctx.Process(target=_race, args=(str(out), ready, results)) for _ in range(4)]
     for p in procs:
         p.start()
     outcomes = [results.get(timeout=60) for _ in procs]

@@ -96,9 +96,9 @@ def test_a_step_after_validation_or_a_save_is_timed_from_its_own_start():
     step()
     time.sleep(0.2)  # between two steps with nothing else: the host's own gap, part of the step
     assert clock.read(step())["step_s"] >= 0.2
-    time.sleep(0.2)  # validation
+    time.sleep(0.6)  # validation
     clock.pause()
-    assert clock.read(step())["step_s"] < 0.1
+    assert clock.read(step())["step_s"] < 0.5  # an empty step, even on a busy machine; 0.6 s more with the validation
 
 
 def test_a_steps_host_time_is_the_hosts_own_time_to_issue_it():
@@ -117,8 +117,8 @@ def test_a_steps_host_time_is_the_hosts_own_time_to_issue_it():
         return clock.finish()
 
     clock.read(step(0.0))
-    time.sleep(0.2)  # between steps: part of the next step's time, not of its issuing
+    time.sleep(0.6)  # between steps: part of the next step's time, not of its issuing
     times = clock.read(step(0.05))
-    assert times["step_s"] >= 0.25 and 0.05 <= times["host_s"] < 0.2
+    assert times["step_s"] >= 0.65 and 0.05 <= times["host_s"] < 0.6  # 0.05 s and some; 0.65 s with the gap
     row = metrics.step_row(1, 1.0, 0.1, 1.0, 4, 100, 50, 100, 1, 1e9, times, 1.0, 1, None, None)
     assert row["host_s"] == times["host_s"]

@@ -1,12 +1,12 @@
 """Refusals are quick: `--version`, `--help` and every config error answer before torch or
-transformers is imported (they cost seconds to import), timed against 0.5 s as a user runs them."""
+transformers is imported (they cost seconds to import): counted in a fresh interpreter, which lists
+what it imported, since a busy machine changes seconds but not that."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -14,36 +14,36 @@ from conftest import ROOT
 from ddptune import evaluate, generation
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
-BOUND_S = 0.5  # what a user waits for a refusal at most
-MARGIN = 2.0   # for a machine that other work keeps busy: importing torch alone takes several times more
 HEAVY = ("torch", "transformers", "peft", "accelerate", "safetensors", "bitsandbytes")
+PROBE = ("import json, sys\nfrom ddptune import cli\ntry:\n    code = cli.main(sys.argv[1:])\n"
+         "except SystemExit as e:\n    code = e.code\n"
+         f"print(json.dumps([code, [m for m in {HEAVY!r} if m in sys.modules]]), file=sys.stderr)\n")
 
 
 def _env() -> dict:
     return dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
-def _seconds(*args: str) -> tuple[float, subprocess.CompletedProcess]:
-    """The quickest of three runs of `python -m ddptune ARGS` (a busy machine slows some runs), and the last run."""
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "ddptune", *args], env=_env(), capture_output=True, text=True, timeout=120)
-        best = min(best, time.perf_counter() - t0)
-    return best, proc
+def _probe(args: list[str], env: dict | None = None) -> tuple[int, list[str], list[str], subprocess.CompletedProcess]:
+    """`ddptune ARGS` in a fresh interpreter: its exit code, the heavy modules it imported, the lines
+    it wrote to stderr, and the process."""
+    proc = subprocess.run([sys.executable, "-c", PROBE, *args], env=env or _env(), capture_output=True, text=True,
+                          timeout=120, stdin=subprocess.DEVNULL)
+    *lines, last = proc.stderr.strip().splitlines()
+    code, heavy = json.loads(last)
+    return code, heavy, lines, proc
 
 
-def test_version_answers_within_the_bound():
-    seconds, proc = _seconds("--version")
-    assert proc.returncode == 0 and proc.stdout.startswith("ddptune "), proc
-    assert seconds < BOUND_S * MARGIN, f"ddptune --version took {seconds:.2f} s"
+def test_version_answers_without_importing_torch():
+    code, heavy, _, proc = _probe(["--version"])
+    assert code == 0 and proc.stdout.startswith("ddptune "), proc
+    assert heavy == []
 
 
-def test_a_config_error_answers_within_the_bound(tmp_path):
-    seconds, proc = _seconds("train", TINY, "train.learning_rate=1e-4", f"output_dir={tmp_path / 'run'}")
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and "train.learning_rate: unknown key" in lines[0], proc
-    assert seconds < BOUND_S * MARGIN, f"the refusal took {seconds:.2f} s"
+def test_a_config_error_answers_in_one_line_without_importing_torch(tmp_path):
+    code, heavy, lines, proc = _probe(["train", TINY, "train.learning_rate=1e-4", f"output_dir={tmp_path / 'run'}"])
+    assert code == 2 and len(lines) == 1 and "train.learning_rate: unknown key" in lines[0], proc
+    assert heavy == []
     assert not (tmp_path / "run").exists()
 
 
@@ -70,15 +70,9 @@ def _refusals(tmp_path) -> list[list[str]]:
 
 
 def test_no_refusal_imports_torch_or_transformers(tmp_path):
-    """Each refusal runs in a fresh interpreter, which then lists what it imported."""
-    probe = ("import json, sys\nfrom ddptune import cli\ntry:\n    code = cli.main(sys.argv[1:])\n"
-             "except SystemExit as e:\n    code = e.code\n"
-             f"print(json.dumps([code, [m for m in {HEAVY!r} if m in sys.modules]]), file=sys.stderr)\n")
     env = dict(_env(), HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path / "hub-cache"))
     for args in _refusals(tmp_path):
-        proc = subprocess.run([sys.executable, "-c", probe, *args], env=env, capture_output=True, text=True, timeout=120,
-                              stdin=subprocess.DEVNULL)
-        code, heavy = json.loads(proc.stderr.strip().splitlines()[-1])
+        code, heavy, _, proc = _probe(args, env)
         assert code == (0 if "--help" in args else 2), (args, proc.stderr[-2000:])
         assert heavy == [], (args, heavy)
 

@@ -103,17 +103,19 @@ def train_all(runs: list[list[str]], padded: set[int] = frozenset()) -> list[dic
     return [(train_tiny_padded if i in padded else train_tiny)(overrides) for i, overrides in enumerate(runs)]
 
 
-ACCUMULATION = ["train.max_steps=4", "train.micro_batch_size=2", "train.lr=1e-2", "lora.dropout=0.0", "train.val_every=2"]
+ACCUMULATION = ["train.max_steps=4", "train.micro_batch_size=2", "train.lr=1e-2", "lora.dropout=0.0", "train.val_every=2",
+                "train.tokens_per_forward=384"]
 
 
 @pytest.fixture(scope="module")
 def accumulation_runs(tmp_path_factory):
-    """Padded and packed: one process accumulating 2 micro-batches, two processes with 1 each; and
+    """Padded and packed: one process accumulating 4 micro-batches, two processes with 2 each (packed
+    rows of at most 384 tokens: each process's share of 4 samples takes 2 or more forwards too); and
     the golden run (one process, the tiny config's own batch), in the same spawned processes. The
     packed 2-process run all-reduces in buckets of 512 bytes (each LoRA tensor is 1 KiB or more)."""
     root = tmp_path_factory.mktemp("accumulation")
-    one = lambda p: [f"output_dir={root / f'one-{p}'}", "train.grad_accum=2", *ACCUMULATION, f"train.packing={p}"]  # noqa: E731
-    two = lambda p: [f"output_dir={root / f'two-{p}'}", "train.grad_accum=1", *ACCUMULATION, f"train.packing={p}",  # noqa: E731
+    one = lambda p: [f"output_dir={root / f'one-{p}'}", "train.grad_accum=4", *ACCUMULATION, f"train.packing={p}"]  # noqa: E731
+    two = lambda p: [f"output_dir={root / f'two-{p}'}", "train.grad_accum=2", *ACCUMULATION, f"train.packing={p}",  # noqa: E731
                      *(["env:DDPTUNE_SPEED=bucket_mb=0.00048828125"] if p == "true" else [])]
     golden = multiproc.run(train_all, 1, [[f"output_dir={root / 'golden'}", "train.max_steps=4", "data.val=null"],
                                           one("false"), one("true")])[0][0]
@@ -123,6 +125,8 @@ def accumulation_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
 def test_two_processes_take_the_same_steps_as_one_with_accumulation(accumulation_runs, packing):
+    """Each process runs several forwards a step, all-reducing in the last backward only: a process
+    whose all-reduce came in another backward would leave the later ones' gradients its own."""
     root, _ = accumulation_runs
     one, two = root / f"one-{str(packing).lower()}", root / f"two-{str(packing).lower()}"
 
@@ -130,6 +134,13 @@ def test_two_processes_take_the_same_steps_as_one_with_accumulation(accumulation
     # samples of unequal lengths: padded batches compute padding, packed rows none
     assert all((r["padded_tokens"] == r["tokens"]) if packing else (r["padded_tokens"] > r["tokens"]) for r in rows)
     assert len(losses(one)) == 4
+    # every process takes 2 forwards or more a step: 2 micro-batches of 2, or more tokens than one packed row holds
+    ranks = [json.loads(l) for l in (two / "ranks.jsonl").read_text().splitlines()]
+    assert all(len(r["tokens"]) == 2 for r in ranks) and len(ranks) == 4
+    if packing:
+        assert all(t > 384 for r in ranks for t in r["tokens"]), ranks
+    else:
+        assert [r["forwards"] for r in metrics(two) if "loss" in r] == [2] * 4
     for a, b in zip(losses(one), losses(two), strict=True):
         assert abs(a - b) < 1e-5, (losses(one), losses(two))
     # the gradients too: a 2-process step whose gradients were averaged instead of summed (loss * world
@@ -151,9 +162,6 @@ def test_two_processes_take_the_same_steps_as_one_with_accumulation(accumulation
     # torch's default buckets hold all of LoRA's gradients at once; a bucket (forced) below the
     # smallest tensor gives each its own all-reduce, and the same losses
     assert summary["grad_buckets"] == (len(wa) if packing else 1) and len(wa) > 1
-    # padded shares hold equal sample counts (micro-batches line up); packed ones need not
-    ranks = [json.loads(l) for l in (two / "ranks.jsonl").read_text().splitlines()]
-    assert all(len(r["tokens"]) == 2 for r in ranks)
 
 
 def test_golden_losses_of_the_tiny_preset(accumulation_runs):
