@@ -301,7 +301,7 @@ CASES = [
      ["data.train: row 5 of ", "does not begin the whole conversation", "set data.loss_on=last_assistant"]),
     # --- several sources
     ("sources an empty list", [*TRAIN, "data.train=[]", "data.train_rows=null"], ["data.train: an empty list"]),
-    ("sources with one row slice", [*TRAIN, "data.train=[{{source: demo}}]"], ["data.train_rows: a list of sources gives each its own rows"]),
+    ("sources with one row slice", [*TRAIN, "data.train=[{{source: demo}}]", "data.train_rows=0:10"], ["data.train_rows: a list of sources gives each its own rows"]),
     ("source without a file", [*TRAIN, "data.train=[{{rows: '0:10'}}]", "data.train_rows=null"], ["data.train[0].source: missing"]),
     ("source weight zero", [*TRAIN, "data.train=[{{source: demo, weight: 0}}, {{source: demo}}]", "data.train_rows=null"],
      ["data.train[0].weight: must be a positive number"]),

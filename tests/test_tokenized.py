@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import multiproc
-from conftest import ROOT, SHARED_DATA
-from ddptune import config, data, model as model_lib, store, tokenized
+from conftest import ROOT, SHARED_DATA, peak_allocated
+from ddptune import config, data, model as model_lib, rows as rows_lib, store, tokenized
 from ddptune.config import ConfigError, DataConfig, ModelConfig
 
 SAMSUM = SHARED_DATA / "samsum_validation.json"
@@ -176,3 +176,25 @@ def test_each_machine_prepares_once_and_a_shared_cache_once_in_all(tmp_path, sha
     made = [m for m, _ in out if m is not None]
     assert [n for _, n in out] == [64] * 4 and len(made) == 2
     assert sum(len(m) for m in made) == (2 if shared else 4)  # train and val stores: once in all, or once a machine
+
+
+def test_a_json_list_is_read_a_row_at_a_time(tmp_path):
+    """A JSON list file gives the rows json.load gives, whatever the size of the reads, from any row
+    on, without holding the file: counting 20 MB of rows holds a few MB of Python memory. A file that
+    is not a JSON list of rows is refused (ValueError), whatever the reads."""
+    rows = [{"dialogue": f"A: {'hello ' * 200}\nB: number {i}", "summary": f"row {i}", "n": i * 1.5} for i in range(16000)]
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(rows, indent=1))
+    assert path.stat().st_size > 20e6
+    assert [r for _, r in rows_lib._json_items(str(path), 15990, 4096)] == rows[15990:]
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps(rows[:3], indent=1))
+    for size in (1, 3, 7):
+        assert [r for _, r in rows_lib._json_items(str(small), 1, size)] == rows[1:3]
+    count, held = peak_allocated(lambda: rows_lib._count(str(path), "json", str(path)))
+    assert count == 16000 and held < 6e6, held
+    for bad in ("", '{"a": 1}', '[{"a": 1}', '[{"a": 1},]', '[{"a": 1} {"a": 2}]', '[{"a": tru}]', '[{"a": 1}, {"a": 2]'):
+        small.write_text(bad)
+        for size in (1, 2, 4096):
+            with pytest.raises(ValueError):
+                list(rows_lib._json_items(str(small), 0, size))

@@ -61,7 +61,7 @@ def identity(source: str) -> list:
 
 
 def count(source: str) -> int:
-    """The source's rows, counted without parsing them (a JSON list is parsed); once per process for
+    """The source's rows, counted without parsing them (a JSON list's are decoded one by one); once per process for
     a file as it is (validation counts it, then preparing it selects its rows)."""
     k, path = kind(source), path_of(source)
     key = repr(identity(source))  # its content as a cache key names it: path, sizes, modification times
@@ -86,7 +86,7 @@ def _count(source: str, k: str | None, path: str) -> int:
             return sum(1 for _ in csv.DictReader(f))
     if k in ("arrow", "hub"):
         return len(_dataset(source))
-    return len(_json_list(path))
+    return sum(1 for _ in _json_items(path))
 
 
 def selection(source: str, rows: str | None) -> range:
@@ -143,7 +143,7 @@ def _rows(source: str, start: int):
     elif k in ("arrow", "hub"):
         yield from enumerate(_arrow(_dataset(source), start), start)
     else:
-        yield from islice(enumerate(_json_list(path)), start, None)
+        yield from _json_items(path, start)
 
 
 def _jsonl(path: str, start: int):
@@ -202,17 +202,54 @@ def _dataset(source: str):
     return _DATASETS[source]
 
 
-def _json_list(path: str) -> list:
-    """A JSON list file's rows, parsed once per process (kept while it is the one being read)."""
-    key = (os.path.realpath(path), os.stat(path).st_mtime_ns)
-    if key not in _LISTS:
-        with open(path, encoding="utf-8") as f:
-            rows = json.load(f)
-        if not isinstance(rows, list):
-            raise ValueError(f"{path} holds a JSON {type(rows).__name__}, not a list of rows")
-        _LISTS.clear()
-        _LISTS[key] = rows
-    return _LISTS[key]
+def _json_items(path: str, start: int = 0, size: int = 1 << 20):
+    """(row number, row) of a JSON list file from row `start` on, decoded one row at a time from
+    `size`-character reads (the file is never held whole). ValueError where it is not a JSON list."""
+    decoder = json.JSONDecoder()
+    with open(path, encoding="utf-8") as f:
+        buf, pos = "", 0
 
+        def next_char() -> str:  # the next character that is not white space ("" at the end), reading on as needed
+            nonlocal buf, pos
+            while True:
+                rest = buf[pos:].lstrip(" \t\r\n")
+                pos = len(buf) - len(rest)
+                if rest:
+                    return rest[0]
+                buf, pos = f.read(size), 0
+                if not buf:
+                    return ""
 
-_LISTS: dict = {}
+        first = next_char()
+        if first != "[":
+            what = "nothing" if not first else type(decoder.raw_decode(buf[pos:] + f.read())[0]).__name__
+            raise ValueError(f"{path} holds {'a JSON ' if first else ''}{what}, not a list of rows")
+        pos += 1
+        number, c = 0, next_char()
+        while c != "]":
+            while True:
+                try:
+                    row, end = decoder.raw_decode(buf, pos)
+                    if end < len(buf):  # a value that ends at the read's end may go on in the next
+                        break
+                except ValueError:
+                    pass
+                chunk = f.read(size)
+                if not chunk:
+                    try:
+                        row, end = decoder.raw_decode(buf, pos)  # the whole rest: valid, or the decoder's own error
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}: row {number} is not valid JSON ({e.msg})") from None
+                    break
+                buf, pos = buf[pos:] + chunk, 0
+            if number >= start:
+                yield number, row
+            pos, number = end, number + 1
+            c = next_char()
+            if c == ",":
+                pos += 1
+                if next_char() in ("]", ""):
+                    raise ValueError(f"{path}: a comma after row {number - 1} is followed by no row")
+            elif c != "]":
+                raise ValueError(f"{path}: row {number - 1} is followed by {c!r}, not a comma or the closing ]"
+                                 if c else f"{path} ends before the list's closing ]")
