@@ -133,3 +133,37 @@ def test_a_full_fine_tune_is_evaluated_as_one(tmp_path):
     assert cli.main(["eval", str(out), "data.val=demo", "data.val_rows=560:562", "eval.max_new_tokens=4"]) == 0
     assert json.loads((out / "eval" / "metrics.json").read_text())["label"].startswith("fine-tuned")
     assert cli.main(["eval", str(out), "data.val=demo", "--nproc", "0"]) == 2  # (its message: test_bad_input)
+
+
+def test_several_validation_sources_are_scored_each_and_named_in_every_prediction(trained_run, tmp_path):
+    """Two data.val sources: ROUGE for each besides the pooled one (their sample-weighted mean), and
+    each prediction line names its source, so that rows of two files with the same ids stay apart."""
+    from ddptune import cli
+
+    val = "data.val=[{source: demo, rows: '560:563', name: a}, {source: demo, rows: '563:565', name: b}]"
+    assert cli.main(["eval", str(trained_run), val, "data.val_rows=null", "eval.max_new_tokens=8",
+                     "--out", str(tmp_path / "e")]) == 0
+    lines = [json.loads(l) for l in (tmp_path / "e" / "predictions.jsonl").read_text().splitlines()]
+    assert [r["source"] for r in lines] == ["a", "a", "a", "b", "b"]
+    m = json.loads((tmp_path / "e" / "metrics.json").read_text())
+    assert (m["n"], m["sources"]["a"]["n"], m["sources"]["b"]["n"]) == (5, 3, 2)
+    for k in generation.ROUGE_KEYS:
+        assert m[k] == pytest.approx((3 * m["sources"]["a"][k] + 2 * m["sources"]["b"][k]) / 5)
+
+
+def test_a_run_trained_on_conversations_is_told_to_ask_with_one():
+    """The closing line's suggested predict input is a row of the format the run trained on: its
+    JSON parses as a messages row (a dialogue row would prompt differently from training)."""
+    import re
+    from pathlib import Path
+
+    from ddptune import formats, runlog
+
+    summary = {"wall_time_s": 10.0, "train_time_s": 5.0, "final_loss": 1.0, "val_loss": 1.0, "tokens_per_s_per_gpu": 1.0}
+    times = {"load_s": 1.0, "eval_s": 0.0}
+    for chat, key in ((True, "messages"), (False, "dialogue")):
+        lines = runlog.closing_lines(Path("/tmp/run"), summary, Path("/tmp/run/adapter"), "lora", times, True, True, chat)
+        row = json.loads(re.search(r"echo '(.*)' \| ddptune predict", lines[-1]).group(1))
+        assert list(row) == [key]
+        if chat:
+            assert formats.detect([row], config.DataConfig()) == "messages"

@@ -111,10 +111,13 @@ def _parser(with_reference: bool = False) -> argparse.ArgumentParser:
                    "llama-quantize or `ollama create -q`, whichever is on PATH")
     x.add_argument("--ollama", default=None, metavar="NAME",
                    help="also write an Ollama Modelfile (chat template, stop tokens, greedy) and print `ollama create NAME`")
-    r = sub.add_parser("predict", help="summaries of new dialogues (JSON lines) with a finished run's model")
+    r = sub.add_parser("predict", help="summaries of new dialogues, or replies to conversations (JSON lines), with a "
+                       "finished run's model")
     r.add_argument("run", help="a finished run folder (from train)")
     r.add_argument("overrides", nargs="*", metavar="INPUT|key=value",
-                   help="a .jsonl file of {\"dialogue\": ...} rows or - for stdin; overrides such as eval.max_new_tokens=32")
+                   help="a .jsonl file or - for stdin, of rows in the run's format: {\"dialogue\": ...} for a run trained on "
+                   "dialogues, {\"messages\": [{\"role\": \"user\", \"content\": ...}]} (or its other chat formats) for one "
+                   "trained on conversations (the reply to the last user turn); overrides such as eval.max_new_tokens=32")
     r.add_argument("--input", default=None, help="the .jsonl file, or - for stdin (default: stdin when it is piped)")
     r.add_argument("--out", default=None, help="write the JSON lines to this new file (default: stdout)")
     r.add_argument("--nproc", type=int, default=None, help="share the dialogues out over N processes")

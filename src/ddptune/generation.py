@@ -150,8 +150,11 @@ def evaluate(model, tokenizer, rows: list[dict], cfg: Config, accelerator: Accel
     if not accelerator.is_main_process:
         return {}
     scores = rouge(predictions, [reference(r) for r in rows])
+    names = list(dict.fromkeys(r.get("source") for r in rows))
+    per_source = {name: {**rouge(*zip(*[(p, reference(r)) for r, p in zip(rows, predictions) if r.get("source") == name])),
+                         "n": sum(r.get("source") == name for r in rows)} for name in names} if len(names) > 1 else {}
     result = {
-        "label": label, **scores, "n": len(rows), "world_size": world,
+        "label": label, **scores, "n": len(rows), "world_size": world, **({"sources": per_source} if per_source else {}),
         "generation_time_s": gen_s, "samples_per_s": len(rows) / gen_s if gen_s else None,
         "max_new_tokens": cfg.eval.max_new_tokens, "batch_size": cfg.eval.batch_size,
         "mean_prediction_words": sum(len(p.split()) for p in predictions) / max(len(predictions), 1),
@@ -159,7 +162,8 @@ def evaluate(model, tokenizer, rows: list[dict], cfg: Config, accelerator: Accel
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     asked = lambda r: {"messages": formats.context_and_answer(r["messages"])[0]} if "messages" in r else {"dialogue": r["dialogue"]}  # noqa: E731
-    lines = [json.dumps({"id": r["id"], **asked(r), "reference": reference(r), "prediction": p})
+    lines = [json.dumps({"id": r["id"], **({"source": r["source"]} if "source" in r else {}), **asked(r),
+                         "reference": reference(r), "prediction": p})
              for r, p in zip(rows, predictions)]
     report.write_text(out_dir / "predictions.jsonl", "\n".join(lines) + "\n")
     report.write_json(out_dir / "metrics.json", result)
@@ -167,11 +171,14 @@ def evaluate(model, tokenizer, rows: list[dict], cfg: Config, accelerator: Accel
         f"ddptune: {label}: ROUGE-1 {scores['rouge1']:.2f}  ROUGE-2 {scores['rouge2']:.2f}  "
         f"ROUGE-L {scores['rougeL']:.2f}  ROUGE-Lsum {scores['rougeLsum']:.2f}  "
         f"({len(rows)} samples, {gen_s:.1f}s generation) -> {out_dir}"
+        + "".join(f"\nddptune: {label}, {name}: ROUGE-1 {v['rouge1']:.2f}  ROUGE-L {v['rougeL']:.2f} ({v['n']} samples)"
+                  for name, v in per_source.items())
     )
     return result
 
 
 def eval_rows(cfg: Config) -> list[dict]:
     """The validation rows of every data.val source, in order (the first eval.max_samples)."""
-    rows = [r for s in data.sources(cfg.data, "val") for r in data.load_split(s.source, s.rows, cfg.data, s.field)]
+    rows = [dict(r, source=s.name) for s in data.sources(cfg.data, "val")
+            for r in data.load_split(s.source, s.rows, cfg.data, s.field)]
     return rows[: cfg.eval.max_samples] if cfg.eval.max_samples else rows

@@ -158,9 +158,9 @@ def summary(r, history: list[dict], ranks: list[dict], val_loss, peaks: list, fi
 
 
 def closing_lines(out: Path, summary: dict, final: Path, method: str, times: dict, has_val: bool,
-                  eval_enabled: bool) -> list[str]:
+                  eval_enabled: bool, chat: bool = False) -> list[str]:
     """What the end of a run prints: its wall time and where it went, its figures, where each
-    output is, and one command to try next."""
+    output is, and one command to try next (`chat`: a run trained on conversations is asked with one)."""
     wall, load, train_s, eval_s = summary["wall_time_s"], times["load_s"], summary["train_time_s"], times["eval_s"]
     lines = [f"ddptune: done in {_duration(wall)}: load {load:.1f}s, train {train_s:.1f}s, eval {eval_s:.1f}s "
              f"(validation and generation), other {max(wall - load - train_s - eval_s, 0):.1f}s (setup, checks, saving)",
@@ -173,7 +173,10 @@ def closing_lines(out: Path, summary: dict, final: Path, method: str, times: dic
              ("eval/", "fine-tuned predictions and ROUGE"), ("eval-base/", "zero-shot predictions and ROUGE"),
              ("tensorboard/", "tensorboard --logdir " + str(out)), ("checkpoints/", "resumable with --resume")]
     lines.append(f"ddptune: wrote {out}/: " + ", ".join(f"{name} ({what})" for name, what in wrote if (out / name).exists()))
-    if eval_enabled or not has_val:
+    if (eval_enabled or not has_val) and chat:  # the prompt it was trained on: a conversation, not a dialogue row
+        lines.append("ddptune: next: answer a conversation with it: echo '{\"messages\": [{\"role\": \"user\", \"content\": "
+                     f"\"Summarize: Ann: lunch at 1? Bo: sure\"}}]}}' | ddptune predict {out} -")
+    elif eval_enabled or not has_val:
         lines.append(f"ddptune: next: summarize a dialogue with it: echo '{{\"dialogue\": \"Ann: lunch at 1?\\nBo: sure\"}}' "
                      f"| ddptune predict {out} -")
     else:

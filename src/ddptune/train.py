@@ -423,6 +423,6 @@ def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
         summary.update(eval_time_s=r.times["eval_s"], wall_time_s=time.perf_counter() - r.times["started"])
         runlog.write_json_atomic(out / "summary.json", summary)
         acc.print("\n".join(runlog.closing_lines(out, summary, final, cfg.train.method, r.times, bool(r.val_set),
-                                                 cfg.eval.enabled)))
+                                                 cfg.eval.enabled, data.trains_conversations(cfg.data))))
     acc.wait_for_everyone()
     return summary, r.model
