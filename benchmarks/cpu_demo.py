@@ -9,6 +9,8 @@ machine that slows down over time weighs on both alike. Recorded per run: the wa
 whole command (imports, load, training, evaluation, saving) and the run's own summary.json figures.
 `--cache fresh` gives every run an empty DDPTUNE_CACHE (a first run on a new machine: the GGUF is
 converted); `--cache warm` (the default) shares one cache across the runs, which the first fills.
+`--threads both --beside 0,1`: each run with ddptune's own thread count and with every core's thread
+(torch's default), on an idle machine and beside one other process spinning on a core.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -33,16 +36,30 @@ def commit(tree: Path) -> str:
                           check=True).stdout.strip()
 
 
-def run_once(tree: Path, out: Path, cache: Path) -> dict:
+def run_once(tree: Path, out: Path, cache: Path, threads: str = "chosen", beside: int = 0) -> dict:
+    """One demo run; `threads`: "chosen" (ddptune's own choice) or "all" (OMP_NUM_THREADS set to every
+    core, torch's default); `beside`: that many other processes each spinning on a core meanwhile."""
     env = dict(os.environ, PYTHONPATH=str(tree / "src"), HF_HUB_OFFLINE="1", DDPTUNE_CACHE=str(cache))
-    started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "ddptune", "train", "configs/demo.yaml", f"output_dir={out}"],
-                          cwd=tree, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - started
+    env.pop("OMP_NUM_THREADS", None)
+    if threads == "all":
+        env["OMP_NUM_THREADS"] = str(len(os.sched_getaffinity(0)))
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(beside)]
+    try:
+        time.sleep(1.0 if beside else 0)
+        started = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "ddptune", "train", "configs/demo.yaml", f"output_dir={out}"],
+                              cwd=tree, env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - started
+    finally:
+        for s in spinners:
+            s.kill()
+            s.wait()
     if proc.returncode != 0:
         raise SystemExit(f"{tree}: exit {proc.returncode}\n{proc.stderr[-2000:]}")
     summary = json.loads((out / "summary.json").read_text())
-    return {"command_wall_s": round(wall, 2), **{k: summary[k] for k in KEEP if k in summary}}
+    chosen = re.search(r"(\d+) CPU thread\(s\) each", proc.stderr)
+    return {"command_wall_s": round(wall, 2), "threads_said": int(chosen.group(1)) if chosen else None,
+            **{k: summary[k] for k in KEEP if k in summary}}
 
 
 def main() -> int:
@@ -51,16 +68,23 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--cache", choices=["warm", "fresh"], default="warm")
+    p.add_argument("--threads", default="chosen", help="chosen, all, or both (alternating): ddptune's thread count "
+                   "or every core (OMP_NUM_THREADS set to them, torch's default)")
+    p.add_argument("--beside", default="0", help="other processes spinning on a core during each run, e.g. 0,1 (each in turn)")
     args = p.parse_args()
     runs = []
+    ways = ["chosen", "all"] if args.threads == "both" else [args.threads]
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(args.repeat):
-            for i, tree in enumerate(args.trees):
-                cache = Path(tmp) / (f"cache-{k}-{i}" if args.cache == "fresh" else "cache")
-                row = {"tree": str(tree), "commit": commit(tree), "repeat": k, "cache": args.cache,
-                       **run_once(tree.resolve(), Path(tmp) / f"run-{k}-{i}", cache)}
-                print(json.dumps(row), flush=True)
-                runs.append(row)
+            for beside in map(int, args.beside.split(",")):
+                for threads in ways:
+                    for i, tree in enumerate(args.trees):
+                        cache = Path(tmp) / (f"cache-{k}-{i}" if args.cache == "fresh" else "cache")
+                        out = Path(tmp) / f"run-{k}-{i}-{beside}-{threads}"
+                        row = {"tree": str(tree), "commit": commit(tree), "repeat": k, "cache": args.cache,
+                               "threads": threads, "beside": beside, **run_once(tree.resolve(), out, cache, threads, beside)}
+                        print(json.dumps(row), flush=True)
+                        runs.append(row)
     result = {"command": " ".join(["python", "benchmarks/cpu_demo.py", *sys.argv[1:]]),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpus": os.cpu_count(),
               "machine": platform.processor() or platform.machine(), "python": platform.python_version(), "runs": runs}
