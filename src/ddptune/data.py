@@ -110,10 +110,10 @@ def selection(d: DataConfig) -> str:
     parts = []
     for split in ("train", "val"):
         for s in sources(d, split):
-            total = rows_lib.count(s.source)
-            picked = len(range(total)[parse_rows(s.rows)])
-            parts.append(f"{'validate' if split == 'val' else split}: " + (
-                f"rows {s.rows} of {s.source} ({picked:,} of {total:,})" if s.rows else f"all {total:,} rows of {s.source}"))
+            if s.rows:  # counted once per process (validation counted it already); all rows: nothing to count
+                total = rows_lib.count(s.source)
+                what = f"rows {s.rows} of {s.source} ({len(range(total)[parse_rows(s.rows)]):,} of {total:,})"
+            parts.append(f"{'validate' if split == 'val' else split}: " + (what if s.rows else f"every row of {s.source}"))
     return "; ".join(parts)
 
 

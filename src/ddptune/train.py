@@ -111,7 +111,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     # every row (a refusal stops every process); every process then maps it and holds its index
     prepared = dist.on_node(acc, lambda: tokenized.prepare(cfg.data, tokenizer, progress=sys.stderr.isatty()))
     train_set, val_set = tokenized.load(prepared)
-    acc.print("\n".join(f"ddptune: {line}" for line in [f"data: {data.selection(cfg.data)}", *prepared.notes, f"data ready in {time.perf_counter() - t0:.1f}s; "
+    acc.print("\n".join(f"ddptune: {line}" for line in [*([f"data: {data.selection(cfg.data)}"] if acc.is_main_process else []), *prepared.notes, f"data ready in {time.perf_counter() - t0:.1f}s; "
                                                            f"loading {cfg.model.source} ..."]))
     if problems := checks.rows_problems(len(train_set), plan):  # hub data, or rows dropped as too long
         raise ConfigError(problems)
