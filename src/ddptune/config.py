@@ -31,6 +31,7 @@ class ConfigError(ValueError):
         return ConfigError, (self.problems,)
 
 
+FLOORED = ("cosine_with_min_lr", "warmup_stable_decay")  # train.lr_schedule values that take train.min_lr_ratio
 AttnImplementation = Literal["varlen", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"]
 # attention kernels that take packed samples' boundaries (cu_seq_lens) instead of a mask
 PACKED_ATTENTION = ("varlen", "flash_attention_2", "flash_attention_3")
@@ -131,8 +132,13 @@ class TrainConfig:
     """Passes over the training rows when max_steps is null (fractions allowed)."""
     lr: float = 2e-4
     """Peak learning rate."""
-    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    """Decay after the warm-up."""
+    lr_schedule: Literal["cosine", "linear", "constant", "cosine_with_min_lr", "warmup_stable_decay"] = "cosine"
+    """Decay after the warm-up (transformers' schedules). cosine_with_min_lr: cosine down to lr x min_lr_ratio;
+    warmup_stable_decay: constant, then a cosine decay to lr x min_lr_ratio over the last decay_ratio of the steps."""
+    min_lr_ratio: float = 0.0
+    """cosine_with_min_lr and warmup_stable_decay: the schedule's floor, as a fraction of train.lr."""
+    decay_ratio: float = 0.1
+    """warmup_stable_decay: the fraction of the run's steps, at its end, over which the rate decays."""
     warmup_steps: int = 0
     """Optimizer steps of linear learning-rate warm-up."""
     weight_decay: float = 0.0
@@ -445,6 +451,15 @@ def check_values(cfg: Config) -> list[str]:
         problems.append("train.epochs: must be a positive number")
     if not (math.isfinite(t.lr) and t.lr > 0):
         problems.append("train.lr: must be a positive number, e.g. 2e-4")
+    if not 0 <= t.min_lr_ratio < 1:
+        problems.append("train.min_lr_ratio: must be in [0, 1), e.g. 0.1")
+    elif t.min_lr_ratio and t.lr_schedule not in FLOORED:
+        problems.append(f"train.min_lr_ratio: {t.lr_schedule} has no floor (use train.lr_schedule=cosine_with_min_lr "
+                        "or warmup_stable_decay, or set train.min_lr_ratio=0)")
+    if not 0 < t.decay_ratio <= 1:
+        problems.append("train.decay_ratio: must be in (0, 1], e.g. 0.1")
+    if t.max_steps is not None and t.max_steps >= 1:
+        problems += schedule_problems(t, t.max_steps)
     if not (math.isfinite(t.weight_decay) and t.weight_decay >= 0):
         problems.append("train.weight_decay: must be 0 or a positive number")
     if not (math.isfinite(t.max_grad_norm) and t.max_grad_norm >= 0):
@@ -498,3 +513,17 @@ def check_values(cfg: Config) -> list[str]:
         problems.append(f"train.profile_steps: {t.profile_steps} steps after the first {PROFILE_AFTER} need "
                         f"train.max_steps >= {PROFILE_AFTER + t.profile_steps} (got {t.max_steps}; profile fewer steps or train longer)")
     return problems
+
+
+def decay_steps(t: TrainConfig, total: int) -> int:
+    """warmup_stable_decay's decay: train.decay_ratio of the run's `total` steps, at least one."""
+    return max(1, round(t.decay_ratio * total))
+
+
+def schedule_problems(t: TrainConfig, total: int) -> list[str]:
+    """warmup_stable_decay's warm-up and decay must fit the run's `total` steps (train.py checks again once the data
+    gives the steps of train.epochs)."""
+    if t.lr_schedule != "warmup_stable_decay" or not 0 < t.decay_ratio <= 1 or t.warmup_steps + decay_steps(t, total) <= total:
+        return []
+    return [f"train.warmup_steps: {t.warmup_steps} warm-up and {decay_steps(t, total)} decay steps "
+            f"(train.decay_ratio={t.decay_ratio:g}) do not fit a run of {total} steps (warm up for fewer steps)"]

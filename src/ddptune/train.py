@@ -116,7 +116,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     if problems := checks.rows_problems(len(train_set), plan):  # hub data, or rows dropped as too long
         raise ConfigError(problems)
     total = cfg.train.max_steps or max(1, math.floor(cfg.train.epochs * len(train_set) / plan.global_batch))
-    if problems := checks.profile_problems(cfg.train, total):
+    if problems := checks.profile_problems(cfg.train, total) + config_lib.schedule_problems(cfg.train, total):
         raise ConfigError(problems)
     t1 = time.perf_counter()
     with acc.main_process_first(), checks.loading(cfg.model, "model"):  # a preset checkpoint or hub download is made once
