@@ -151,29 +151,34 @@ def memory_problems(cfg: Config, world_size: int, gpu_gib: float) -> list[str]:
 
 
 def model_problems(cfg: Config) -> list[str]:
-    """The model source can be used, and every lora.target_modules name matches one of its layers
-    (read from its config on the meta device: no weights are loaded). Hub models are not fetched here."""
+    """The model source can be used, and every lora.target_modules and lora.modules_to_save name matches one of
+    its layers (read from its config on the meta device: no weights are loaded). Hub models are not fetched here."""
     if problems := sources.source_problems(cfg.model):
         return problems
-    src = sources.resolve_source(cfg.model)
-    names = None if cfg.train.method == "full" or cfg.lora.target_modules == ["all-linear"] else layer_names(src, cfg)
-    if isinstance(names, str):
-        return [names]
-    if names is None:
-        return []
+    src, lo = sources.resolve_source(cfg.model), cfg.lora
+    listed = [("target_modules", n) for n in lo.target_modules if lo.target_modules != ["all-linear"]]
+    listed += [("modules_to_save", n) for n in lo.modules_to_save]
+    layers = None if cfg.train.method == "full" or not listed else layer_names(src, cfg)
+    if isinstance(layers, str):
+        return [layers]
     problems = []
-    for target in cfg.lora.target_modules:
-        if not any(n == target or n.endswith("." + target) for n in names):
+    for key, target in listed if layers is not None else []:
+        found = [kind for n, kind in layers.items() if n == target or n.endswith("." + target)]
+        if not found:
             hint = " (all-linear works only alone: [all-linear])" if target == "all-linear" else ""
-            leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
-            problems.append(f"lora.target_modules: {target!r} matches no layer of {cfg.model.source}{hint} "
+            leaves = sorted({n.rsplit(".", 1)[-1] for n in layers})
+            problems.append(f"lora.{key}: {target!r} matches no layer of {cfg.model.source}{hint} "
                             f"(its layers: {', '.join(leaves)})")
+        elif key == "modules_to_save" and cfg.train.method == "qlora" and "linear" in found:
+            problems.append(f"lora.modules_to_save: {target!r} is a 4-bit layer under qlora, which cannot be trained whole "
+                            "(save the embeddings or output head only, e.g. [lm_head], or adapt it through lora.target_modules)")
     return problems
 
 
-def layer_names(src, cfg: Config) -> list[str] | str | None:
-    """Names of the layers LoRA can adapt (linear, embedding), from the model's config alone; a
-    problem line when that config cannot be read; None for hub models (not fetched to validate)."""
+def layer_names(src, cfg: Config) -> dict[str, str] | str | None:
+    """The layers LoRA can adapt or train whole, by name: "linear", "embedding" or "head" (the output head, which
+    QLoRA leaves unquantized), from the model's config alone; a problem line when that config cannot be read;
+    None for hub models (not fetched to validate)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -191,8 +196,9 @@ def layer_names(src, cfg: Config) -> list[str] | str | None:
     except Exception as e:  # noqa: BLE001 - a broken config.json or GGUF header, an unknown architecture
         reason = " ".join(str(e).split())[:200]
         return f"model.source: the model's config cannot be read ({type(e).__name__}: {reason})"
-    kinds = (torch.nn.Linear, torch.nn.Embedding)
-    return [n for n, m in net.named_modules() if isinstance(m, kinds)]
+    head = net.get_output_embeddings()
+    return {n: "head" if m is head else "linear" if isinstance(m, torch.nn.Linear) else "embedding"
+            for n, m in net.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))}
 
 
 def data_file_problems(d: config_lib.DataConfig) -> list[str]:

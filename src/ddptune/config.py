@@ -70,6 +70,8 @@ class LoraConfig:
     """DoRA (peft): train each adapted weight's magnitude apart from its direction; more compute a step."""
     use_rslora: bool = False
     """rsLoRA (peft): scale the update by alpha / sqrt(r) instead of alpha / r; steadier at high ranks."""
+    modules_to_save: list[str] = field(default_factory=list)
+    """Whole modules trained beside the adapters and saved with them (peft's), e.g. [lm_head] or [embed_tokens]."""
 
 
 @dataclass
@@ -494,6 +496,8 @@ def check_values(cfg: Config) -> list[str]:
     problems += [line for bad, line in ((lo.r < 1, "lora.r: must be at least 1"), (not 0 <= lo.dropout < 1, "lora.dropout: must be in [0, 1)"),
         (not (math.isfinite(lo.alpha) and lo.alpha > 0), "lora.alpha: must be a positive number, e.g. 2 x lora.r"),
         (not lo.target_modules, 'lora.target_modules: empty (name modules, e.g. [q_proj, v_proj], or ["all-linear"])'),
+        (lo.modules_to_save and t.method == "full", "lora.modules_to_save: full fine-tuning trains every module already "
+         "(set lora.modules_to_save=[])"),
         (lo.use_dora and t.method == "qlora" and t.strategy == "fsdp", "lora.use_dora: not with qlora under FSDP (DoRA reads "
          "each gathered 4-bit weight without its quantization state): use train.strategy=ddp or train.method=lora")) if bad]
     if d.max_length < 16:

@@ -312,11 +312,13 @@ def add_adapters(model, method: str, lora: LoraConfig, gradient_checkpointing: b
         return model
     from peft import LoraConfig as PeftLoraConfig, get_peft_model
 
-    targets = lora.target_modules
+    targets, saved = lora.target_modules, list(lora.modules_to_save) or None
+    # a tied output head and input embedding (SmolLM2's) stay one matrix when one of them is trained whole
+    tied = bool(saved) and bool(getattr(model.config, "tie_word_embeddings", False))
     peft_cfg = PeftLoraConfig(
         r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-        target_modules="all-linear" if targets == ["all-linear"] else targets,
-        use_dora=lora.use_dora, use_rslora=lora.use_rslora, task_type="CAUSAL_LM",
+        target_modules="all-linear" if targets == ["all-linear"] else targets, modules_to_save=saved,
+        ensure_weight_tying=tied, use_dora=lora.use_dora, use_rslora=lora.use_rslora, task_type="CAUSAL_LM",
     )
     with _peft_quietly():
         return get_peft_model(model, peft_cfg)
