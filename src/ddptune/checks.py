@@ -211,6 +211,8 @@ def data_file_problems(d: config_lib.DataConfig) -> list[str]:
         if source and source != "demo" and not source.startswith("hub:") and os.path.lexists(source) \
                 and not path.is_file() and not (path.is_dir() and rows_lib.kind(source) == "arrow"):
             problems.append(f"{field}: {source} {config_lib.not_a_file(path)} (give {rows_lib.FORMS})")
+    if (t := d.chat_template) is not None and config_lib.is_template_path(t) and not Path(t).is_file():
+        problems.append(f"data.chat_template: {t} {config_lib.not_a_file(Path(t))} (give the path of a .jinja file, or the template)")
     return problems
 
 
@@ -230,18 +232,29 @@ def local_tokenizer(cfg: Config):
     from ddptune import model as model_lib  # (the model's code: only once the light checks have passed)
 
     with loading(m, "tokenizer"):
-        return model_lib.load_tokenizer(m)
+        return model_lib.load_tokenizer(m, cfg.data)
 
 
 def template_problems(cfg: Config, tokenizer) -> list[str]:
     """Chat data: the tokenizer's chat template can give conversations a loss mask (chat.template_problem's
-    probe; every conversation's own mask is checked as it is tokenized)."""
-    if not data_lib.chat_sources(cfg.data):
-        return []
+    probe; every conversation's own mask is checked as it is tokenized); data.template=none takes
+    prompt_completion sources only; data.chat_template renders."""
     from ddptune import chat
 
-    problem = chat.template_problem(tokenizer, cfg.data.loss_on)
-    return [f"model.tokenizer: {problem}"] if problem else []
+    d = cfg.data
+    found = data_lib.local_formats(d)
+    if d.template == "none" and (other := next(((s, f) for s, f in found if f != "prompt_completion"), None)):
+        return [f"{other[0].field}: {other[0].source} holds {other[1]} rows, and data.template=none takes prompt_completion "
+                "rows only (a prompt and a completion: use data.template=chat for the others)"]
+    try:
+        if d.chat_template is not None:
+            chat.render(tokenizer, chat.PROBE[:1], True)
+        problem = chat.template_problem(tokenizer, d.loss_on, plain=d.template == "none") \
+            if any(f != "dialogue" for _, f in found) else None
+    except chat.TemplateProblem as e:
+        problem = str(e)
+    field = "data.template" if d.template == "none" else "data.chat_template" if d.chat_template is not None else "model.tokenizer"
+    return [f"{field}: {problem}"] if problem else []
 
 
 def resume_mode(cfg: Config, resume: str | None, overwrite: bool) -> tuple[bool, bool]:

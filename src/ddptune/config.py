@@ -108,6 +108,12 @@ class DataConfig:
     """Column holding the reference summary (the loss targets; dialogue format)."""
     instruction: str = "Summarize the following dialogue."
     """Put before the dialogue in the prompt (dialogue format)."""
+    system_prompt: Optional[str] = None
+    """The system turn of every row that has none (in place of the template's default one); null: none added."""
+    chat_template: Optional[str] = None
+    """A Jinja chat template, or a .jinja file's path, set as the tokenizer's (the run, predict and export use it); null: its own."""
+    template: Literal["chat", "none"] = "chat"
+    """chat: rows through the chat template; none: prompt_completion rows as plain text, prompt + completion + eos."""
     max_length: int = 512
     """Tokens per example. dialogue: a longer dialogue is cut at its end so the summary survives; chat formats: the
     earliest context is cut, the final assistant turn kept whole (a row whose final turn cannot fit is dropped)."""
@@ -500,6 +506,11 @@ def check_values(cfg: Config) -> list[str]:
          "(set lora.modules_to_save=[])"),
         (lo.use_dora and t.method == "qlora" and t.strategy == "fsdp", "lora.use_dora: not with qlora under FSDP (DoRA reads "
          "each gathered 4-bit weight without its quantization state): use train.strategy=ddp or train.method=lora")) if bad]
+    if d.chat_template is not None and not is_template_path(d.chat_template) and not ("{{" in d.chat_template or "{%" in d.chat_template):
+        problems.append("data.chat_template: neither a .jinja file's path nor a Jinja template (give one, or null)")
+    if d.template == "none" and (d.system_prompt is not None or d.chat_template is not None):
+        problems.append(f"data.{'system_prompt' if d.system_prompt is not None else 'chat_template'}: no chat template "
+                        "with data.template=none (set data.template=chat, or write it into the prompts)")
     if d.max_length < 16:
         problems.append("data.max_length: must be at least 16 tokens")
     if cfg.eval.max_new_tokens < 1 or cfg.eval.batch_size < 1:
@@ -531,3 +542,8 @@ def schedule_problems(t: TrainConfig, total: int) -> list[str]:
         return []
     return [f"train.warmup_steps: {t.warmup_steps} warm-up and {decay_steps(t, total)} decay steps "
             f"(train.decay_ratio={t.decay_ratio:g}) do not fit a run of {total} steps (warm up for fewer steps)"]
+
+
+def is_template_path(value: str) -> bool:
+    """Whether data.chat_template names a .jinja file (else it is the template's text)."""
+    return value.strip().endswith(".jinja") and "{" not in value

@@ -35,7 +35,7 @@ def main(args) -> int:
     from ddptune import model as model_lib  # (torch and transformers: only once the checks above hold)
 
     started = time.perf_counter()
-    tokenizer = model_lib.load_tokenizer(cfg.model)
+    tokenizer = model_lib.load_tokenizer(cfg.model, cfg.data)
     loaded = time.perf_counter()
     if problems := checks.template_problems(cfg, tokenizer):
         raise ConfigError(problems)

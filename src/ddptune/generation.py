@@ -66,7 +66,7 @@ def prompt_ids(rows: list[dict], tokenizer, d: config_lib.DataConfig) -> list[li
             except chat.TemplateProblem as e:
                 raise ConfigError([f"row {r['id']}: {e}"]) from None
             continue
-        pieces = pieces or data.prompt_pieces(tokenizer, d.instruction)
+        pieces = pieces or data.prompt_pieces(tokenizer, d.instruction, d.system_prompt)
         ex = data.tokenize_example(tokenizer, pieces, r["dialogue"], r["summary"], d.max_length)
         out.append(ex["input_ids"][: ex["prompt_len"]])
     return out
@@ -80,7 +80,7 @@ def reference(row: dict) -> str:
 def stop_ids(tokenizer, d: config_lib.DataConfig) -> list[int]:
     """End-of-sequence ids: the tokenizer's eos and the chat template's end-of-turn token."""
     ids = {tokenizer.eos_token_id}
-    end = data.prompt_pieces(tokenizer, d.instruction)[2]
+    end = data.prompt_pieces(tokenizer, d.instruction, d.system_prompt)[2]
     end_ids = tokenizer(end.strip(), add_special_tokens=False)["input_ids"] if end.strip() else []
     if len(end_ids) == 1:
         ids.add(end_ids[0])

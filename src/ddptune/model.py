@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
-from ddptune import sources
+from ddptune import chat, sources
 from ddptune.attention import register_attention
 from ddptune.checkpoint import atomic_dir
-from ddptune.config import LoraConfig, ModelConfig
+from ddptune.config import DataConfig, LoraConfig, ModelConfig
 from ddptune.rundir import trained_weights_dir  # noqa: F401 - model.trained_weights_dir, for its callers
 from ddptune.sources import PRESETS, cache_root, resolve_source  # noqa: F401 - model.resolve_source, for its callers
 
@@ -75,7 +75,8 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def load_tokenizer(m: ModelConfig):
+def load_tokenizer(m: ModelConfig, d: DataConfig | None = None):
+    """The model's tokenizer, padding on the right; with `d`, its chat template as the data says (chat.use_template)."""
     src = resolve_source(m)
     if m.tokenizer:
         tok = AutoTokenizer.from_pretrained(m.tokenizer, trust_remote_code=m.trust_remote_code)
@@ -96,6 +97,8 @@ def load_tokenizer(m: ModelConfig):
         # real spaces before punctuation) and says so once per process at the first decode when the
         # tokenizer's config asks for it (Llama 3's does): what decode does is unchanged by this.
         tok.clean_up_tokenization_spaces = False
+    if d is not None:
+        chat.use_template(tok, d)
     return tok
 
 

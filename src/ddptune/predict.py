@@ -94,7 +94,7 @@ def predict(cfg, run_dir: Path, rows: list[dict], asked: list[dict], out: Path |
         # rank 0 checks the model once; every process then fails with the same line (no traceback per rank)
         if problems := dist.on_main(accelerator, lambda: checks.model_problems(cfg)):
             raise ConfigError(problems)
-    tokenizer = model_lib.load_tokenizer(cfg.model)
+    tokenizer = model_lib.load_tokenizer(cfg.model, cfg.data)
     with accelerator.main_process_first():
         net = model_lib.load_trained(run_dir, cfg.model, t.method, accelerator.device, t.precision, t.seed)
     # no reference: a dialogue is cut (if too long) as for an empty summary, a conversation's earliest turns

@@ -106,7 +106,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
         (out / "config.yaml").write_text(config_lib.dump(cfg))
     t0 = time.perf_counter()
     with checks.loading(cfg.model, "tokenizer"):  # a hub that cannot be reached: one line, not a traceback
-        tokenizer = model_lib.load_tokenizer(cfg.model)
+        tokenizer = model_lib.load_tokenizer(cfg.model, cfg.data)
     # the first process of each machine finds the tokenized data (validation made it) or makes it, checking
     # every row (a refusal stops every process); every process then maps it and holds its index
     prepared = dist.on_node(acc, lambda: tokenized.prepare(cfg.data, tokenizer, progress=sys.stderr.isatty()))
