@@ -2,7 +2,7 @@
 
     ddptune train CONFIG.yaml [key=value ...] [--nproc N] [--resume]
     ddptune eval RUN_DIR|CONFIG.yaml [key=value ...] [--nproc N] [--base]
-    ddptune data CONFIG.yaml [key=value ...] [--show N]
+    ddptune data CONFIG.yaml [key=value ...] [--show N] [--nproc N]
     ddptune compare RUN_DIR ... [--json PATH]
     ddptune scale CONFIG.yaml --nproc 1,2,4 [--mode same-per-device|same-global|both]
     ddptune plan CONFIG.yaml [key=value ...] [--gpus N] [--gpu-memory GiB] [--json PATH]
@@ -133,6 +133,8 @@ def _parser(with_reference: bool = False) -> argparse.ArgumentParser:
     dt.add_argument("config")
     dt.add_argument("overrides", nargs="*")
     dt.add_argument("--show", type=int, default=2, metavar="N", help="examples of each source to print, trained tokens marked")
+    dt.add_argument("--nproc", type=int, default=1, metavar="N", help="the process count the run will have (its global "
+                    "batch, and so the samples it draws from each source; default 1); starts nothing")
     sub.add_parser("env", help="devices, interconnect and versions for a bug report", add_help=False)
     return p
 

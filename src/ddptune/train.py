@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import signal
 import sys
 import time
@@ -115,7 +114,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
                                                            f"loading {cfg.model.source} ..."]))
     if problems := checks.rows_problems(len(train_set), plan):  # hub data, or rows dropped as too long
         raise ConfigError(problems)
-    total = cfg.train.max_steps or max(1, math.floor(cfg.train.epochs * len(train_set) / plan.global_batch))
+    total = batchplan.total_steps(cfg.train, len(train_set), plan.global_batch)
     if problems := checks.profile_problems(cfg.train, total) + config_lib.schedule_problems(cfg.train, total):
         raise ConfigError(problems)
     t1 = time.perf_counter()
