@@ -193,7 +193,7 @@ REWRITES = ("{% for m in messages %}{% if m['role'] == 'assistant' and not loop.
 def test_a_template_that_cannot_mask_is_refused(template, said):
     tok = with_template(template)
     problem = chat.template_problem(tok, "assistant")
-    assert problem is not None and said in problem and "model.tokenizer" in problem
+    assert problem is not None and said in problem and "data.chat_template" in problem
     assert problem.startswith("the chat template of ")
     if template == REWRITES:  # only earlier replies are rewritten: the last one alone can be masked
         assert chat.template_problem(tok, "last_assistant") is None

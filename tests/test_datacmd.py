@@ -4,14 +4,17 @@ from __future__ import annotations
 import json
 
 from conftest import ROOT
-from ddptune import chat, cli, data, model as model_lib
+from ddptune import batches, chat, cli, data, model as model_lib
 from ddptune.config import DataConfig
 
 TINY = ROOT / "configs" / "tiny.yaml"
 
 
 def table(out: str) -> list[dict]:
-    lines = [line for line in out.splitlines() if line.startswith("| ")]
+    """The rows of the first markdown table in `out`."""
+    rest = out.splitlines()
+    rest = rest[next(i for i, line in enumerate(rest) if line.startswith("| ")):]
+    lines = rest[:next((i for i, line in enumerate(rest) if not line.startswith("| ")), len(rest))]
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     return [dict(zip(head, (c.strip() for c in line.strip("|").split("|")))) for line in lines[2:]]
 
@@ -39,10 +42,30 @@ def test_figures_and_marked_examples(tmp_path, capsys):
         "mean tokens": f"{sum(len(e['input_ids']) for e in kept) / 7:.4g}", "longest (row)": ""}
     assert chat_row["longest (row)"] == "384 (3)" and examples[3]["cut"] and examples[5] is None
     assert demo_row["format"] == "dialogue" and demo_row["rows"] == "4"
-    # weights 3 : 1 over 7 + 4 rows: 8.25 and 2.75 of 11, rounded by the largest remainders
-    assert "mixture: each epoch of 11 samples draws 8 from chat (72.7%, weight 3, 1.14 passes over its 7 rows), " \
-           "3 from sum (27.3%, weight 1, 0.75 passes over its 4 rows)" in out
+    # weights 3 : 1 over 7 + 4 examples: 8.25 and 2.75 of 11 an epoch, rounded by the largest remainders; the run's
+    # 30 steps of 4 draw 120 samples: 10 whole epochs (80 and 30) and 10 of the 11th, as batches.Stream draws them
+    draws = table(out[out.index("samples drawn (train.max_steps=30, 4 a step over 1 process(es)"):])
+    stream = batches.Stream(list(range(11)), [1.0] * 11, [1] * 11, 4, 1, 0, True, 4, 8192, 384, mix=((7, 8), (4, 3)))
+    from_chat = sum(i < 7 for step in range(30) for i in stream.samples(step))
+    assert 80 <= from_chat <= 88 and draws == [
+        {"source": "chat", "examples": "7", "weight": "3", "share": "72.7%", "samples an epoch": "8",
+         "passes an epoch": "1.14", "samples in the run": str(from_chat), "passes in the run": f"{from_chat / 7:.4g}"},
+        {"source": "sum", "examples": "4", "weight": "1", "share": "27.3%", "samples an epoch": "3",
+         "passes an epoch": "0.75", "samples in the run": str(120 - from_chat), "passes in the run": f"{(120 - from_chat) / 4:.4g}"}]
     first = chat.render(tok, rows[0]["messages"][:1], True)
     assert f"{first}[[Answer 0.<|eos|>]]\n" in out  # the first example: its reply and end-of-sequence token trained
     assert "[[Nia and Marco are planning a surprise party" in out  # the demo's first summary
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written, no output_dir made
+
+
+def test_one_source_draws_its_examples_each_epoch_and_the_run_its_steps_of_the_global_batch(capsys):
+    """Without max_steps: train.epochs passes over the examples, in whole global batches of --nproc processes."""
+    args = ["data", str(TINY), "train.max_steps=null", "train.epochs=1.5", "data.val=null", "--show", "0", "--nproc", "2"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "samples drawn (train.epochs=1.5, 8 a step over 2 process(es)" in out  # 4 a process x 2
+    assert table(out[out.index("samples drawn"):]) == [  # floor(1.5 x 400 / 8) = 75 steps of 8
+        {"source": "demo", "examples": "400", "weight": "1", "share": "100.0%", "samples an epoch": "400",
+         "passes an epoch": "1", "samples in the run": "600", "passes in the run": "1.5"}]
+    assert cli.main([*args, "train.grad_accum=null", "train.effective_batch_size=6", "--nproc", "4"]) == 2
+    assert "train.effective_batch_size: 6 is not a multiple of the process count 4" in capsys.readouterr().err

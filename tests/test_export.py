@@ -248,3 +248,63 @@ def test_a_damaged_adapter_is_refused_before_anything_is_written(lora_run, tmp_p
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"ddptune: invalid config: export: {damaged} "), err
         assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+SAVED = ["lora.modules_to_save=[lm_head, embed_tokens]", "train.max_steps=3", "train.micro_batch_size=2", "lora.dropout=0.0",
+         "data.val=null"]
+
+
+def test_modules_to_save_are_trained_whole_under_ddp_and_fsdp_saved_and_merged(tmp_path):
+    """lora.modules_to_save (peft's): the head and the embeddings are trained whole beside the adapters, taking
+    one process's steps under DDP and FSDP over two processes; the adapter holds them, and the merged export
+    gives the adapter's logits."""
+    import multiproc
+    from safetensors.torch import load_file
+    from test_train import losses, train_all
+
+    one, ddp, fsdp = tmp_path / "one", tmp_path / "ddp", tmp_path / "fsdp"
+    multiproc.run(train_all, 1, [[f"output_dir={one}", "train.grad_accum=2", *SAVED]])
+    multiproc.run(train_all, 2, [[f"output_dir={ddp}", "train.grad_accum=1", *SAVED],
+                                 [f"output_dir={fsdp}", "train.grad_accum=1", "train.strategy=fsdp", *SAVED]])
+    assert len(losses(one)) == 3 and losses(ddp) == pytest.approx(losses(one), abs=1e-5)
+    assert losses(fsdp) == pytest.approx(losses(one), abs=1e-5)
+    base = model_lib.build_preset("tiny", 0, torch.float32, CPU)
+    for run in (one, ddp, fsdp):
+        saved = load_file(run / "adapter" / "adapter_model.safetensors")
+        assert json.loads((run / "adapter" / "adapter_config.json").read_text())["modules_to_save"] == ["lm_head", "embed_tokens"]
+        for key, weight in (("lm_head", base.lm_head.weight), ("model.embed_tokens", base.model.embed_tokens.weight)):
+            trained_whole = saved[f"base_model.model.{key}.weight"]
+            assert trained_whole.shape == weight.shape and (trained_whole - weight).abs().max() > 1e-3, (run.name, key)
+            assert torch.allclose(trained_whole, load_file(one / "adapter" / "adapter_model.safetensors")[f"base_model.model.{key}.weight"],
+                                  atol=1e-5), (run.name, key)
+    adapted = trained(fsdp)
+    export(fsdp, tmp_path / "merged", "--merge")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    want = logits(adapted, IDS)
+    assert torch.allclose(logits(merged, IDS), want, atol=1e-5)
+    assert torch.equal(merged.lm_head.weight, load_file(fsdp / "adapter" / "adapter_model.safetensors")["base_model.model.lm_head.weight"])
+
+
+def test_a_tied_head_and_embedding_trained_whole_stay_one_matrix_through_save_and_merge(tmp_path):
+    """SmolLM2 ties its head to its embeddings: lora.modules_to_save=[lm_head] trains that one matrix (peft's
+    ensure_weight_tying), and the merged model, saved and loaded again, still holds the trained one in both places."""
+    from ddptune.config import LoraConfig
+
+    arch = model_lib.preset_config("tiny", "sdpa")
+    arch.tie_word_embeddings = True
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(arch)
+    base.save_pretrained(tmp_path / "base")
+    net = model_lib.add_adapters(base, "lora", LoraConfig(r=4, modules_to_save=["lm_head"]), False)
+    trained_whole = [p for n, p in net.named_parameters() if p.requires_grad and "lora_" not in n]
+    assert len(trained_whole) == 1 and trained_whole[0].shape == (arch.vocab_size, arch.hidden_size)
+    with torch.no_grad():
+        trained_whole[0].add_(0.5)
+    want = logits(net, IDS)
+    model_lib.save_trained(net, tmp_path / "adapter")
+    again = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
+    assert torch.allclose(logits(again, IDS), want, atol=1e-5)
+    again.merge_and_unload().save_pretrained(tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert torch.allclose(logits(merged, IDS), want, atol=1e-5)
+    assert torch.equal(merged.lm_head.weight, merged.model.embed_tokens.weight)

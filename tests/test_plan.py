@@ -272,3 +272,18 @@ def test_a_gpu_smaller_than_the_cuda_context_is_blamed_on_the_context(gib, capsy
     assert just_above["verdict"] == "ddp"
     assert cli.main(["plan", str(ROOT / "configs" / "tiny.yaml"), "--gpu-memory", str(gib)]) == 0
     assert "the CUDA context alone takes" in capsys.readouterr().out
+
+
+def test_modules_trained_whole_count_in_the_plan_once_per_matrix():
+    """lora.modules_to_save: each matrix trained whole adds its weights, gradients and AdamW states; a tied head and
+    embedding are one matrix."""
+    cfg = config.load(CONFIG_8B)
+    shape = memory.model_shape(cfg)
+    saved = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, modules_to_save=["lm_head", "embed_tokens"]))
+    plain, both = memory.plan(cfg, shape, gpus=1), memory.plan(saved, shape, gpus=1)
+    matrix = shape.vocab * shape.hidden
+    assert both["trained_params"] - plain["trained_params"] == 2 * matrix  # Llama 3.1: head and embeddings apart
+    extra = sum(both["options"][0][k] - plain["options"][0][k] for k in ("adapters", "gradients", "optimizer")) * memory.GIB
+    assert extra == pytest.approx(2 * matrix * 16)  # fp32 weights, gradients and two AdamW states
+    tied = dataclasses.replace(shape, tied=True)
+    assert tied.saved_params(["lm_head", "embed_tokens"]) == tied.saved_params(["lm_head"]) == matrix

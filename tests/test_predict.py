@@ -67,6 +67,11 @@ def test_bad_input_is_refused_with_one_line(run, tmp_path, monkeypatch, capsys):
         (["--input", str(tmp_path / "missing.jsonl")], "--input:", "not found"),
         (["-"], "--input:", "line 2 of stdin has no text field 'dialogue'"),
         ([str(good), "--nproc", "0"], "--nproc:", "at least 1"),
+        ([str(good), "--top-p", "0.9"], "--top-p:", "--temperature"),
+        ([str(good), "--temperature", "0.7", "--top-p", "1.5"], "--top-p:", "(0, 1]"),
+        ([str(good), "--temperature", "-1"], "--temperature:", "0 (greedy)"),
+        ([str(good), "--temperature", "0.7", "--top-k", "0"], "--top-k:", "at least 1"),
+        ([str(good), "--max-new-tokens", "0"], "--max-new-tokens:", "at least 1"),
     ]
     for args, field, message in cases:
         monkeypatch.setattr("sys.stdin", io.StringIO('{"dialogue": "A: hi"}\n{"text": "B: hi"}\n'))
@@ -156,3 +161,36 @@ def test_conversations_are_prompted_up_to_their_last_user_turn_and_eval_scores_t
     assert cli.main(["predict", str(run), "-"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--input: line 1 of stdin (messages): starts with an assistant turn" in err
+
+
+def test_greedy_is_what_generate_gave_and_sampling_repeats_with_its_seed_for_any_process_count(run, tmp_path):
+    """The default, and --temperature 0, are greedy: the texts transformers' generate gives with the keyword
+    arguments predict passed before it took a GenerationConfig. --temperature samples through transformers: the
+    same seed gives the same texts, from one process or two, another seed others; --max-new-tokens bounds them."""
+    import torch
+
+    from ddptune import config, generation, model as model_lib
+
+    source = tmp_path / "in.jsonl"
+    source.write_text(jsonl(demo_rows(0, 5)))
+    outputs = {}
+    for name, flags in (("default", []), ("zero", ["--temperature", "0"]), ("seed 3", ["--temperature", "1.5", "--seed", "3"]),
+                        ("seed 3 again", ["--temperature", "1.5", "--seed", "3"]), ("seed 4", ["--temperature", "1.5", "--seed", "4"]),
+                        ("top", ["--temperature", "1.5", "--top-k", "1"]), ("short", ["--max-new-tokens", "3"])):
+        assert predict_to(run, source, tmp_path / f"{name}.jsonl", flags) == 0
+        outputs[name] = [json.loads(line)["prediction"] for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+    cfg = config.load(run / "config.yaml", GEN)
+    tok = model_lib.load_tokenizer(cfg.model, cfg.data)
+    net = model_lib.load_trained(run, cfg.model, cfg.train.method, torch.device("cpu"), cfg.train.precision, cfg.train.seed)
+    eos, before = generation.stop_ids(tok, cfg.data), []
+    for row in data.load_split(str(source), None, cfg.data):
+        ids = torch.tensor([generation.prompt_ids([row], tok, cfg.data)[0]])
+        out = net.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, num_beams=1,
+                           use_cache=True, eos_token_id=eos, pad_token_id=tok.pad_token_id)
+        before.append(tok.decode(out[0][ids.shape[1]:], skip_special_tokens=True).strip())
+    assert outputs["default"] == outputs["zero"] == before == outputs["top"]  # top-k 1 samples the greedy token
+    assert outputs["seed 3"] == outputs["seed 3 again"] != outputs["seed 4"] and outputs["seed 3"] != before
+    assert multiproc.run(predict_to, 2, run, source, tmp_path / "two.jsonl", ["--temperature", "1.5", "--seed", "3"]) == [0, 0]
+    assert [json.loads(line)["prediction"] for line in (tmp_path / "two.jsonl").read_text().splitlines()] == outputs["seed 3"]
+    assert all(len(tok(p, add_special_tokens=False)["input_ids"]) <= 3 for p in outputs["short"])
+    assert [p[:1] for p in outputs["short"]] == [p[:1] for p in before]

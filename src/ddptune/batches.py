@@ -69,6 +69,14 @@ def mixed_step_samples(mix: tuple[tuple[int, int], ...], global_batch: int, step
     return out
 
 
+def mixture_draws(mix: tuple[tuple[int, int], ...], samples: int, seed: int) -> list[int]:
+    """How many of the first `samples` samples of mixed_step_samples' stream each source of `mix` gives: its
+    draws in each whole epoch of the mixture, and its share of the epoch begun last, as it is interleaved."""
+    epochs, rest = divmod(samples, sum(n for _, n in mix))
+    labels = _interleaving(tuple(n for _, n in mix), seed, epochs)[0][:rest]
+    return [epochs * n + int((labels == j).sum()) for j, (_, n) in enumerate(mix)]
+
+
 _MIXES: dict = {}
 
 

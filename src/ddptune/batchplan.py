@@ -6,6 +6,7 @@ tokens_per_forward tokens. Derived and checked once, for any process count.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ddptune.config import ConfigError, TrainConfig
@@ -64,3 +65,8 @@ def batch_notes(t: TrainConfig) -> list[str]:
                 f"(micro_batch_size x grad_accum = {t.micro_batch_size * t.grad_accum}); each process packs them "
                 f"into forwards of at most train.tokens_per_forward={t.tokens_per_forward} tokens"]
     return []
+
+
+def total_steps(t: TrainConfig, examples: int, global_batch: int) -> int:
+    """A run's optimizer steps: train.max_steps, else train.epochs passes over its `examples` training examples."""
+    return t.max_steps or max(1, math.floor(t.epochs * examples / global_batch))

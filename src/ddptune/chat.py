@@ -10,11 +10,15 @@ not render as the beginning of the whole. Each piece is tokenized on its own. A 
 than data.max_length keeps its system turn and final assistant turn whole and is cut inside its user
 turns, the longest before the last first, each losing its latest tokens (its beginning, where an
 instruction stands, stays); where that is not enough, or the turns' text cannot be found in the
-rendering, it loses its earliest tokens instead (`tokenize`).
+rendering, it loses its earliest tokens instead (`tokenize`). data.chat_template replaces the tokenizer's
+template, and data.template=none renders a prompt and its completion as plain text (`use_template`).
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from ddptune import tokens
+from ddptune.config import ConfigError, is_template_path
 from ddptune.tokens import IGNORE, last_ids
 
 # For tokenizers without a chat template (the presets' byte tokenizer): turns under a header each,
@@ -22,12 +26,33 @@ from ddptune.tokens import IGNORE, last_ids
 PLAIN_CHAT = ("{{ bos_token }}{% for m in messages %}{% if not loop.first %}{{ '\\n\\n' }}{% endif %}"
               "{{ '### ' + m['role'] | capitalize + ':\\n' + m['content'] }}{% if m['role'] == 'assistant' %}"
               "{{ eos_token }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '\\n\\n### Assistant:\\n' }}{% endif %}")
+# data.template=none: a prompt and its completion as plain text, the completion ended by the eos token (and the
+# whole begun by the bos token where the tokenizer adds one: use_template); nothing for add_generation_prompt.
+PLAIN_TEXT = ("{% if messages | length > 2 or messages[0]['role'] != 'user' %}{{ raise_exception('data.template=none "
+              "takes prompt_completion rows only: a prompt and its completion') }}{% endif %}"
+              "{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}")
 PROBE = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi."},
          {"role": "user", "content": "Bye?"}, {"role": "assistant", "content": "Bye."}]
 
 
 class TemplateProblem(ValueError):
     """A conversation the chat template cannot give a loss mask for; the message says why and the fix."""
+
+
+def use_template(tokenizer, d) -> None:
+    """Make data.chat_template (its text, or its .jinja file's) the tokenizer's chat template, or for
+    data.template=none the plain text one (PLAIN_TEXT); with neither, the tokenizer keeps its own."""
+    if d.template == "none":
+        starts = tokenizer("a", add_special_tokens=True)["input_ids"][:1] == [tokenizer.bos_token_id]
+        tokenizer.chat_template = ("{{ bos_token }}" if starts and tokenizer.bos_token_id is not None else "") + PLAIN_TEXT
+    elif d.chat_template is not None and is_template_path(d.chat_template):
+        try:
+            tokenizer.chat_template = Path(d.chat_template).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError([f"data.chat_template: cannot read {d.chat_template} ({type(e).__name__}) "
+                               "(give a readable UTF-8 .jinja file)"]) from None
+    elif d.chat_template is not None:
+        tokenizer.chat_template = d.chat_template
 
 
 def name_of(tokenizer) -> str:
@@ -47,7 +72,7 @@ def render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
                                              add_generation_prompt=generation_prompt)
     except TemplateError as e:  # the template's own raise_exception (roles that must alternate...)
         raise TemplateProblem(f"{name_of(tokenizer)} refuses it ({' '.join(str(e).split())[:160]}; "
-                              "change the row, or the template through model.tokenizer)") from None
+                              "change the row, or the template through data.chat_template)") from None
 
 
 def pieces(tokenizer, messages: list[dict], loss_on: str = "assistant") -> list[tuple[str, bool]]:
@@ -64,32 +89,33 @@ def pieces(tokenizer, messages: list[dict], loss_on: str = "assistant") -> list[
         start = len(head := render(tokenizer, turns[:i], True))
         if start == 0:
             raise TemplateProblem(f"{name_of(tokenizer)} renders nothing before the first assistant turn, so the loss "
-                                  "mask would cover every token (use a template that writes the user's turns, through model.tokenizer)")
+                                  "mask would cover every token (use a template that writes the user's turns, through data.chat_template)")
         end = len(whole) if i == last else len(through := render(tokenizer, turns[:i + 1], False))
         if not (whole.startswith(head) and start >= pos and (i == last or whole.startswith(through))):
-            fix = "use another template through model.tokenizer" if loss_on == "last_assistant" else \
-                "set data.loss_on=last_assistant, or use another template through model.tokenizer"
+            fix = "use another template through data.chat_template" if loss_on == "last_assistant" else \
+                "set data.loss_on=last_assistant, or use another template through data.chat_template"
             raise TemplateProblem(f"{name_of(tokenizer)} renders the turns before turn {i} as text that does not "
                                   f"begin the whole conversation (it rewrites earlier turns), so the assistant spans "
                                   f"cannot be found ({fix})")
         if end <= start:
             raise TemplateProblem(f"{name_of(tokenizer)} renders assistant turn {i} as nothing, so the loss mask "
-                                  "would be empty (use a template that writes the assistant's text, through model.tokenizer)")
+                                  "would be empty (use a template that writes the assistant's text, through data.chat_template)")
         out += [(whole[pos:start], False), (whole[start:end], True)]
         pos = end
     return out
 
 
-def template_problem(tokenizer, loss_on: str) -> str | None:
+def template_problem(tokenizer, loss_on: str, plain: bool = False) -> str | None:
     """What keeps the template from masking any conversation (a two-exchange probe), or None: a
     generation prompt that adds nothing (the assistant's header would be trained, and prompts for
-    generation would lack it), or anything `pieces` refuses."""
+    generation would lack it), or anything `pieces` refuses. `plain` (data.template=none): one
+    exchange, which has no header."""
     probe = PROBE[:1]
     try:
-        if render(tokenizer, probe, True) == render(tokenizer, probe, False):
+        if not plain and render(tokenizer, probe, True) == render(tokenizer, probe, False):
             return (f"{name_of(tokenizer)} adds nothing for add_generation_prompt, so the assistant's header would "
-                    "be trained and prompts would lack it (use a template with a generation prompt, through model.tokenizer)")
-        pieces(tokenizer, PROBE, loss_on)
+                    "be trained and prompts would lack it (use a template with a generation prompt, through data.chat_template)")
+        pieces(tokenizer, PROBE[:2] if plain else PROBE, loss_on)
     except TemplateProblem as e:
         return str(e)
     return None

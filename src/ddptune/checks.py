@@ -151,29 +151,34 @@ def memory_problems(cfg: Config, world_size: int, gpu_gib: float) -> list[str]:
 
 
 def model_problems(cfg: Config) -> list[str]:
-    """The model source can be used, and every lora.target_modules name matches one of its layers
-    (read from its config on the meta device: no weights are loaded). Hub models are not fetched here."""
+    """The model source can be used, and every lora.target_modules and lora.modules_to_save name matches one of
+    its layers (read from its config on the meta device: no weights are loaded). Hub models are not fetched here."""
     if problems := sources.source_problems(cfg.model):
         return problems
-    src = sources.resolve_source(cfg.model)
-    names = None if cfg.train.method == "full" or cfg.lora.target_modules == ["all-linear"] else layer_names(src, cfg)
-    if isinstance(names, str):
-        return [names]
-    if names is None:
-        return []
+    src, lo = sources.resolve_source(cfg.model), cfg.lora
+    listed = [("target_modules", n) for n in lo.target_modules if lo.target_modules != ["all-linear"]]
+    listed += [("modules_to_save", n) for n in lo.modules_to_save]
+    layers = None if cfg.train.method == "full" or not listed else layer_names(src, cfg)
+    if isinstance(layers, str):
+        return [layers]
     problems = []
-    for target in cfg.lora.target_modules:
-        if not any(n == target or n.endswith("." + target) for n in names):
+    for key, target in listed if layers is not None else []:
+        found = [kind for n, kind in layers.items() if n == target or n.endswith("." + target)]
+        if not found:
             hint = " (all-linear works only alone: [all-linear])" if target == "all-linear" else ""
-            leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
-            problems.append(f"lora.target_modules: {target!r} matches no layer of {cfg.model.source}{hint} "
+            leaves = sorted({n.rsplit(".", 1)[-1] for n in layers})
+            problems.append(f"lora.{key}: {target!r} matches no layer of {cfg.model.source}{hint} "
                             f"(its layers: {', '.join(leaves)})")
+        elif key == "modules_to_save" and cfg.train.method == "qlora" and "linear" in found:
+            problems.append(f"lora.modules_to_save: {target!r} is a 4-bit layer under qlora, which cannot be trained whole "
+                            "(save the embeddings or output head only, e.g. [lm_head], or adapt it through lora.target_modules)")
     return problems
 
 
-def layer_names(src, cfg: Config) -> list[str] | str | None:
-    """Names of the layers LoRA can adapt (linear, embedding), from the model's config alone; a
-    problem line when that config cannot be read; None for hub models (not fetched to validate)."""
+def layer_names(src, cfg: Config) -> dict[str, str] | str | None:
+    """The layers LoRA can adapt or train whole, by name: "linear", "embedding" or "head" (the output head, which
+    QLoRA leaves unquantized), from the model's config alone; a problem line when that config cannot be read;
+    None for hub models (not fetched to validate)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -191,8 +196,9 @@ def layer_names(src, cfg: Config) -> list[str] | str | None:
     except Exception as e:  # noqa: BLE001 - a broken config.json or GGUF header, an unknown architecture
         reason = " ".join(str(e).split())[:200]
         return f"model.source: the model's config cannot be read ({type(e).__name__}: {reason})"
-    kinds = (torch.nn.Linear, torch.nn.Embedding)
-    return [n for n, m in net.named_modules() if isinstance(m, kinds)]
+    head = net.get_output_embeddings()
+    return {n: "head" if m is head else "linear" if isinstance(m, torch.nn.Linear) else "embedding"
+            for n, m in net.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))}
 
 
 def data_file_problems(d: config_lib.DataConfig) -> list[str]:
@@ -205,6 +211,8 @@ def data_file_problems(d: config_lib.DataConfig) -> list[str]:
         if source and source != "demo" and not source.startswith("hub:") and os.path.lexists(source) \
                 and not path.is_file() and not (path.is_dir() and rows_lib.kind(source) == "arrow"):
             problems.append(f"{field}: {source} {config_lib.not_a_file(path)} (give {rows_lib.FORMS})")
+    if (t := d.chat_template) is not None and config_lib.is_template_path(t) and not Path(t).is_file():
+        problems.append(f"data.chat_template: {t} {config_lib.not_a_file(Path(t))} (give the path of a .jinja file, or the template)")
     return problems
 
 
@@ -224,18 +232,29 @@ def local_tokenizer(cfg: Config):
     from ddptune import model as model_lib  # (the model's code: only once the light checks have passed)
 
     with loading(m, "tokenizer"):
-        return model_lib.load_tokenizer(m)
+        return model_lib.load_tokenizer(m, cfg.data)
 
 
 def template_problems(cfg: Config, tokenizer) -> list[str]:
     """Chat data: the tokenizer's chat template can give conversations a loss mask (chat.template_problem's
-    probe; every conversation's own mask is checked as it is tokenized)."""
-    if not data_lib.chat_sources(cfg.data):
-        return []
+    probe; every conversation's own mask is checked as it is tokenized); data.template=none takes
+    prompt_completion sources only; data.chat_template renders."""
     from ddptune import chat
 
-    problem = chat.template_problem(tokenizer, cfg.data.loss_on)
-    return [f"model.tokenizer: {problem}"] if problem else []
+    d = cfg.data
+    found = data_lib.local_formats(d)
+    if d.template == "none" and (other := next(((s, f) for s, f in found if f != "prompt_completion"), None)):
+        return [f"{other[0].field}: {other[0].source} holds {other[1]} rows, and data.template=none takes prompt_completion "
+                "rows only (a prompt and a completion: use data.template=chat for the others)"]
+    try:
+        if d.chat_template is not None:
+            chat.render(tokenizer, chat.PROBE[:1], True)
+        problem = chat.template_problem(tokenizer, d.loss_on, plain=d.template == "none") \
+            if any(f != "dialogue" for _, f in found) else None
+    except chat.TemplateProblem as e:
+        problem = str(e)
+    field = "data.template" if d.template == "none" else "data.chat_template" if d.chat_template is not None else "model.tokenizer"
+    return [f"{field}: {problem}"] if problem else []
 
 
 def resume_mode(cfg: Config, resume: str | None, overwrite: bool) -> tuple[bool, bool]:

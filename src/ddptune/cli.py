@@ -2,12 +2,13 @@
 
     ddptune train CONFIG.yaml [key=value ...] [--nproc N] [--resume]
     ddptune eval RUN_DIR|CONFIG.yaml [key=value ...] [--nproc N] [--base]
-    ddptune data CONFIG.yaml [key=value ...] [--show N]
+    ddptune data CONFIG.yaml [key=value ...] [--show N] [--nproc N]
     ddptune compare RUN_DIR ... [--json PATH]
     ddptune scale CONFIG.yaml --nproc 1,2,4 [--mode same-per-device|same-global|both]
     ddptune plan CONFIG.yaml [key=value ...] [--gpus N] [--gpu-memory GiB] [--json PATH]
     ddptune export RUN_DIR OUT [--merge] [--dtype auto|bf16|fp32] [--format gguf [--outtype T] [--quantize K] [--ollama NAME]]
-    ddptune predict RUN_DIR [FILE.jsonl|-] [key=value ...] [--out FILE] [--nproc N]
+    ddptune predict RUN_DIR [FILE.jsonl|-] [key=value ...] [--out FILE] [--nproc N] [--max-new-tokens N]
+                    [--temperature T [--top-p P] [--top-k K] [--seed S]]
     ddptune env
 
 With --nproc the command re-runs itself in N processes through torchrun (a free port on this
@@ -121,10 +122,22 @@ def _parser(with_reference: bool = False) -> argparse.ArgumentParser:
     r.add_argument("--input", default=None, help="the .jsonl file, or - for stdin (default: stdin when it is piped)")
     r.add_argument("--out", default=None, help="write the JSON lines to this new file (default: stdout)")
     r.add_argument("--nproc", type=int, default=None, help="share the dialogues out over N processes")
+    r.add_argument("--max-new-tokens", type=int, default=None, metavar="N", help="tokens generated per row at most "
+                   "(default: the run's eval.max_new_tokens)")
+    r.add_argument("--temperature", type=float, default=0.0, help="0: greedy, as eval (the default); above 0: sample "
+                   "at this temperature")
+    r.add_argument("--top-p", type=float, default=None, metavar="P", help="with --temperature: sample from the likeliest "
+                   "tokens whose probabilities add up to P (default: the model's generation config)")
+    r.add_argument("--top-k", type=int, default=None, metavar="K", help="with --temperature: sample from the K likeliest "
+                   "tokens (default: the model's generation config, else 50)")
+    r.add_argument("--seed", type=int, default=0, help="with --temperature: the seed of the sampling (the same texts "
+                   "for any --nproc)")
     dt = sub.add_parser("data", help="check and tokenize the data as a run would, and show what is trained")
     dt.add_argument("config")
     dt.add_argument("overrides", nargs="*")
     dt.add_argument("--show", type=int, default=2, metavar="N", help="examples of each source to print, trained tokens marked")
+    dt.add_argument("--nproc", type=int, default=1, metavar="N", help="the process count the run will have (its global "
+                    "batch, and so the samples it draws from each source; default 1); starts nothing")
     sub.add_parser("env", help="devices, interconnect and versions for a bug report", add_help=False)
     return p
 

@@ -31,6 +31,7 @@ class ConfigError(ValueError):
         return ConfigError, (self.problems,)
 
 
+FLOORED = ("cosine_with_min_lr", "warmup_stable_decay")  # train.lr_schedule values that take train.min_lr_ratio
 AttnImplementation = Literal["varlen", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"]
 # attention kernels that take packed samples' boundaries (cu_seq_lens) instead of a mask
 PACKED_ATTENTION = ("varlen", "flash_attention_2", "flash_attention_3")
@@ -69,6 +70,8 @@ class LoraConfig:
     """DoRA (peft): train each adapted weight's magnitude apart from its direction; more compute a step."""
     use_rslora: bool = False
     """rsLoRA (peft): scale the update by alpha / sqrt(r) instead of alpha / r; steadier at high ranks."""
+    modules_to_save: list[str] = field(default_factory=list)
+    """Whole modules trained beside the adapters and saved with them (peft's), e.g. [lm_head] or [embed_tokens]."""
 
 
 @dataclass
@@ -105,6 +108,12 @@ class DataConfig:
     """Column holding the reference summary (the loss targets; dialogue format)."""
     instruction: str = "Summarize the following dialogue."
     """Put before the dialogue in the prompt (dialogue format)."""
+    system_prompt: Optional[str] = None
+    """The system turn of every row that has none (in place of the template's default one); null: none added."""
+    chat_template: Optional[str] = None
+    """A Jinja chat template, or a .jinja file's path, set as the tokenizer's (the run, predict and export use it); null: its own."""
+    template: Literal["chat", "none"] = "chat"
+    """chat: rows through the chat template; none: prompt_completion rows as plain text, prompt + completion + eos."""
     max_length: int = 512
     """Tokens per example. dialogue: a longer dialogue is cut at its end so the summary survives; chat formats: the
     earliest context is cut, the final assistant turn kept whole (a row whose final turn cannot fit is dropped)."""
@@ -131,8 +140,13 @@ class TrainConfig:
     """Passes over the training rows when max_steps is null (fractions allowed)."""
     lr: float = 2e-4
     """Peak learning rate."""
-    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    """Decay after the warm-up."""
+    lr_schedule: Literal["cosine", "linear", "constant", "cosine_with_min_lr", "warmup_stable_decay"] = "cosine"
+    """Decay after the warm-up (transformers' schedules). cosine_with_min_lr: cosine down to lr x min_lr_ratio;
+    warmup_stable_decay: constant, then a cosine decay to lr x min_lr_ratio over the last decay_ratio of the steps."""
+    min_lr_ratio: float = 0.0
+    """cosine_with_min_lr and warmup_stable_decay: the schedule's floor, as a fraction of train.lr."""
+    decay_ratio: float = 0.1
+    """warmup_stable_decay: the fraction of the run's steps, at its end, over which the rate decays."""
     warmup_steps: int = 0
     """Optimizer steps of linear learning-rate warm-up."""
     weight_decay: float = 0.0
@@ -473,6 +487,15 @@ def check_values(cfg: Config) -> list[str]:
         problems.append("train.epochs: must be a positive number")
     if not (math.isfinite(t.lr) and t.lr > 0):
         problems.append("train.lr: must be a positive number, e.g. 2e-4")
+    if not 0 <= t.min_lr_ratio < 1:
+        problems.append("train.min_lr_ratio: must be in [0, 1), e.g. 0.1")
+    elif t.min_lr_ratio and t.lr_schedule not in FLOORED:
+        problems.append(f"train.min_lr_ratio: {t.lr_schedule} has no floor (use train.lr_schedule=cosine_with_min_lr "
+                        "or warmup_stable_decay, or set train.min_lr_ratio=0)")
+    if not 0 < t.decay_ratio <= 1:
+        problems.append("train.decay_ratio: must be in (0, 1], e.g. 0.1")
+    if t.max_steps is not None and t.max_steps >= 1:
+        problems += schedule_problems(t, t.max_steps)
     if not (math.isfinite(t.weight_decay) and t.weight_decay >= 0):
         problems.append("train.weight_decay: must be 0 or a positive number")
     if not (math.isfinite(t.max_grad_norm) and t.max_grad_norm >= 0):
@@ -507,8 +530,15 @@ def check_values(cfg: Config) -> list[str]:
     problems += [line for bad, line in ((lo.r < 1, "lora.r: must be at least 1"), (not 0 <= lo.dropout < 1, "lora.dropout: must be in [0, 1)"),
         (not (math.isfinite(lo.alpha) and lo.alpha > 0), "lora.alpha: must be a positive number, e.g. 2 x lora.r"),
         (not lo.target_modules, 'lora.target_modules: empty (name modules, e.g. [q_proj, v_proj], or ["all-linear"])'),
+        (lo.modules_to_save and t.method == "full", "lora.modules_to_save: full fine-tuning trains every module already "
+         "(set lora.modules_to_save=[])"),
         (lo.use_dora and t.method == "qlora" and t.strategy == "fsdp", "lora.use_dora: not with qlora under FSDP (DoRA reads "
          "each gathered 4-bit weight without its quantization state): use train.strategy=ddp or train.method=lora")) if bad]
+    if d.chat_template is not None and not is_template_path(d.chat_template) and not ("{{" in d.chat_template or "{%" in d.chat_template):
+        problems.append("data.chat_template: neither a .jinja file's path nor a Jinja template (give one, or null)")
+    if d.template == "none" and (d.system_prompt is not None or d.chat_template is not None):
+        problems.append(f"data.{'system_prompt' if d.system_prompt is not None else 'chat_template'}: no chat template "
+                        "with data.template=none (set data.template=chat, or write it into the prompts)")
     if d.max_length < 16:
         problems.append("data.max_length: must be at least 16 tokens")
     if cfg.eval.max_new_tokens < 1 or cfg.eval.batch_size < 1:
@@ -526,3 +556,22 @@ def check_values(cfg: Config) -> list[str]:
         problems.append(f"train.profile_steps: {t.profile_steps} steps after the first {PROFILE_AFTER} need "
                         f"train.max_steps >= {PROFILE_AFTER + t.profile_steps} (got {t.max_steps}; profile fewer steps or train longer)")
     return problems
+
+
+def decay_steps(t: TrainConfig, total: int) -> int:
+    """warmup_stable_decay's decay: train.decay_ratio of the run's `total` steps, at least one."""
+    return max(1, round(t.decay_ratio * total))
+
+
+def schedule_problems(t: TrainConfig, total: int) -> list[str]:
+    """warmup_stable_decay's warm-up and decay must fit the run's `total` steps (train.py checks again once the data
+    gives the steps of train.epochs)."""
+    if t.lr_schedule != "warmup_stable_decay" or not 0 < t.decay_ratio <= 1 or t.warmup_steps + decay_steps(t, total) <= total:
+        return []
+    return [f"train.warmup_steps: {t.warmup_steps} warm-up and {decay_steps(t, total)} decay steps "
+            f"(train.decay_ratio={t.decay_ratio:g}) do not fit a run of {total} steps (warm up for fewer steps)"]
+
+
+def is_template_path(value: str) -> bool:
+    """Whether data.chat_template names a .jinja file (else it is the template's text)."""
+    return value.strip().endswith(".jinja") and "{" not in value

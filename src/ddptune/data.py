@@ -244,11 +244,9 @@ def source_row_problems(s: Source, first: list, total: int, d: DataConfig) -> li
     return []
 
 
-def chat_sources(d: DataConfig) -> list[tuple[Source, str]]:
-    """The local sources (of train and val) whose rows are conversations, with their format."""
-    found = [(s, format_of(s.source, d)) for split in ("train", "val") for s in sources(d, split)
-             if not s.source.startswith("hub:")]
-    return [(s, fmt) for s, fmt in found if fmt != "dialogue"]
+def local_formats(d: DataConfig) -> list[tuple[Source, str]]:
+    """The local sources (of train and val), each with the format of its rows."""
+    return [(s, format_of(s.source, d)) for split in ("train", "val") for s in sources(d, split) if not s.source.startswith("hub:")]
 
 
 def trains_conversations(d: DataConfig) -> bool:
@@ -265,17 +263,20 @@ def trains_conversations(d: DataConfig) -> bool:
 # Prompts and tokens
 
 
-def prompt_pieces(tokenizer, instruction: str) -> tuple[str, str, str]:
-    """(text before the dialogue, text after it up to the summary, text after the summary)."""
+def prompt_pieces(tokenizer, instruction: str, system: str | None = None) -> tuple[str, str, str]:
+    """(text before the dialogue, text after it up to the summary, text after the summary); `system`
+    (data.system_prompt): the system turn before the user's."""
     if getattr(tokenizer, "chat_template", None):
-        user = [{"role": "user", "content": f"{instruction}\n\n{_MARK}"}]
+        user = [{"role": "system", "content": system}] * (system is not None) + [
+            {"role": "user", "content": f"{instruction}\n\n{_MARK}"}]
         prompt = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
         full = tokenizer.apply_chat_template(
             user + [{"role": "assistant", "content": "S"}], tokenize=False
         )
         end = full[len(prompt) + 1:] if full.startswith(prompt + "S") else (tokenizer.eos_token or "")
     else:
-        prompt = (tokenizer.bos_token or "") + PLAIN_TEMPLATE.format(instruction=instruction, dialogue=_MARK)
+        head = "" if system is None else f"### System:\n{system}\n\n"  # as chat.PLAIN_CHAT writes a system turn
+        prompt = (tokenizer.bos_token or "") + head + PLAIN_TEMPLATE.format(instruction=instruction, dialogue=_MARK)
         end = tokenizer.eos_token or ""
     before, after = prompt.split(_MARK)
     return before, after, end
@@ -330,8 +331,8 @@ def tokenize(rows: list[dict], tokenizer, d: DataConfig, where: list[str] | None
     if not rows:
         return []
     if "messages" not in rows[0]:  # dialogues (a source's rows share one format)
-        return tokenize_dialogues(tokenizer, prompt_pieces(tokenizer, d.instruction), rows, d.max_length)
-    if problem := chat.template_problem(tokenizer, d.loss_on):
+        return tokenize_dialogues(tokenizer, prompt_pieces(tokenizer, d.instruction, d.system_prompt), rows, d.max_length)
+    if problem := chat.template_problem(tokenizer, d.loss_on, plain=d.template == "none"):
         raise ConfigError([f"model.tokenizer: {problem}"])
     parts = []
     for k, r in enumerate(rows):

@@ -4,7 +4,8 @@ Every check a run makes of its data before it starts (the sources, their files a
 conversations every loss mask through the chat template), then every row tokenized as training
 tokenizes it, into the store a run reads (tokenized.py: a later run on the same data finds it made):
 each source's rows, formats, tokens before the trained ones and trained ones, rows cut and dropped
-to fit data.max_length and where they were cut, and the longest example; the shares a mixture draws;
+to fit data.max_length and where they were cut, and the longest example; the samples each training
+source gives an epoch and the whole run (its weight's share of them, at --nproc processes);
 and --show N examples of each source as text, the trained tokens between [[ and ]], so the mask can
 be read before any GPU is rented. Nothing is written outside the store.
 """
@@ -16,10 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ddptune import checks, config as config_lib, data, report, store as store_lib, tokenized
+from ddptune import batchplan, checks, config as config_lib, data, report, store as store_lib, tokenized
 from ddptune.config import ConfigError
 from ddptune.tokens import IGNORE
 
+DRAWS = [("name", "source"), ("examples", "examples"), ("weight", "weight"), ("share", "share"), ("epoch", "samples an epoch"),
+         ("epoch_passes", "passes an epoch"), ("run", "samples in the run"), ("run_passes", "passes in the run")]
 COLUMNS = [("split", "split"), ("name", "source"), ("format", "format"), ("rows", "rows"), ("kept", "kept"),
            ("cut", "cut"), ("dropped", "dropped"), ("prompt_tokens", "tokens before targets"),
            ("target_tokens", "trained tokens"), ("mean_tokens", "mean tokens"), ("longest", "longest (row)")]
@@ -30,12 +33,19 @@ def main(args) -> int:
     problems = config_lib.check_values(cfg)
     if args.show < 0:
         problems.append(f"--show: must be 0 or more (got {args.show})")
+    plan = None
+    try:
+        plan = batchplan.batch_plan(cfg.train, args.nproc) if args.nproc >= 1 else None
+    except ConfigError as e:  # the batch does not divide over --nproc
+        problems += e.problems
+    if args.nproc < 1:
+        problems.append(f"--nproc: must be at least 1 (got {args.nproc})")
     if problems := checks.input_problems(cfg, problems)[0]:
         raise ConfigError(problems)
     from ddptune import model as model_lib  # (torch and transformers: only once the checks above hold)
 
     started = time.perf_counter()
-    tokenizer = model_lib.load_tokenizer(cfg.model)
+    tokenizer = model_lib.load_tokenizer(cfg.model, cfg.data)
     loaded = time.perf_counter()
     if problems := checks.template_problems(cfg, tokenizer):
         raise ConfigError(problems)
@@ -55,12 +65,7 @@ def main(args) -> int:
     print(f"data: {data.selection(cfg.data)}")
     print(report.markdown_table(table, COLUMNS), end="")
     print("".join(f"{line}\n" for line in prepared.notes), end="")
-    if len(mix_rows) > 1:
-        mix = data.draws([s for s, _ in mix_rows], [n for _, n in mix_rows])
-        period = sum(n for _, n in mix)
-        print("mixture: each epoch of " + f"{period} samples draws " + ", ".join(
-            f"{n} from {s.name} ({n / period:.1%}, weight {s.weight:g}, {n / rows:.2f} passes over its {rows} rows)"
-            for (s, _), (rows, n) in zip(mix_rows, mix)))
+    print(draws_line(cfg, plan), report.markdown_table(draws_table(cfg, plan, mix_rows), DRAWS), sep="\n", end="")
     for split, name, examples, i in shown:
         example = examples[i]
         print(f"\n--- {split} {name}, row {examples.rows[i]} ({len(example['input_ids'])} tokens"
@@ -71,6 +76,31 @@ def main(args) -> int:
         f"found tokenized in {seconds:.2f}s ("
     print(f"ddptune data: {rows} rows {how}the tokenizer loaded in {loaded - started:.1f}s)", file=sys.stderr)
     return 0
+
+
+def draws_table(cfg, plan: batchplan.BatchPlan, found: list[tuple[data.Source, int]]) -> list[dict]:
+    """Each training source's draws: its examples, weight and share, and the samples it gives an epoch of the
+    mixture (data.mixture: its examples, with one source) and the whole run (batches.Stream's stream)."""
+    from ddptune import batches  # (torch: only once the checks have passed)
+
+    sizes = [n for _, n in found]
+    if not sum(sizes):  # every row dropped: the table above says so
+        return []
+    mix = data.draws([s for s, _ in found], sizes) if len(found) > 1 else ((sizes[0], sizes[0]),)
+    samples = batchplan.total_steps(cfg.train, sum(sizes), plan.global_batch) * plan.global_batch
+    run = batches.mixture_draws(mix, samples, cfg.train.seed) if len(found) > 1 else [samples]
+    period = sum(n for _, n in mix)
+    return [{"name": s.name, "examples": rows, "weight": s.weight, "share": f"{n / period:.1%}", "epoch": n,
+             "epoch_passes": round(n / rows, 2), "run": k, "run_passes": round(k / rows, 2)}
+            for (s, _), (rows, n), k in zip(found, mix, run)]
+
+
+def draws_line(cfg, plan: batchplan.BatchPlan) -> str:
+    """What the draws table counts: the run's steps and samples, and the epoch of its sources."""
+    t = cfg.train
+    length = f"train.max_steps={t.max_steps}" if t.max_steps else f"train.epochs={t.epochs:g}"
+    return (f"samples drawn ({length}, {plan.global_batch} a step over {plan.world_size} process(es); an epoch draws as "
+            "many samples as the sources hold examples, each source's share set by its weight):")
 
 
 def figures(s: data.Source, examples: store_lib.Examples) -> dict:

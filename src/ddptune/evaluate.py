@@ -67,7 +67,7 @@ def evaluate(cfg, run_dir: Path | None, trained: bool, out: Path, checked_once) 
         # rank 0 checks once; every process then fails with the same line (no traceback per rank)
         if problems := dist.on_main(accelerator, checked_once):
             raise ConfigError(problems)
-    tokenizer = model_lib.load_tokenizer(cfg.model)
+    tokenizer = model_lib.load_tokenizer(cfg.model, cfg.data)
     t = cfg.train
     t0 = time.perf_counter()
     accelerator.print(f"ddptune: loading {cfg.model.source}" + (f" with {model_lib.trained_weights_dir(run_dir, t.method)}" if trained else "")

@@ -240,10 +240,12 @@ def prompt_section(cfg: Config, tokenizer) -> str:
     if data.trains_conversations(cfg.data):
         template = "the tokenizer's chat template" if getattr(tokenizer, "chat_template", None) else \
             f"this plain chat template (the tokenizer has none):\n\n```jinja\n{chat.PLAIN_CHAT}\n```\n"
-        return (f"## Prompt\n\nThe run trained on conversations rendered with {template}. Prompt with the turns up to "
-                "the user's last, rendered with the generation prompt; generate greedily until the end-of-turn text "
+        system = "" if cfg.data.system_prompt is None else \
+            f" A conversation without a system turn began with this one: `{json.dumps(cfg.data.system_prompt)}`."
+        return (f"## Prompt\n\nThe run trained on conversations rendered with {template}.{system} Prompt with the turns up "
+                "to the user's last, rendered with the generation prompt; generate greedily until the end-of-turn text "
                 f"`{json.dumps(chat.end_of_turn(tokenizer))}`.\n")
-    before, after, end = data.prompt_pieces(tokenizer, cfg.data.instruction)
+    before, after, end = data.prompt_pieces(tokenizer, cfg.data.instruction, cfg.data.system_prompt)
     how = ("the tokenizer's chat template, with one user turn `instruction + \"\\n\\n\" + dialogue` and the generation prompt"
            if getattr(tokenizer, "chat_template", None) else "a plain template (this tokenizer has no chat template)")
     return ("## Prompt\n\nThe run trained on prompts built with " + how + ". As text: the dialogue goes between\n"

@@ -148,12 +148,16 @@ def problem(row, fmt: str, answer: bool = True) -> str | None:
 
 
 def normalise(row: dict, i: int, fmt: str, d) -> dict:
-    """A checked row (`problem` found nothing) as {"id", "dialogue", "summary"} or {"id", "messages"}."""
+    """A checked row (`problem` found nothing) as {"id", "dialogue", "summary"} or {"id", "messages"}, the
+    messages begun by data.system_prompt where set and the row has no system turn of its own."""
     ident = str(row.get("id", i))
     if fmt == "dialogue":
         return {"id": ident, "dialogue": row[d.dialogue_column], "summary": row.get(d.summary_column, "")}
     turns, _ = turns_of(row, fmt)
-    return {"id": ident, "messages": [{"role": r, "content": t} for r, t, _ in turns if isinstance(t, str)]}
+    messages = [{"role": r, "content": t} for r, t, _ in turns if isinstance(t, str)]
+    if d.system_prompt is not None and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": d.system_prompt})
+    return {"id": ident, "messages": messages}
 
 
 def context_and_answer(messages: list[dict]) -> tuple[list[dict], str | None]:

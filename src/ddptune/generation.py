@@ -1,6 +1,7 @@
-"""Generation and scoring: prompts, batched greedy generation over the processes, and ROUGE.
+"""Generation and scoring: prompts, batched greedy (or sampled) generation over the processes, and ROUGE.
 
-Generation is greedy, batched, with the KV cache and left padding. The evaluation rows are cut
+Generation is greedy (predict may sample: `Sampling`, through transformers' GenerationConfig), batched,
+with the KV cache and left padding. The evaluation rows are cut
 into fixed batches (sorted by prompt length) before they are shared out, so every batch holds
 the same rows whatever the process count; each process runs the same number of generate calls
 (the last ones repeat a batch when the count does not divide); rank 0 gathers the texts in
@@ -13,12 +14,14 @@ import json
 import math
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
+from transformers import GenerationConfig
 
 from ddptune import chat, config as config_lib, data, formats, report
 from ddptune.config import Config, ConfigError
@@ -66,7 +69,7 @@ def prompt_ids(rows: list[dict], tokenizer, d: config_lib.DataConfig) -> list[li
             except chat.TemplateProblem as e:
                 raise ConfigError([f"row {r['id']}: {e}"]) from None
             continue
-        pieces = pieces or data.prompt_pieces(tokenizer, d.instruction)
+        pieces = pieces or data.prompt_pieces(tokenizer, d.instruction, d.system_prompt)
         ex = data.tokenize_example(tokenizer, pieces, r["dialogue"], r["summary"], d.max_length)
         out.append(ex["input_ids"][: ex["prompt_len"]])
     return out
@@ -80,7 +83,7 @@ def reference(row: dict) -> str:
 def stop_ids(tokenizer, d: config_lib.DataConfig) -> list[int]:
     """End-of-sequence ids: the tokenizer's eos and the chat template's end-of-turn token."""
     ids = {tokenizer.eos_token_id}
-    end = data.prompt_pieces(tokenizer, d.instruction)[2]
+    end = data.prompt_pieces(tokenizer, d.instruction, d.system_prompt)[2]
     end_ids = tokenizer(end.strip(), add_special_tokens=False)["input_ids"] if end.strip() else []
     if len(end_ids) == 1:
         ids.add(end_ids[0])
@@ -93,8 +96,28 @@ def fixed_batches(prompts: list[list[int]], batch_size: int) -> list[list[int]]:
     return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """`ddptune predict`'s sampling: at `temperature`, from the `top_p` / `top_k` likeliest tokens (None: the
+    model's generation_config, else transformers' defaults); each batch seeded from `seed` and its place."""
+    temperature: float
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int = 0
+
+
+def settings(max_new_tokens: int, eos: list[int], pad: int, sampling: Sampling | None = None) -> GenerationConfig:
+    """transformers' GenerationConfig of a generate call: greedy (what eval scores), or `sampling`."""
+    if sampling is None:
+        return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, use_cache=True,
+                                eos_token_id=eos, pad_token_id=pad)
+    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=True, temperature=sampling.temperature,
+                            top_p=sampling.top_p, top_k=sampling.top_k, num_beams=1, use_cache=True,
+                            eos_token_id=eos, pad_token_id=pad)
+
+
 @torch.no_grad()
-def generate(model, tokenizer, prompts: list[list[int]], batch: list[int], max_new_tokens: int, eos: list[int], device) -> list[str]:
+def generate(model, tokenizer, prompts: list[list[int]], batch: list[int], config: GenerationConfig, device) -> list[str]:
     width = max(len(prompts[i]) for i in batch)
     pad = tokenizer.pad_token_id
     ids = torch.full((len(batch), width), pad, dtype=torch.long)
@@ -102,34 +125,34 @@ def generate(model, tokenizer, prompts: list[list[int]], batch: list[int], max_n
     for row, i in enumerate(batch):  # left padding: every prompt ends where generation starts
         ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
         mask[row, width - len(prompts[i]):] = 1
-    out = model.generate(
-        input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-        do_sample=False, num_beams=1, use_cache=True, eos_token_id=eos, pad_token_id=pad,
-    )
+    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)
     return [tokenizer.decode(seq[width:], skip_special_tokens=True).strip() for seq in out]
 
 
 def generate_all(net, tokenizer, prompts: list[list[int]], cfg: Config, accelerator: Accelerator,
-                 desc: str = "generate") -> tuple[list[str] | None, float]:
-    """Greedy texts for every prompt, the work shared out over the processes (every process calls
-    this): on rank 0 the texts in prompt order, None on the others; and the generation seconds.
-    Rank 0 shows a bar over its generate calls (every process makes as many)."""
+                 desc: str = "generate", sampling: Sampling | None = None) -> tuple[list[str] | None, float]:
+    """Greedy (or `sampling`) texts for every prompt, the work shared out over the processes (every process
+    calls this): on rank 0 the texts in prompt order, None on the others; and the generation seconds.
+    Rank 0 shows a bar over its generate calls (every process makes as many). A sampled batch is seeded
+    from its place among the batches: the same texts from any process count."""
     was_training = net.training
     net.eval()
     batches = fixed_batches(prompts, cfg.eval.batch_size)
     world, rank = accelerator.num_processes, accelerator.process_index
     calls = math.ceil(len(batches) / world)  # the same on every process
-    mine = [batches[min(j * world + rank, len(batches) - 1)] for j in range(calls)]
-    eos = stop_ids(tokenizer, cfg.data)
+    places = [min(j * world + rank, len(batches) - 1) for j in range(calls)]
+    config = settings(cfg.eval.max_new_tokens, stop_ids(tokenizer, cfg.data), tokenizer.pad_token_id, sampling)
     accelerator.wait_for_everyone()
     t0 = time.perf_counter()
     done = []
     # generation runs the layers eagerly: compiled training graphs (train.compile) do not fit a KV cache
     with accelerator.autocast(), torch.compiler.set_stance("force_eager"):
-        for batch in tqdm(mine, desc=desc, unit="batch", disable=not accelerator.is_main_process, leave=False,
+        for place in tqdm(places, desc=desc, unit="batch", disable=not accelerator.is_main_process, leave=False,
                           dynamic_ncols=True):
-            texts = generate(net, tokenizer, prompts, batch, cfg.eval.max_new_tokens, eos, accelerator.device)
-            done += list(zip(batch, texts))
+            if sampling is not None:
+                torch.manual_seed(sampling.seed * len(batches) + place)
+            texts = generate(net, tokenizer, prompts, batches[place], config, accelerator.device)
+            done += list(zip(batches[place], texts))
     if accelerator.device.type == "cuda":
         torch.cuda.synchronize()
     gen_s = time.perf_counter() - t0

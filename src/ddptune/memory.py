@@ -110,6 +110,14 @@ class Shape:
         names = PROJECTIONS if targets == ["all-linear"] else [n for n in PROJECTIONS if n in targets]
         return self.layers * sum(r * sum(PROJECTIONS[n](self)) for n in names)
 
+    def saved_params(self, names: list[str]) -> int:
+        """Weights lora.modules_to_save trains whole: the embeddings and head (one matrix when tied), and
+        any projection named, in every layer."""
+        ends = {n.rsplit(".", 1)[-1] for n in names}
+        big = len(ends & {"embed_tokens", "lm_head"})
+        return self.vocab * self.hidden * (min(big, 1) if self.tied else big) + sum(
+            self.layers * a * b for a, b in (PROJECTIONS[n](self) for n in ends if n in PROJECTIONS))
+
 
 def shape_of(hf_config) -> Shape:
     """The Shape of a transformers config (its text part, for multimodal ones)."""
@@ -158,6 +166,7 @@ class Job:
     dequantized: bool = False     # qlora: the base kept in bf16 after quantizing (the speed decider's choice)
     graphs: str = "off"           # CUDA graphs recorded: off, layers or step (the whole step)
     fsdp: bool = False            # sharded by FSDP, also with one shard (it gathers each unit into a copy)
+    lora_saved: tuple[str, ...] = ()  # lora.modules_to_save: trained whole, with gradients and optimizer states
 
 
 def layer_activation_bytes(s: Shape, job: Job) -> float:
@@ -204,7 +213,8 @@ def estimate(s: Shape, job: Job) -> dict:
     """Bytes per GPU of each term, `allocated` (what torch.cuda.max_memory_allocated would read)
     and `total` (with the CUDA context and the allocator's slack: what the GPU must hold)."""
     n, sharding = job.shards, job.shards > 1 or job.fsdp
-    trained = s.params if job.method == "full" else s.lora_params(job.lora_r, list(job.lora_targets))
+    trained = s.params if job.method == "full" else \
+        s.lora_params(job.lora_r, list(job.lora_targets)) + s.saved_params(list(job.lora_saved))
     four_bit = job.method == "qlora" and not job.dequantized
     if four_bit:  # the 4-bit codes are sharded; their quantization state (absmax) stays whole with each layer
         weights = s.matrix_params * (0.5 / n + NF4_BYTES - 0.5) + s.other_params * 2 / n
@@ -264,7 +274,7 @@ def job_of(cfg: Config, world: int = 1, checkpointing: bool | None = None, shard
                t.compile is not False if compiled is None else compiled,
                cfg.lora.r, tuple(cfg.lora.target_modules), cfg.lora.dropout, shards, world,
                dequantized=False, graphs=("step" if t.optimizer == "adamw" else "layers") if t.cuda_graphs is True else "off",
-               fsdp=shards > 1 or t.strategy == "fsdp" if fsdp is None else fsdp)
+               fsdp=shards > 1 or t.strategy == "fsdp" if fsdp is None else fsdp, lora_saved=tuple(cfg.lora.modules_to_save))
 
 
 WHAT = {"lora": "LoRA on the bf16 base", "qlora": "QLoRA (a 4-bit base)", "full": "full fine-tuning"}
@@ -339,7 +349,7 @@ def plan(cfg: Config, shape: Shape, gpus: int = 1, gpu_gib: float = DEFAULT_GPU_
     return {"model": cfg.model.source, "method": cfg.train.method, "optimizer": cfg.train.optimizer,
             "gpus": gpus, "gpu_memory_gib": gpu_gib, "tokens_per_forward": job.tokens, "targets_assumed": job.targets,
             "compiled": job.compiled, "params": shape.params, "trained_params": shape.params if cfg.train.method == "full"
-            else shape.lora_params(cfg.lora.r, list(cfg.lora.target_modules)),
+            else shape.lora_params(cfg.lora.r, list(cfg.lora.target_modules)) + shape.saved_params(cfg.lora.modules_to_save),
             "shape": dataclasses.asdict(shape), "options": options, "verdict": verdict, "recommendation": action,
             "recommended_method": chosen["method"] if chosen else None, "load_gib": load_gib(shape, cfg.train.method),
             "margin": options[0]["total"] / gpu_gib - 1,  # as configured: over (+) or under (-) the GPU's memory

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
-from ddptune import sources
+from ddptune import chat, sources
 from ddptune.attention import register_attention
 from ddptune.checkpoint import atomic_dir
-from ddptune.config import LoraConfig, ModelConfig
+from ddptune.config import DataConfig, LoraConfig, ModelConfig
 from ddptune.rundir import trained_weights_dir  # noqa: F401 - model.trained_weights_dir, for its callers
 from ddptune.sources import PRESETS, cache_root, resolve_source  # noqa: F401 - model.resolve_source, for its callers
 
@@ -75,7 +75,8 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def load_tokenizer(m: ModelConfig):
+def load_tokenizer(m: ModelConfig, d: DataConfig | None = None):
+    """The model's tokenizer, padding on the right; with `d`, its chat template as the data says (chat.use_template)."""
     src = resolve_source(m)
     if m.tokenizer:
         tok = AutoTokenizer.from_pretrained(m.tokenizer, trust_remote_code=m.trust_remote_code)
@@ -96,6 +97,8 @@ def load_tokenizer(m: ModelConfig):
         # real spaces before punctuation) and says so once per process at the first decode when the
         # tokenizer's config asks for it (Llama 3's does): what decode does is unchanged by this.
         tok.clean_up_tokenization_spaces = False
+    if d is not None:
+        chat.use_template(tok, d)
     return tok
 
 
@@ -312,11 +315,13 @@ def add_adapters(model, method: str, lora: LoraConfig, gradient_checkpointing: b
         return model
     from peft import LoraConfig as PeftLoraConfig, get_peft_model
 
-    targets = lora.target_modules
+    targets, saved = lora.target_modules, list(lora.modules_to_save) or None
+    # a tied output head and input embedding (SmolLM2's) stay one matrix when one of them is trained whole
+    tied = bool(saved) and bool(getattr(model.config, "tie_word_embeddings", False))
     peft_cfg = PeftLoraConfig(
         r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-        target_modules="all-linear" if targets == ["all-linear"] else targets,
-        use_dora=lora.use_dora, use_rslora=lora.use_rslora, task_type="CAUSAL_LM",
+        target_modules="all-linear" if targets == ["all-linear"] else targets, modules_to_save=saved,
+        ensure_weight_tying=tied, use_dora=lora.use_dora, use_rslora=lora.use_rslora, task_type="CAUSAL_LM",
     )
     with _peft_quietly():
         return get_peft_model(model, peft_cfg)

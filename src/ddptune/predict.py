@@ -7,13 +7,15 @@ data.format, or the one the rows' keys name), whose turns up to the last user tu
 `-` reads the lines from stdin. Prompts are built as in training (the run's config.yaml:
 data.instruction, data.max_length — a longer dialogue is cut at its end, a conversation loses its
 earliest turns — through data.prompt_pieces or chat.prompt_ids); generation is `ddptune eval`'s (generation.generate_all: greedy,
-batched by eval.batch_size, at most eval.max_new_tokens, shared out over the processes). Rank 0
+batched by eval.batch_size, at most eval.max_new_tokens, shared out over the processes), or sampled with --temperature
+(--top-p, --top-k, --seed: the same texts for any process count). Rank 0
 writes one JSON line per input row, in input order: the row's own fields plus `prediction`, to
 --out or to stdout. Messages go to stderr, so stdout holds only the JSON lines.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import tempfile
@@ -28,9 +30,10 @@ def checked(args) -> tuple:
     run_dir = Path(args.run)
     sources = [a for a in args.overrides if "=" not in a]
     overrides = [a for a in args.overrides if "=" in a]
+    overrides += [f"eval.max_new_tokens={args.max_new_tokens}"] if (args.max_new_tokens or 0) >= 1 else []
     if args.input is not None:
         sources.insert(0, args.input)
-    problems = []
+    problems = sampling_problems(args)
     if len(sources) > 1:
         problems.append(f"predict: {len(sources)} inputs given ({', '.join(sources)}); give one file, or - for stdin")
     source = sources[0] if sources else None
@@ -63,6 +66,34 @@ def checked(args) -> tuple:
     return cfg, source, out, overrides
 
 
+def sampling_problems(args) -> list[str]:
+    """--temperature, --top-p, --top-k and --seed: numbers in range, and the last three only with a temperature."""
+    t, p, k = args.temperature, args.top_p, args.top_k
+    problems = [line for bad, line in (
+        (not (math.isfinite(t) and t >= 0), f"--temperature: {t} is not 0 (greedy) or a positive number, e.g. 0.7"),
+        (p is not None and not 0 < p <= 1, f"--top-p: {p} is outside (0, 1], e.g. 0.9"),
+        (k is not None and k < 1, f"--top-k: {k} must be at least 1, e.g. 50"),
+        (not 0 <= args.seed < 2**32, f"--seed: {args.seed} is outside 0..{2**32 - 1}"),
+        (args.max_new_tokens is not None and args.max_new_tokens < 1, "--max-new-tokens: must be at least 1")) if bad]
+    unused = [flag for flag, given in (("--top-p", p is not None), ("--top-k", k is not None), ("--seed", args.seed != 0)) if given]
+    if unused and not t:
+        problems.append(f"{unused[0]}: only with sampling (add --temperature, e.g. --temperature 0.7; greedy is the default)")
+    return problems
+
+
+def sampling_of(args):
+    """The sampling the flags ask for (generation.Sampling), or None: greedy."""
+    from ddptune import generation
+
+    return generation.Sampling(args.temperature, args.top_p, args.top_k, args.seed) if args.temperature else None
+
+
+def sampling_flags(args) -> list[str]:
+    """The sampling flags again, for the processes --nproc starts."""
+    return [f for flag, v in (("--temperature", args.temperature), ("--top-p", args.top_p), ("--top-k", args.top_k),
+                              ("--seed", args.seed)) if v for f in (flag, str(v))]
+
+
 def main(args) -> int:
     run_dir = Path(args.run)
     cfg, source, out, overrides = checked(args)
@@ -75,16 +106,16 @@ def main(args) -> int:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows)
         try:
-            child = ["predict", str(run_dir), "--input", path, *overrides] + (["--out", str(out)] if out else [])
+            child = ["predict", str(run_dir), "--input", path, *overrides, *sampling_flags(args)] + (["--out", str(out)] if out else [])
             return launch.torchrun(args.nproc, ["ddptune", *child])
         finally:
             if source == "-":
                 os.unlink(path)
 
-    return predict(cfg, run_dir, rows, asked, out)
+    return predict(cfg, run_dir, rows, asked, out, sampling_of(args))
 
 
-def predict(cfg, run_dir: Path, rows: list[dict], asked: list[dict], out: Path | None) -> int:
+def predict(cfg, run_dir: Path, rows: list[dict], asked: list[dict], out: Path | None, sampling=None) -> int:
     """Every process: load the run's model, generate its share of the summaries; rank 0 writes them."""
     from ddptune import dist, generation, model as model_lib
 
@@ -94,7 +125,7 @@ def predict(cfg, run_dir: Path, rows: list[dict], asked: list[dict], out: Path |
         # rank 0 checks the model once; every process then fails with the same line (no traceback per rank)
         if problems := dist.on_main(accelerator, lambda: checks.model_problems(cfg)):
             raise ConfigError(problems)
-    tokenizer = model_lib.load_tokenizer(cfg.model)
+    tokenizer = model_lib.load_tokenizer(cfg.model, cfg.data)
     with accelerator.main_process_first():
         net = model_lib.load_trained(run_dir, cfg.model, t.method, accelerator.device, t.precision, t.seed)
     # no reference: a dialogue is cut (if too long) as for an empty summary, a conversation's earliest turns
@@ -102,7 +133,7 @@ def predict(cfg, run_dir: Path, rows: list[dict], asked: list[dict], out: Path |
         prompts = generation.prompt_ids(asked, tokenizer, cfg.data)
     except ConfigError as e:
         raise ConfigError([f"--input: {e.problems[0]}"]) from None
-    texts, gen_s = generation.generate_all(net, tokenizer, prompts, cfg, accelerator)
+    texts, gen_s = generation.generate_all(net, tokenizer, prompts, cfg, accelerator, sampling=sampling)
     if accelerator.is_main_process:
         lines = "".join(json.dumps({**r, "prediction": p}, ensure_ascii=False) + "\n" for r, p in zip(rows, texts))
         if out is None:

@@ -395,7 +395,8 @@ def bucket(cfg: Config, shape: memory.Shape, world: int, cuda: bool, link: str, 
         return None, "none (FSDP reduce-scatters each layer's gradients)"
     if world == 1:
         return None, "none (one process: nothing to all-reduce)"
-    trained = shape.params if cfg.train.method == "full" else shape.lora_params(cfg.lora.r, list(cfg.lora.target_modules))
+    trained = shape.params if cfg.train.method == "full" else \
+        shape.lora_params(cfg.lora.r, list(cfg.lora.target_modules)) + shape.saved_params(cfg.lora.modules_to_save)
     mib = trained * 4 / 2**20
     if cuda and one_machine and link == "NVLink" and cfg.train.method != "full":
         size = math.ceil(mib) + 1

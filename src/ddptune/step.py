@@ -25,7 +25,7 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
-from ddptune import batches, dist
+from ddptune import batches, config, dist
 
 
 @dataclass(frozen=True)
@@ -103,8 +103,19 @@ def build_optimizer(t, model, total_steps: int, capturable: bool = False):
 
         cls = bnb.optim.PagedAdamW8bit if t.optimizer == "paged_adamw_8bit" else bnb.optim.AdamW8bit
         opt = cls(params, lr=t.lr, weight_decay=t.weight_decay)
-    sched = transformers.get_scheduler(t.lr_schedule, opt, num_warmup_steps=t.warmup_steps, num_training_steps=total_steps)
+    sched = transformers.get_scheduler(t.lr_schedule, opt, num_warmup_steps=t.warmup_steps, num_training_steps=total_steps,
+                                       scheduler_specific_kwargs=schedule_kwargs(t, total_steps))
     return opt, sched
+
+
+def schedule_kwargs(t, total_steps: int) -> dict:
+    """What train.lr_schedule's transformers schedule takes beyond its warm-up and length: the floor
+    (train.min_lr_ratio) and, for warmup_stable_decay, its decay steps (train.decay_ratio of the run)."""
+    if t.lr_schedule == "cosine_with_min_lr":
+        return {"min_lr_rate": t.min_lr_ratio}
+    if t.lr_schedule == "warmup_stable_decay":
+        return {"num_decay_steps": config.decay_steps(t, total_steps), "min_lr_ratio": t.min_lr_ratio}
+    return {}
 
 
 def current_lr(scheduler, base_lr: float) -> float:

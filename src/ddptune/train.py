@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import signal
 import sys
 import time
@@ -106,7 +105,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
         (out / "config.yaml").write_text(config_lib.dump(cfg))
     t0 = time.perf_counter()
     with checks.loading(cfg.model, "tokenizer"):  # a hub that cannot be reached: one line, not a traceback
-        tokenizer = model_lib.load_tokenizer(cfg.model)
+        tokenizer = model_lib.load_tokenizer(cfg.model, cfg.data)
     # the first process of each machine finds the tokenized data (validation made it) or makes it, checking
     # every row (a refusal stops every process); every process then maps it and holds its index
     prepared = dist.on_node(acc, lambda: tokenized.prepare(cfg.data, tokenizer, progress=sys.stderr.isatty()))
@@ -115,8 +114,8 @@ def setup(cfg: Config, resume: bool = False) -> Run:
                                                            f"loading {cfg.model.source} ..."]))
     if problems := checks.rows_problems(len(train_set), plan):  # hub data, or rows dropped as too long
         raise ConfigError(problems)
-    total = cfg.train.max_steps or max(1, math.floor(cfg.train.epochs * len(train_set) / plan.global_batch))
-    if problems := checks.profile_problems(cfg.train, total):
+    total = batchplan.total_steps(cfg.train, len(train_set), plan.global_batch)
+    if problems := checks.profile_problems(cfg.train, total) + config_lib.schedule_problems(cfg.train, total):
         raise ConfigError(problems)
     t1 = time.perf_counter()
     with acc.main_process_first(), checks.loading(cfg.model, "model"):  # a preset checkpoint or hub download is made once
