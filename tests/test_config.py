@@ -59,9 +59,9 @@ def test_effective_batch_fixes_the_global_batch_across_process_counts():
 
 
 def test_the_readme_config_table_is_generated_from_the_docstrings():
-    """README.md's config reference is `configref.reference_markdown()` verbatim (regenerate it with
-    `python -m ddptune.config > table` and paste it between the markers)."""
-    readme = (ROOT / "README.md").read_text()
+    """CONFIG.md's config reference is `configref.reference_markdown()` verbatim (regenerate it with
+    `python -m ddptune.configref > table` and paste it between the markers)."""
+    readme = (ROOT / "CONFIG.md").read_text()
     start, end = "<!-- config-reference:start -->\n", "<!-- config-reference:end -->"
     assert readme[readme.index(start) + len(start):readme.index(end)] == configref.reference_markdown()
     rows = configref.reference()

@@ -1,4 +1,4 @@
-"""The config reference: each field's docstring, for the README's table and `ddptune train --help`."""
+"""The config reference: each field's docstring, for CONFIG.md's table and `ddptune train --help`."""
 from __future__ import annotations
 
 import ast
@@ -44,7 +44,7 @@ def _yaml_value(value: Any) -> str:
 
 
 def reference_markdown() -> str:
-    """The README's config table, generated from the docstrings (a test keeps the README in step)."""
+    """CONFIG.md's config table, generated from the docstrings (a test keeps CONFIG.md in step)."""
     lines = ["| key | default | meaning |", "| --- | --- | --- |"]
     for r in reference():
         lines.append(f"| `{r['key']}` | `{_yaml_value(r['default'])}` | {r['doc'].replace('|', chr(92) + '|')} |")
@@ -56,5 +56,5 @@ def reference_text() -> str:
     return "\n".join(f"  {r['key']}={_yaml_value(r['default'])}\n      {r['doc']}" for r in reference())
 
 
-if __name__ == "__main__":  # python -m ddptune.configref: the README's config table
+if __name__ == "__main__":  # python -m ddptune.configref: CONFIG.md's config table
     print(reference_markdown(), end="")
