@@ -154,3 +154,19 @@ def test_a_process_knows_when_it_began(tmp_path):
     before, began = map(float, subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
                                               timeout=120, check=True).stdout.split())
     assert launched - 0.05 <= began <= before  # to a clock tick (10 ms), where psutil's create_time is off by up to 1 s
+
+
+def test_the_program_exits_without_sweeping_its_objects_and_a_call_from_python_keeps_them_collectable():
+    """`ddptune ...` (sys.argv) leaves its objects out of the collector's sweeps at exit; cli.main called
+    with arguments, from a process that goes on, leaves the collector as it was."""
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import atexit, gc, sys\nfrom ddptune import cli\natexit.register(lambda: print(gc.get_freeze_count()))\n"
+             "cli.main(['--version'])\nprint(gc.get_freeze_count())\nraise SystemExit(cli.main())\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    out = subprocess.run([sys.executable, "-c", probe, "--version"], env=env, capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    after_call, at_exit = [int(line) for line in out.splitlines() if line.isdigit()]  # between the version lines
+    assert after_call == 0 and at_exit > 0

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import math
 import os
 import signal
@@ -136,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         code = 1
     if "ddptune.dist" in sys.modules:  # a finished command leaves its process group (NCCL warns at exit otherwise)
         sys.modules["ddptune.dist"].teardown()
+    if argv is None:  # the program ends now: its exit skips a last sweep of every object torch and transformers
+        gc.freeze()   # made, which took a training worker 6 s after its closing lines on a 2-core CPU
     return code
 
 
