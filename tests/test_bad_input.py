@@ -383,7 +383,7 @@ CASES = [
     ("predict input a FIFO", ["predict", "{done}", "--input", "{fifo}"], ["--input: ", "fifo.yaml is a FIFO, not a regular file"]),
     # --- compare
     ("compare path missing", ["compare", "{tmp}/nowhere"], ["compare: ", "nowhere not found"]),
-    ("compare folder without evaluation", ["compare", "{noconfig}"], ["compare: ", "holds no evaluation (run ddptune eval"]),
+    ("compare folder neither a run nor an evaluation", ["compare", "{noconfig}"], ["compare: ", "holds no finished run (summary.json) and no evaluation"]),
     ("compare json is a folder", ["compare", "{done}", "--json", "{tmp}"], ["--json: ", "is a folder (give a file path"]),
     ("compare json under a file", ["compare", "{done}", "--json", "{afile}/t.json"], ["--json: ", "afile is a file"]),
     ("compare garbage metrics", ["compare", "{garbage_eval}"], ["compare: ", "metrics.json cannot be read (JSONDecodeError"]),

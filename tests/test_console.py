@@ -112,3 +112,61 @@ def test_output_piped_into_a_reader_that_stops_early_ends_without_a_traceback():
     proc = subprocess.run(f"'{sys.executable}' -m ddptune env --no-bandwidth | true", shell=True,
                           capture_output=True, text=True, env=env, timeout=120)
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+
+
+def test_the_wall_time_counts_from_the_command_start_and_its_parts_add_up(tmp_path):
+    """`ddptune train --nproc 2`: the reported wall time starts where the user's command did (before its
+    imports, its checks and its workers' launch), not where the workers began to train."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    probe = "import time\nbefore = time.time()\nfrom ddptune import cli\nprint(repr(before))\nraise SystemExit(cli.main())\n"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), TOKENIZERS_PARALLELISM="false")
+    launched = time.time()
+    proc = check(subprocess.run([sys.executable, "-c", probe, "train", TINY, "--nproc", "2", f"output_dir={out}",
+                                 "train.max_steps=2", "data.train_rows=0:64", "data.val=null"],
+                                env=env, capture_output=True, text=True, timeout=600))
+    ended = time.time()
+    before = float(proc.stdout.splitlines()[0])
+    summary = json.loads((out / "summary.json").read_text())
+    # the launching process's own start: after the test launched it (to a clock tick), before its imports
+    assert launched - 0.05 <= summary["started_at"] <= before
+    assert summary["started_at"] + summary["wall_time_s"] <= ended
+    split = summary["wall_split"]
+    assert set(split) == {"startup_s", "load_s", "train_s", "eval_s", "other_s"}
+    assert sum(split.values()) == pytest.approx(summary["wall_time_s"], rel=1e-9)
+    assert min(split.values()) >= 0 and split["train_s"] == pytest.approx(summary["train_time_s"])
+    assert split["startup_s"] >= before - summary["started_at"]  # the imports before cli.main at least
+
+
+def test_a_process_knows_when_it_began(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    probe = "import time\nbefore = time.time()\nfrom ddptune import launch\nprint(repr(before), repr(launch.process_started()))\n"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    launched = time.time()
+    before, began = map(float, subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                                              timeout=120, check=True).stdout.split())
+    assert launched - 0.05 <= began <= before  # to a clock tick (10 ms), where psutil's create_time is off by up to 1 s
+
+
+def test_the_program_exits_without_sweeping_its_objects_and_a_call_from_python_keeps_them_collectable():
+    """`ddptune ...` (sys.argv) leaves its objects out of the collector's sweeps at exit; cli.main called
+    with arguments, from a process that goes on, leaves the collector as it was."""
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import atexit, gc, sys\nfrom ddptune import cli\natexit.register(lambda: print(gc.get_freeze_count()))\n"
+             "cli.main(['--version'])\nprint(gc.get_freeze_count())\nraise SystemExit(cli.main())\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    out = subprocess.run([sys.executable, "-c", probe, "--version"], env=env, capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    after_call, at_exit = [int(line) for line in out.splitlines() if line.isdigit()]  # between the version lines
+    assert after_call == 0 and at_exit > 0

@@ -103,6 +103,35 @@ def test_compare_shows_the_config_keys_that_differ_and_plots_the_losses(tmp_path
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_compare_runs_without_evaluation_plots_their_losses(tmp_path, capsys):
+    """configs/tiny.yaml leaves evaluation off: two such runs compare by their losses and times, the
+    ROUGE columns left out; a run evaluated only zero-shot keeps a row for its trained model."""
+    from ddptune import cli
+
+    runs = [tmp_path / "a", tmp_path / "b"]
+    summaries = [multiproc.run(train_tiny, 1, [f"output_dir={run}", "train.max_steps=3", f"train.lr={lr}"])[0]
+                 for run, lr in zip(runs, (0.01, 0.02))]
+    png, table = tmp_path / "losses.png", tmp_path / "cmp.json"
+    assert cli.main(["compare", *map(str, runs), "--plot", str(png), "--json", str(table)]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = json.loads(table.read_text())
+    assert [r["run"] for r in rows] == [str(run) for run in runs]
+    for row, summary in zip(rows, summaries):
+        assert (row["final_loss"], row["val_loss"], row["steps"]) == (summary["final_loss"], summary["val_loss"], 3)
+        assert row["wall_time_s"] == summary["wall_time_s"] and row["rouge1"] is None and row["n"] is None
+    assert "| final loss |" in header and "| val loss |" in header and "ROUGE-1" not in header
+
+    (runs[1] / "eval-base").mkdir()
+    (runs[1] / "eval-base" / "metrics.json").write_text(json.dumps(
+        {"label": "zero-shot", "n": 4, "generation_time_s": 1.0, **{k: 0.5 for k in generation.ROUGE_KEYS}}))
+    assert cli.main(["compare", *map(str, runs), "--json", str(table)]) == 0
+    rows = json.loads(table.read_text())
+    assert [(r["model"], r["rouge1"], r["steps"]) for r in rows] == [
+        ("fine-tuned", None, 3), ("fine-tuned", None, 3), ("zero-shot (base)", 0.5, None)]
+    assert "| ROUGE-1 |" in capsys.readouterr().out.splitlines()[0]
+
+
 def test_train_runs_evaluation_before_and_after(tmp_path):
     out = tmp_path / "run"
     (summary, _) = multiproc.run(train_tiny, 2, [f"output_dir={out}", "train.max_steps=3", "eval.enabled=true",
@@ -159,10 +188,10 @@ def test_a_run_trained_on_conversations_is_told_to_ask_with_one():
 
     from ddptune import formats, runlog
 
-    summary = {"wall_time_s": 10.0, "train_time_s": 5.0, "final_loss": 1.0, "val_loss": 1.0, "tokens_per_s_per_gpu": 1.0}
-    times = {"load_s": 1.0, "eval_s": 0.0}
+    summary = {"wall_time_s": 10.0, "train_time_s": 5.0, "final_loss": 1.0, "val_loss": 1.0, "tokens_per_s_per_gpu": 1.0,
+               "wall_split": {"startup_s": 2.0, "load_s": 1.0, "train_s": 5.0, "eval_s": 0.0, "other_s": 2.0}}
     for chat, key in ((True, "messages"), (False, "dialogue")):
-        lines = runlog.closing_lines(Path("/tmp/run"), summary, Path("/tmp/run/adapter"), "lora", times, True, True, chat)
+        lines = runlog.closing_lines(Path("/tmp/run"), summary, Path("/tmp/run/adapter"), "lora", True, True, chat)
         row = json.loads(re.search(r"echo '(.*)' \| ddptune predict", lines[-1]).group(1))
         assert list(row) == [key]
         if chat:

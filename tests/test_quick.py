@@ -64,7 +64,7 @@ def _refusals(tmp_path) -> list[list[str]]:
             ["train", TINY, f"output_dir={tmp_path / 'busy'}"], ["train", TINY, out, "--resume"],
             ["train", TINY, f"output_dir={done}", "--resume"], ["train", TINY, out, "--gpu-memory", "nan"],
             ["plan", TINY, "--gpu-memory", "inf"], ["eval", str(tmp_path / "nowhere")], ["eval", str(done)],
-            ["predict", str(done), "-"], ["export", str(done), str(tmp_path / "out")], ["compare", str(done)],
+            ["predict", str(done), "-"], ["export", str(done), str(tmp_path / "out")], ["compare", str(tmp_path / "busy")],
             ["scale", TINY, "--nproc", "1,,2"], ["scale", TINY, "train.lr=fast", "--nproc", "1,2"],
             ["data", TINY, f"data.train={tmp_path / 'none.jsonl'}"], ["data", TINY, "--show", "-1"]]
 

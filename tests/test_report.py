@@ -56,3 +56,26 @@ def test_plot_scaling_png(tmp_path: Path) -> None:
     # without predictions or timings it still draws
     bare = report.plot_scaling(tmp_path / "bare.png", {"m": [{"nproc": 2, "speedup": 1.5}, {"nproc": 1, "speedup": 1.0}]})
     assert Path(bare).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_step_plot_legend_covers_no_bar() -> None:
+    """Bars of equal height fill their axes to the top: a legend inside would cover some of them."""
+    fig = report.scaling_figure({"same-per-device": ROWS, "same-global": ROWS[:2]})
+    renderer = fig.canvas.get_renderer()
+    fig.draw(renderer)
+    for ax in fig.axes[1::2]:  # (b), the stacked step times, of each mode
+        legend = ax.get_legend().get_window_extent(renderer)
+        bars = [patch.get_window_extent(renderer) for patch in ax.patches if patch.get_height() > 0]
+        assert bars and not [bar for bar in bars if bar.overlaps(legend)]
+        assert legend.x0 >= ax.get_window_extent(renderer).x1  # beside the axes
+    assert fig.axes[0].get_xlabel() == "processes (GPUs)"
+    assert report.scaling_figure({"m": ROWS}, gpus=False).axes[0].get_xlabel() == "processes"
+
+
+def test_seconds_read_in_their_unit() -> None:
+    cases = [(6.871e-05, "68.7 µs"), (1.82e-07, "182 ns"), (0.2456, "246 ms"), (0.9999, "1 s"), (12.34, "12.3 s"),
+             (1234.5, "1,234 s"), (-0.0031, "-3.1 ms"), (0.0, "0 s")]
+    assert [report.seconds_text(seconds) for seconds, _ in cases] == [text for _, text in cases]
+    table = report.markdown_table([{"t_s": 6.871e-05, "x": 6.871e-05}, {"t_s": None, "x": None}],
+                                  formats={"t_s": report.seconds_text})
+    assert table.splitlines()[2:] == ["| 68.7 µs | 6.871e-05 |", "|  |  |"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import types
 
 import pytest
@@ -163,21 +164,68 @@ def test_every_lost_percent_is_accounted_and_noise_is_named():
     assert codes(stolen)["steal"] == {"code": "steal", "nproc": 2, "share": 0.05} and "steal" not in codes(two)
 
 
+def test_lost_parts_that_a_gain_or_noise_hides_are_written_out_as_the_sum_they_make():
+    """Imbalance and communication lose more than 1 - efficiency when compute got faster at n = 2 and
+    the rest is within noise: the row's lost_sum finding names every part, blank ones with their values."""
+    one = scaling.account(_row(1, 8, 1.0, 0.9, 0.0, 0.0, 0.1), None, cuda=True)
+    two = scaling.account(_row(2, 8, 1.035, 0.868, 0.037, 0.030, 0.1, se=0.0005), one, cuda=True)
+    assert two["efficiency"] == pytest.approx(1 / 1.035)
+    assert (two["lost_compute"], two["lost_imbalance"], two["lost_comm"], two["lost_rest"]) == pytest.approx(
+        (-0.032 / 1.035, 0.037 / 1.035, 0.030 / 1.035, None))  # shown: 0.036 + 0.029 - 0.031 = 0.034
+    found = codes(two)["lost_sum"]
+    assert found["lost"] == pytest.approx(1 - two["efficiency"])
+    assert sum(p["share"] for p in found["parts"]) == pytest.approx(found["lost"])
+    assert [(p["part"], p["blank"]) for p in found["parts"]] == [
+        ("lost_compute", False), ("lost_imbalance", False), ("lost_comm", False), ("lost_rest", True)]
+    rest = found["parts"][3]
+    assert rest["share"] == pytest.approx(0.0, abs=1e-12) and rest["noise"] == pytest.approx(2 * math.hypot(0.0005, 0.001) / 1.035)
+    assert found["parts"][0]["ms"] == pytest.approx(-32.0)
+    text = scaling.render(found)
+    assert [x in text for x in ("0.034 =", "-0.031 (", "0.036 +", "0.029 +", "0.000 (", "±0.002", "32 ms")] == [True] * 7
+    clean = scaling.account(_row(2, 8, 1.1, 0.95, 0.04, 0.01, 0.2, se=0.0001), one, cuda=True)  # every part shown, all losses
+    assert "lost_sum" not in codes(clean) and None not in [clean[k] for k in scaling.LOST]
+
+
+def test_an_imbalance_on_cpu_names_the_cores_and_times_read_in_their_unit():
+    one = scaling.account(_row(1, 16, 0.2653, 0.2643, 0, 0, 0.001, se=0.0002), None, cuda=False)
+    two = scaling.account({**_row(2, 16, 0.4, 0.3, 0.15, 0.00068, 0.001, se=0.0002), "imbalance_costed_s": 0.00005,
+                           "slowest_steps": [1, 9], "compute_offset_s": [-0.07, 0.07]}, one, cuda=False)
+    found = codes(two)["device_imbalance"]
+    assert found["device"] == "CPU" and found["ms"] == pytest.approx(150.0)
+    assert "150 ms a step, of which unequal shares 50 µs" in scaling.render(found) and "70 ms" in scaling.render(found)
+    assert codes(scaling.account({**_row(2, 16, 0.4, 0.3, 0.15, 0.00068, 0.001, se=0.0002), "imbalance_costed_s": 0.00005},
+                                 one, cuda=True))["device_imbalance"]["device"] == "GPU"
+    noise = scaling.render({"code": "noise", "part": "rest_s", "ms": 150.0})
+    assert noise.endswith("(±150 ms)")
+
+
+def test_scale_tables_write_times_in_their_unit():
+    rows = [{"mode": "same-global", "nproc": n, "busbw_GBps": None, "pred_comm_s": s, "pred_exposed_s": s,
+             "meas_exposed_s": 0.2456, "pred_speedup": 1.0, "meas_speedup": 1.0} for n, s in ((2, 6.871e-05), (4, 1.82e-07))]
+    table = scale.markdown_table(rows, scale.PRED_COLUMNS)
+    cells = [line.split(" | ")[3:6] for line in table.splitlines()[2:]]
+    assert cells == [["68.7 µs", "68.7 µs", "246 ms"], ["182 ns", "182 ns", "246 ms"]]
+    header, _, line = scale.markdown_table([{"step_s": 0.0943, "samples_per_s": 42.4, "tokens_per_s_per_gpu": 14297.0}],
+                                           scale.COLUMNS).splitlines()
+    cell = dict(zip(header[2:-2].split(" | "), line[2:-2].split(" | ")))
+    assert (cell["step"], cell["samples/s"], cell["tokens/s/GPU"]) == ("94.3 ms", "42.4", "14,297")  # rates stay numbers
+
+
 def test_an_imbalance_that_even_shares_do_not_explain_is_named_with_the_slow_gpu():
     """Measured on 2 H200s: even shares (0.05 ms predicted) and 1.3 ms of imbalance a step: the GPUs'
     own. With the steps each process was the slowest in, one slow GPU is named, or none."""
     one = scaling.account(_row(1, 16, 0.2653, 0.2643, 0, 0, 0.001, se=0.0002), None, cuda=True)
     base = {**_row(2, 16, 0.2682, 0.2652, 0.00133, 0.00068, 0.001, se=0.0002), "imbalance_costed_s": 0.00005}
     spread = codes(scaling.account({**base, "slowest_steps": [5, 5], "compute_offset_s": [0.0, 0.0]}, one, cuda=True))
-    assert spread["gpu_imbalance"]["ms"] == pytest.approx(1.33) and spread["gpu_imbalance"]["shares_ms"] == pytest.approx(0.05)
-    assert spread["gpu_imbalance"]["process"] is None
+    assert spread["device_imbalance"]["ms"] == pytest.approx(1.33) and spread["device_imbalance"]["shares_ms"] == pytest.approx(0.05)
+    assert spread["device_imbalance"]["process"] is None
     slow = codes(scaling.account({**base, "slowest_steps": [1, 9], "compute_offset_s": [-0.0007, 0.0007]}, one, cuda=True))
-    assert (slow["gpu_imbalance"]["process"], slow["gpu_imbalance"]["slowest_steps"]) == (1, 9)
-    assert slow["gpu_imbalance"]["behind_ms"] == pytest.approx(0.7)
+    assert (slow["device_imbalance"]["process"], slow["device_imbalance"]["slowest_steps"]) == (1, 9)
+    assert slow["device_imbalance"]["behind_ms"] == pytest.approx(0.7)
     few = codes(scaling.account({**base, "slowest_steps": [1, 2], "compute_offset_s": [0.0, 0.0]}, one, cuda=True))
-    assert "process" not in few["gpu_imbalance"]  # 3 steps say nothing of which GPU
+    assert "process" not in few["device_imbalance"]  # 3 steps say nothing of which GPU
     shares = scaling.account({**base, "imbalance_costed_s": 0.001}, one, cuda=True)  # the shares explain it
-    assert "gpu_imbalance" not in codes(shares)
+    assert "device_imbalance" not in codes(shares)
 
 
 def test_a_stall_inside_the_window_is_named_with_the_median_efficiency():
@@ -224,8 +272,12 @@ def test_a_host_bound_step_is_named_when_less_work_per_process_does_not_shrink_c
 
 
 def test_every_code_renders_as_one_sentence():
-    notes = [{"code": "faster_than_one", "part": "lost_rest", "ms": 1.0}, {"code": "noise", "part": "imbalance_s", "ms": 0.2},
-             {"code": "gpu_imbalance", "ms": 1.3, "shares_ms": 0.05, "process": None, "steps": 10},
+    lost = [{"part": name, "share": share, "ms": share * 100, "blank": blank, "noise": 0.004}
+            for name, share, blank in zip(scaling.LOST, (-0.031, 0.036, 0.029, 0.0), (False, False, False, True))]
+    notes = [{"code": "lost_sum", "lost": 0.034, "parts": lost}, {"code": "noise", "part": "imbalance_s", "ms": 0.2},
+             {"code": "device_imbalance", "device": "GPU", "ms": 1.3, "shares_ms": 0.05, "process": None, "steps": 10},
+             {"code": "device_imbalance", "device": "CPU", "ms": 1.3, "shares_ms": 0.05, "process": 1, "steps": 10,
+              "slowest_steps": 9, "behind_ms": 0.7},
              {"code": "cpu_contention", "speedup": 2.5}, {"code": "host_bound", "change": -0.01, "fewer": 0.5, "graphs": "off"},
              {"code": "padding", "share": 0.18, "share_1": 0.27}, {"code": "fsdp_comm"}, {"code": "recorded_comm"},
              {"code": "stall", "nproc": 1, "steps": 1, "seconds": 4.4}, {"code": "steal", "nproc": 2, "share": 0.05},

@@ -105,28 +105,39 @@ def _read_json(path: Path, keys: tuple[str, ...] = ()) -> dict:
 
 
 def compare_rows(paths: list[str]) -> list[dict]:
+    """A row per evaluation of each path; a finished run whose trained model has none (eval off, or only
+    `eval --base`) has a row of its training figures alone, its ROUGE columns None."""
     rows = []
     for p in map(Path, paths):
         if not p.exists():
             raise ConfigError([f"compare: {p} not found (give run folders or eval folders)"])
         found = find_metrics(p)
-        if not found:
-            raise ConfigError([f"compare: {p} holds no evaluation (run ddptune eval {p} first)"])
+        if not found and not (p / "summary.json").is_file():
+            raise ConfigError([f"compare: {p} holds no finished run (summary.json) and no evaluation "
+                               "(give a folder written by ddptune train or ddptune eval)"])
+        these = []
         for m in found:
             run = m.parent.parent if m.parent.name.startswith("eval") else m.parent
             summary = _read_json(run / "summary.json") if (run / "summary.json").is_file() else {}
-            e = _read_json(m, ("label", *ROUGE_KEYS, "n", "generation_time_s"))
-            base = e["label"] == "zero-shot"
-            # the base model was not trained: the run's training columns do not describe it
-            trained = {} if base else summary
-            rows.append({
-                "run": str(run), "eval": m.parent.name, "model": "zero-shot (base)" if base else "fine-tuned",
-                "processes": trained.get("world_size"), "global_batch": trained.get("global_batch"),
-                "steps": trained.get("steps"), "train_time_s": trained.get("train_time_s"),
-                "val_loss": trained.get("val_loss"),
-                **{k: e[k] for k in ROUGE_KEYS}, "n": e["n"], "generation_time_s": e["generation_time_s"],
-            })
+            these.append(_compare_row(run, summary, m))
+        if (p / "summary.json").is_file() and all(r["model"] != "fine-tuned" for r in these):
+            these.insert(0, _compare_row(p, _read_json(p / "summary.json"), None))
+        rows += these
     return rows
+
+
+def _compare_row(run: Path, summary: dict, metrics_path: Path | None) -> dict:
+    """One compare row: the run's training figures and, with `metrics_path`, that evaluation's scores."""
+    e = _read_json(metrics_path, ("label", *ROUGE_KEYS, "n", "generation_time_s")) if metrics_path else {}
+    base = e.get("label") == "zero-shot"
+    trained = {} if base else summary  # the base model was not trained: the run's training columns do not describe it
+    return {
+        "run": str(run), "eval": metrics_path.parent.name if metrics_path else None,
+        "model": "zero-shot (base)" if base else "fine-tuned",
+        "processes": trained.get("world_size"),
+        **{k: trained.get(k) for k in ("global_batch", "steps", "final_loss", "val_loss", "train_time_s", "wall_time_s")},
+        **{k: e.get(k) for k in (*ROUGE_KEYS, "n", "generation_time_s")},
+    }
 
 
 def config_differences(rows: list[dict]) -> list[str]:
@@ -158,7 +169,8 @@ def loss_curves(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
 
 
 COMPARE_COLUMNS = [("run", "run"), ("model", "model"), ("processes", "GPUs/procs"), ("global_batch", "global batch"),
-                   ("steps", "steps"), ("train_time_s", "train s"), ("val_loss", "val loss"), ("rouge1", "ROUGE-1"),
+                   ("steps", "steps"), ("final_loss", "final loss"), ("val_loss", "val loss"), ("train_time_s", "train s"),
+                   ("wall_time_s", "wall s"), ("rouge1", "ROUGE-1"),
                    ("rouge2", "ROUGE-2"), ("rougeL", "ROUGE-L"), ("rougeLsum", "ROUGE-Lsum"), ("n", "n"),
                    ("generation_time_s", "gen s")]
 
@@ -176,7 +188,9 @@ def compare_main(paths: list[str], json_path: str | None, plot_path: str | None 
             raise ConfigError(problems)
     rows = compare_rows(paths)
     differing = config_differences(rows)
-    print(report.markdown_table(rows, COMPARE_COLUMNS[:2] + [(k, k) for k in differing] + COMPARE_COLUMNS[2:]))
+    columns = COMPARE_COLUMNS[:2] + [(k, k) for k in differing] + COMPARE_COLUMNS[2:]
+    # a column no run has (ROUGE where evaluation was off, training figures of a base model) is left out
+    print(report.markdown_table(rows, [c for c in columns if any(r.get(c[0]) is not None for r in rows)]))
     if json_path:
         report.write_json(Path(json_path), rows)
     if plot_path:

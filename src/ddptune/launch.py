@@ -26,6 +26,7 @@ import time
 
 VALIDATED = "DDPTUNE_VALIDATED"  # set by `torchrun` below: the parent process has validated the config
 RUN = "DDPTUNE_RUN"  # set by `torchrun` for training: its output_dir, what a killed worker's line reports on
+STARTED = "DDPTUNE_STARTED"  # set by `torchrun` for training: when the launching command began (time.time() seconds)
 
 
 class Stopped(BaseException):
@@ -95,6 +96,32 @@ def tell_launcher(line: str) -> None:
             json.dump(data, f)
     except OSError:
         pass  # the line is on stderr already
+
+
+def process_started() -> float:
+    """When this process began, in time.time() seconds: from /proc/self/stat's start time in clock ticks
+    after boot, to a tick (psutil's create_time adds boot time rounded to the second); psutil elsewhere."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])  # field 22, starttime (the name may hold spaces)
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - max(age, 0.0)
+    except (OSError, ValueError, IndexError, AttributeError):
+        import psutil
+
+        return psutil.Process().create_time()
+
+
+def command_started(program: bool) -> float:
+    """When the user's command began, in time.time() seconds: for --nproc's workers the launching
+    process's start (STARTED); for the program itself (`ddptune ...`) this process's start, its imports
+    included; for main called from Python, in a process that may have begun long before, now."""
+    if validated_by_parent() and STARTED in os.environ:
+        try:
+            return float(os.environ[STARTED])
+        except ValueError:
+            pass
+    return process_started() if program else time.time()
 
 
 def launch_problems(nnodes: int, node_rank: int, master: str | None, max_restarts: int) -> list[str]:
@@ -173,7 +200,7 @@ def _cuda() -> bool:
 
 def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = None,
              nnodes: int = 1, node_rank: int = 0, master: str | None = None, max_restarts: int = 0,
-             run: str | None = None) -> int:
+             run: str | None = None, started: float | None = None) -> int:
     """Run `python -m <module_args...>` in `nproc` processes on this host; return the exit code.
 
     One machine: torchrun's standalone rendezvous on a free local port. Several (`nnodes`, the same
@@ -183,7 +210,8 @@ def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = No
 
     `module_args` starts with the module name, e.g. ["ddptune", "train", "cfg.yaml"]. Each child gets
     `default_threads(nproc)` OpenMP threads unless OMP_NUM_THREADS is set (in `env` or here).
-    `run`: a training run's output_dir, so that a killed worker's line says whether it saved a checkpoint.
+    `run`: a training run's output_dir, so that a killed worker's line says whether it saved a checkpoint;
+    `started`: when its command began (command_started), so that the workers count its start-up too.
 
     Signals: torchrun runs in a session of its own, so a Ctrl-C at the terminal reaches this process
     only, and SIGINT or SIGTERM sent to this process is passed to every worker exactly once (each
@@ -201,7 +229,7 @@ def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = No
     child_env.setdefault("OMP_NUM_THREADS", str(default_threads(nproc)))
     child_env[VALIDATED] = "1"
     if run:
-        child_env[RUN] = run
+        child_env.update({RUN: run} if started is None else {RUN: run, STARTED: repr(started)})
     if max_restarts:
         # torchrun (torch 2.13) shares one TCP store across rendezvous rounds without a per-round
         # prefix: restarted workers read the dead round's gloo/NCCL addresses and cannot connect.

@@ -8,9 +8,10 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,12 +67,14 @@ def _cell(value: Any, floatfmt: str) -> str:
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[Column | str] | None = None,
-                   floatfmt: str = ".4g") -> str:
+                   floatfmt: str = ".4g", formats: dict[str, Callable[[Any], str]] | None = None) -> str:
     """Render rows as a GitHub-flavoured markdown table.
 
     `columns` is a list of (key, header) pairs (a bare key is its own header); missing values and
-    None print as empty cells, floats with `floatfmt`. Numeric columns are right-aligned.
+    None print as empty cells, floats with `floatfmt` or their column's function in `formats` (e.g.
+    seconds_text). Numeric columns are right-aligned.
     """
+    formats = formats or {}
     cols = _columns(rows, columns)
     if not cols:
         return ""
@@ -84,10 +87,21 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[Column | st
         aligns.append("---:" if numeric else "---")
     lines.append("| " + " | ".join(aligns) + " |")
     for row in rows:
-        cells = [_cell(row.get(key), floatfmt).replace("|", "\\|").replace("\n", " ")
-                 for key, _ in cols]
+        cells = [(formats[key](row[key]) if key in formats and row.get(key) is not None else _cell(row.get(key), floatfmt))
+                 .replace("|", "\\|").replace("\n", " ") for key, _ in cols]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def seconds_text(seconds: float) -> str:
+    """A time in the unit that reads at a glance: 182 ns, 68.7 µs, 1.23 ms, 246 ms, 12.3 s, 1,234 s."""
+    size = abs(seconds)
+    if size == 0 or not math.isfinite(seconds):
+        return f"{seconds:g} s"
+    for unit, scale in (("ns", 1e-9), ("µs", 1e-6), ("ms", 1e-3)):
+        if float(f"{size / scale:.3g}") < 1000:  # as rounded: 0.9999 s is 1 s, not 1e+03 ms
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds:.3g} s" if size < 100 else f"{seconds:,.0f} s"
 
 
 def write_csv(path: str | os.PathLike[str], rows: Sequence[dict[str, Any]],
@@ -128,13 +142,21 @@ def plot_losses(path: str | os.PathLike[str], curves: dict[str, Sequence[tuple[i
 
 
 def plot_scaling(path: str | os.PathLike[str], groups: dict[str, Sequence[dict[str, Any]]],
-                 title: str = "Data-parallel scaling") -> Path:
-    """Write a PNG with, for each group (a scaling mode) of rows, (a) speedup against processes
+                 title: str = "Data-parallel scaling", gpus: bool = True) -> Path:
+    """Write scaling_figure's PNG."""
+    buf = io.BytesIO()
+    scaling_figure(groups, title, gpus).savefig(buf, format="png", dpi=110)
+    return _atomic_write_bytes(path, buf.getvalue())
+
+
+def scaling_figure(groups: dict[str, Sequence[dict[str, Any]]], title: str = "Data-parallel scaling", gpus: bool = True):
+    """A figure with, for each group (a scaling mode) of rows, (a) speedup against processes
     (ideal y = x; dashed "predicted_speedup" where present) and (b) each count's step time
-    stacked from its parts (`PARTS`; a part that is None, e.g. lost in noise, draws as 0).
+    stacked from its parts (`PARTS`; a part that is None, e.g. lost in noise, draws as 0), its
+    legend beside the bars (inside, it hid the tops of bars that fill the axes).
 
     Row keys: "nproc", "speedup" (None: not published), and the PARTS keys; "predicted_speedup" and
-    "per_process" (a marker at each count's ideal step) optional.
+    "per_process" (a marker at each count's ideal step) optional. `gpus`: one process per GPU (else CPU processes).
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg: no display needed
     from matplotlib.figure import Figure
@@ -152,7 +174,7 @@ def plot_scaling(path: str | os.PathLike[str], groups: dict[str, Sequence[dict[s
             points = [(n, r[key]) for n, r in zip(ns, data) if r.get(key) is not None]
             if points:
                 ax1.plot(*zip(*points), label=name, **style)
-        ax1.set_xlabel("processes (GPUs)")
+        ax1.set_xlabel("processes (GPUs)" if gpus else "processes")
         ax1.set_ylabel("speedup vs 1 process")
         ax1.set_title(f"(a) speedup, {label}")
         ax1.set_xticks(sorted(set(ns + [1])))
@@ -173,13 +195,10 @@ def plot_scaling(path: str | os.PathLike[str], groups: dict[str, Sequence[dict[s
             ax2.hlines(ys, [x - 0.4 for x in xs], [x + 0.4 for x in xs], colors="black", linestyles="--", linewidth=1.5,
                        zorder=3, label="ideal step: n = 1's for as many samples per process")
         ax2.set_xticks(pos, [str(n) for n in ns])
-        ax2.set_xlabel("processes (GPUs)")
+        ax2.set_xlabel("processes (GPUs)" if gpus else "processes")
         ax2.set_ylabel("step time (s)")
         ax2.set_title(f"(b) where a step's time goes, {label}")
         ax2.grid(axis="y", alpha=0.3)
-        ax2.legend(fontsize="small")
+        ax2.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     fig.suptitle(title)
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    return _atomic_write_bytes(path, buf.getvalue())
+    return fig

@@ -143,7 +143,7 @@ def summary(r, history: list[dict], ranks: list[dict], val_loss, peaks: list, fi
         "packing": cfg.train.packing, "final_loss": history[-1]["loss"] if history else None, "val_loss": val_loss,
         "load_time_s": r.times["load_s"], "train_time_s": sum(row["step_time_s"] for row in history),
         **metrics.summarize_steps(history, warm, acc.num_processes), "mfu_denominator_tflops": metrics.peak_tflops(acc.device),
-        "eval_time_s": r.times["eval_s"], "wall_time_s": time.perf_counter() - r.times["started"],
+        "eval_time_s": r.times["eval_s"], **wall_time(r.times, [row for row in history if row["step"] > r.start]),
         "time_split": metrics.split(ranks[min(warm, max(len(ranks) - 1, 0)):]),
         "peak_mem_gib": max(peaks) if None not in peaks else None, "peak_mem_gib_per_process": peaks,
         "train_rows": len(r.train_set), "steps_per_epoch": len(r.train_set) / r.plan.global_batch,
@@ -157,13 +157,26 @@ def summary(r, history: list[dict], ranks: list[dict], val_loss, peaks: list, fi
     }
 
 
-def closing_lines(out: Path, summary: dict, final: Path, method: str, times: dict, has_val: bool,
-                  eval_enabled: bool, chat: bool = False) -> list[str]:
+def wall_time(times: dict, steps: list[dict]) -> dict:
+    """summary.json's wall time so far, from the command's start (started_at, time.time() seconds), and where it
+    went: start-up (imports, validation, launching the processes, joining them), loading the data and
+    model, the training steps run since this process started (`steps`: their metrics rows), evaluation, and the rest (saving,
+    checkpoints, the loop between steps). The parts add up to the wall time."""
+    wall = time.perf_counter() - times["started"]
+    split = {"startup_s": times["startup_s"], "load_s": times["load_s"],
+             "train_s": sum(row["step_time_s"] for row in steps), "eval_s": times["eval_s"]}
+    return {"started_at": times["started_at"], "wall_time_s": wall,
+            "wall_split": {**split, "other_s": wall - sum(split.values())}}
+
+
+def closing_lines(out: Path, summary: dict, final: Path, method: str, has_val: bool, eval_enabled: bool,
+                  chat: bool = False) -> list[str]:
     """What the end of a run prints: its wall time and where it went, its figures, where each
     output is, and one command to try next (`chat`: a run trained on conversations is asked with one)."""
-    wall, load, train_s, eval_s = summary["wall_time_s"], times["load_s"], summary["train_time_s"], times["eval_s"]
-    lines = [f"ddptune: done in {_duration(wall)}: load {load:.1f}s, train {train_s:.1f}s, eval {eval_s:.1f}s "
-             f"(validation and generation), other {max(wall - load - train_s - eval_s, 0):.1f}s (setup, checks, saving)",
+    part = {k: max(v, 0.0) for k, v in summary["wall_split"].items()}
+    lines = [f"ddptune: done in {_duration(summary['wall_time_s'])}: start-up {part['startup_s']:.1f}s (imports, checks, "
+             f"processes), load {part['load_s']:.1f}s, train {part['train_s']:.1f}s, eval {part['eval_s']:.1f}s "
+             f"(validation and generation), other {part['other_s']:.1f}s (saving, checkpoints)",
              "ddptune: final loss " + ("n/a (no step left to run)" if summary["final_loss"] is None else f"{summary['final_loss']:.4f}")
              + (f", val loss {summary['val_loss']:.4f}" if has_val else "")
              + f", {summary['tokens_per_s_per_gpu']:.0f} tokens/s per process"

@@ -33,10 +33,10 @@ from ddptune.scaling import MODES, SAME_PER_DEVICE
 
 WARMUP, MEASURED = 3, 30  # default steps of the largest batch before and inside the measured window
 WHAT_IF_N = (2, 4, 8)
-COLUMNS = [  # (row key, header): scaling.csv uses the keys, scaling.md the headers
+COLUMNS = [  # (row key, header): scaling.csv uses the keys (seconds), scaling.md the headers (times with their unit)
     ("mode", "mode"), ("nproc", "n"), ("batch", "samples per step"), ("steps", "steps measured"),
-    ("step_s", "step (s)"), ("compute_s", "compute (s)"), ("imbalance_s", "imbalance (s)"),
-    ("exposed_comm_s", "exposed comm (s)"), ("rest_s", "rest (s)"), ("tokens_per_s_per_gpu", "tokens/s/GPU"),
+    ("step_s", "step"), ("compute_s", "compute"), ("imbalance_s", "imbalance"),
+    ("exposed_comm_s", "exposed comm"), ("rest_s", "rest"), ("tokens_per_s_per_gpu", "tokens/s/GPU"),
     ("samples_per_s", "samples/s"), ("speedup", "speedup"), ("efficiency", "efficiency"),
     ("efficiency_computed", "efficiency per computed token"),
     ("lost_compute", "lost: compute"), ("lost_imbalance", "lost: imbalance"), ("lost_comm", "lost: comm"),
@@ -44,12 +44,12 @@ COLUMNS = [  # (row key, header): scaling.csv uses the keys, scaling.md the head
     ("peak_mem_gib", "peak mem/GPU (GiB)"), ("final_loss", "final loss"), ("val_loss", "val loss"), ("note", "note"),
 ]
 PRED_COLUMNS = [
-    ("mode", "mode"), ("nproc", "n"), ("busbw_GBps", "busbw (GB/s)"), ("pred_comm_s", "pred. all-reduce (s)"),
-    ("pred_exposed_s", "pred. exposed (s)"), ("meas_exposed_s", "meas. exposed (s)"),
+    ("mode", "mode"), ("nproc", "n"), ("busbw_GBps", "busbw (GB/s)"), ("pred_comm_s", "pred. all-reduce"),
+    ("pred_exposed_s", "pred. exposed"), ("meas_exposed_s", "meas. exposed"),
     ("pred_speedup", "pred. speedup"), ("meas_speedup", "meas. speedup"),
 ]
-WHAT_IF_COLUMNS = [("gradients", "gradients"), ("link", "link"), ("nproc", "n"), ("comm_s", "comm (s)"),
-                   ("exposed_comm_s", "exposed (s)"), ("step_s", "step (s)"), ("speedup", "speedup"),
+WHAT_IF_COLUMNS = [("gradients", "gradients"), ("link", "link"), ("nproc", "n"), ("comm_s", "comm"),
+                   ("exposed_comm_s", "exposed"), ("step_s", "step"), ("speedup", "speedup"),
                    ("efficiency", "efficiency")]
 
 
@@ -177,13 +177,14 @@ def write(args, cfg, out: Path, rows: list[dict], runs: dict, windows: dict, ban
               "backward_fraction": predictions["backward_fraction"],
               "predictions": {k: predictions[k] for k in ("measured", "other_interconnects")}, "manifest": manifest}
     columns = COLUMNS + [(k, k) for k in ("rouge1", "rouge2", "rougeL", "rougeLsum") if k in rows[0]]
-    table = report.markdown_table(rows, columns)
+    table = markdown_table(rows, columns)
     out.mkdir(parents=True, exist_ok=True)
     report.write_json(out / "scaling.json", scaling.clean(result))
     report.write_csv(out / "scaling.csv", rows, columns)
     report.write_text(out / "scaling.md", markdown(table, bandwidth, result))
     report.plot_scaling(out / "scaling.png", {m: [r for r in rows if r["mode"] == m] for m in modes},
-                        title=f"Data-parallel scaling ({predictions['method']}, {info['gpus'][0]['name'] if info['gpus'] else 'CPU'})")
+                        title=f"Data-parallel scaling ({predictions['method']}, {info['gpus'][0]['name'] if info['gpus'] else 'CPU'})",
+                        gpus=bool(info["gpus"]))
     report.write_json(out / "manifest.json", scaling.clean(manifest))
     print("\n" + table + f"\nddptune scale: wrote {out}/scaling.{{json,csv,md,png}} and manifest.json", flush=True)
 
@@ -258,6 +259,15 @@ def as_yaml(path: Path) -> str:
     return text if plain else json.dumps(text)
 
 
+TIMES = {"step_s", "compute_s", "imbalance_s", "exposed_comm_s", "rest_s", "pred_comm_s", "pred_exposed_s", "meas_exposed_s",
+         "comm_s"}  # the tables' columns of seconds
+
+
+def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
+    """A table of scaling.md: times (TIMES, in seconds) in the unit that reads best (68.7 µs, 246 ms)."""
+    return report.markdown_table(rows, columns, formats={k: report.seconds_text for k, _ in columns if k in TIMES})
+
+
 def markdown(table: str, bandwidth: dict, result: dict) -> str:
     m = result["manifest"]
     window = "; ".join(f"{mode}: samples {a}-{b}" for mode, (a, b) in m["sample_window"].items())
@@ -266,8 +276,10 @@ def markdown(table: str, bandwidth: dict, result: dict) -> str:
              f"{m['command'].split('--warmup ')[1].split()[0]} warm-up steps of the largest batch); figures are means over "
              "those steps. step = compute (mean process) + imbalance (slowest - mean) + exposed comm (the slowest process's "
              "wait for the all-reduce) + rest (optimizer, data, gaps). speedup = samples/s at n over samples/s at 1; "
-             "efficiency = speedup / n; the `lost:` columns split 1 - efficiency into its parts (fractions of the step at n). "
-             "A part below twice its standard error is left blank and named in the note.\n",
+             "efficiency = speedup / n; the `lost:` columns split 1 - efficiency into its parts (fractions of the step at n), "
+             "each measured against n = 1's part for as many samples per process, and add up to it: a negative part is time "
+             "n saved against n = 1, offsetting the others. A part below twice its standard error is left blank and named in "
+             "the note, with its value where the `lost:` parts do not add up without it.\n",
              table]
     parts.append(f"## All-reduce bandwidth, {bandwidth['nproc']} processes ({bandwidth.get('backend', 'none')})\n")
     parts.append(f"Interconnect: {result['interconnect']}.\n")
@@ -276,9 +288,9 @@ def markdown(table: str, bandwidth: dict, result: dict) -> str:
     parts.append(f"Gradients all-reduced per optimizer step: {comm.human_size(result['grad_bytes'])} (trainable parameters "
                  f"x 4 bytes, fp32); backward = {result['backward_fraction']:.2f} of the step; busbw = the peak measured. "
                  "pred. speedup: the n = 1 step scaled to each count's share, plus the predicted exposed all-reduce.\n")
-    parts.append(report.markdown_table(result["predictions"]["measured"], PRED_COLUMNS))
+    parts.append(markdown_table(result["predictions"]["measured"], PRED_COLUMNS))
     parts.append("## Predicted scaling on other interconnects\n")
     parts.append("From the n = 1 step time; full fine-tuning assumes its step costs 6 (8 with checkpointing) FLOPs per "
                  "weight and token against LoRA's 4 (6), and all-reduces every parameter (x 4 bytes).\n")
-    parts.append(report.markdown_table(result["predictions"]["other_interconnects"], WHAT_IF_COLUMNS))
+    parts.append(markdown_table(result["predictions"]["other_interconnects"], WHAT_IF_COLUMNS))
     return "\n".join(parts)

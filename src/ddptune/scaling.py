@@ -12,7 +12,9 @@ all-reduce, `dist.StepClock`):
          + exposed communication (the slowest process's wait: it waits for nobody) + rest.
 The efficiency lost at n, against the ideal time k·t1 (k = per-process samples at n / at 1), part by
 part: 1 - efficiency = Σ (part_n - k·part_1) / t_n. A part smaller than twice its standard error
-over the window is noise, never a negative time.
+over the window is noise, never a negative time. The lost parts add up to 1 - efficiency: a negative
+one (time n saved against n = 1) offsets the others, and one left blank as noise still counts; the
+`lost_sum` finding writes the sum out wherever either happens.
 
 `account` returns every finding as data (`notes`: a code and its numbers); `render` turns one into
 a sentence for scaling.md.
@@ -25,6 +27,7 @@ import statistics
 from pathlib import Path
 
 from ddptune import batchplan  # (comm and metrics import torch: only where used, so --nproc is parsed without it)
+from ddptune.report import seconds_text
 from ddptune.batchplan import BatchPlan
 from ddptune.config import ConfigError
 
@@ -158,32 +161,27 @@ def timing(times: list[float], tokens: int, samples: int, nproc: int, ranks: lis
 
 def account(row: dict, base: dict | None, cuda: bool) -> dict:
     """Speedup, efficiency and the lost efficiency split into its parts; `row["notes"]` lists the
-    findings (noise, imbalance from the GPUs, host-bound steps, padding, stalls...)."""
+    findings (noise, how the lost parts add up, imbalance from the devices, host-bound steps, padding, stalls...)."""
     base = base or row
-    n, notes = row["nproc"], []
+    n = row["nproc"]
     row["speedup"] = row["samples_per_s"] / base["samples_per_s"]
     row["efficiency"] = row["speedup"] / n
     k = row["per_process"] / base["per_process"]
     row["parts"] = raw = {key: row[key] for key in PART_KEYS}  # before noise blanks any
     row["parts_se"] = se = {key: row.get(key + "_se") or 0.0 for key in PART_KEYS}
-    one, one_se = base.get("parts", raw), base.get("parts_se", se)
-    for name, key in LOST.items():
-        seconds, err = raw[key] - k * one[key], math.hypot(se[key], k * one_se[key])
-        row[name] = seconds / row["step_s"] if n > 1 else 0.0
-        if n > 1 and abs(seconds) < 2 * err:  # noise: neither a loss nor a gain can be told apart from zero
-            row[name] = None
-        elif n > 1 and seconds < 0:
-            notes.append({"code": "faster_than_one", "part": name, "ms": -seconds * 1e3})
+    one = base.get("parts", raw)
+    notes = lost_parts(row, one, base.get("parts_se", se), k)
     for key in PART_KEYS[1:]:
         if se[key] and row[key] < 2 * se[key]:
             notes.append({"code": "noise", "part": key, "ms": 2 * se[key] * 1e3})
             row[key + "_noise_s"], row[key] = 2 * se[key], None
     costed = row.get("imbalance_costed_s")
     if n > 1 and row["imbalance_s"] is not None and costed is not None and row["imbalance_s"] > 2 * costed:
-        notes.append({"code": "gpu_imbalance", "ms": row["imbalance_s"] * 1e3, "shares_ms": costed * 1e3, **slow_gpu(row)})
+        notes.append({"code": "device_imbalance", "device": "GPU" if cuda else "CPU", "ms": row["imbalance_s"] * 1e3,
+                      "shares_ms": costed * 1e3, **slow_gpu(row)})
     if not cuda and n > 1 and row["speedup"] > n * 1.05:
-        notes.append({"code": "cpu_contention", "speedup": row["speedup"]})
-        row["speedup"] = row["efficiency"] = None
+        notes = [x for x in notes if x["code"] != "lost_sum"] + [{"code": "cpu_contention", "speedup": row["speedup"]}]
+        row["speedup"] = row["efficiency"] = None  # (and 1 - efficiency is not written out either)
     if cuda and k < 1 and row["compute_s"] > (1 + k) / 2 * one["compute_s"]:  # less work, compute barely shrank
         notes.append({"code": "host_bound", "change": row["compute_s"] / one["compute_s"] - 1, "fewer": 1 - k,
                       "graphs": row.get("cuda_graphs", "off")})
@@ -203,6 +201,23 @@ def account(row: dict, base: dict | None, cuda: bool) -> dict:
     row["notes"] = notes
     row["note"] = "; ".join(map(render, notes)) or None
     return row
+
+
+def lost_parts(row: dict, one: dict, one_se: dict, k: float) -> list[dict]:
+    """The `lost:` columns, each part's (part_n - k·part_1) / t_n, None where it is within noise (twice its
+    standard error); and, where a part is negative or blank, a `lost_sum` finding that writes out how all
+    of them (the blank ones' values too) add up to 1 - efficiency."""
+    n, raw, se = row["nproc"], row["parts"], row["parts_se"]
+    parts = []
+    for name, key in LOST.items():
+        seconds, err = raw[key] - k * one[key], math.hypot(se[key], k * one_se[key])
+        blank = n > 1 and abs(seconds) < 2 * err  # noise: neither a loss nor a gain can be told apart from zero
+        row[name] = None if blank else seconds / row["step_s"] if n > 1 else 0.0
+        parts.append({"part": name, "share": seconds / row["step_s"], "ms": seconds * 1e3, "blank": blank,
+                      "noise": 2 * err / row["step_s"]})
+    if n > 1 and any(p["blank"] or p["share"] < 0 for p in parts):
+        return [{"code": "lost_sum", "lost": 1 - row["efficiency"], "parts": parts}]
+    return []
 
 
 def slow_gpu(row: dict) -> dict:
@@ -231,17 +246,12 @@ def host_notes(base: dict, row: dict) -> list[dict]:
 def render(note: dict) -> str:
     """One finding as a sentence."""
     c = note["code"]
-    if c == "faster_than_one":
-        return f"{note['part'].replace('_', ' ')}: faster than at n = 1 by {note['ms']:.2g} ms a step"
+    if c == "lost_sum":
+        return lost_sum_text(note)
     if c == "noise":
-        return f"{note['part'].removesuffix('_s').replace('_', ' ')} within noise (±{note['ms']:.2g} ms)"
-    if c == "gpu_imbalance":
-        which = ("" if "process" not in note else
-                 ": a different GPU was the slowest from step to step" if note["process"] is None else
-                 f": process {note['process']} was the slowest in {note['slowest_steps']} of {note['steps']} steps, "
-                 f"{note['behind_ms']:.2g} ms a step behind the mean (its GPU is slower on the same work)")
-        return (f"imbalance {note['ms']:.2g} ms a step, of which unequal shares {note['shares_ms']:.2g} ms: the rest "
-                f"comes from the GPUs on work of equal cost{which}")
+        return f"{note['part'].removesuffix('_s').replace('_', ' ')} within noise (±{seconds_text(note['ms'] / 1e3)})"
+    if c == "device_imbalance":
+        return imbalance_text(note)
     if c == "cpu_contention":
         return f"speedup {note['speedup']:.2f} above n: the processes fought over the CPU cores; not published"
     if c == "host_bound":
@@ -263,6 +273,29 @@ def render(note: dict) -> str:
     if c == "median_efficiency":
         return f"by median steps the efficiency is {note['efficiency']:.1%}"
     raise ValueError(f"unknown note {c!r}")
+
+
+def lost_sum_text(note: dict) -> str:
+    """1 - efficiency as the sum of its parts, each signed; a negative one named as time saved, a blank one with its noise."""
+    terms = []
+    for p in note["parts"]:
+        why = (f" (blank: within noise, ±{p['noise']:.3f})" if p["blank"] else
+               f" (faster than at n = 1 by {seconds_text(-p['ms'] / 1e3)} a step)" if p["share"] < 0 else "")
+        terms.append(f"{p['part'].removeprefix('lost_')} {p['share']:.3f}{why}")
+    return f"1 - efficiency {note['lost']:.3f} = " + " + ".join(terms)
+
+
+def imbalance_text(note: dict) -> str:
+    """An imbalance the processes' shares do not explain: it comes from the devices (GPUs, or the CPU cores the
+    processes run on, shared with each other and the host), and which process was the slowest."""
+    on = "GPUs" if note["device"] == "GPU" else "CPU cores (shared by the processes and anything else on the host)"
+    own = "its GPU is slower" if note["device"] == "GPU" else "its cores were slower or busier"
+    which = ("" if "process" not in note else
+             ": a different process was the slowest from step to step" if note["process"] is None else
+             f": process {note['process']} was the slowest in {note['slowest_steps']} of {note['steps']} steps, "
+             f"{seconds_text(note['behind_ms'] / 1e3)} a step behind the mean ({own} on the same work)")
+    return (f"imbalance {seconds_text(note['ms'] / 1e3)} a step, of which unequal shares {seconds_text(note['shares_ms'] / 1e3)}: "
+            f"the rest comes from the {on} on work of equal cost{which}")
 
 
 def clean(obj):

@@ -70,7 +70,7 @@ class Run:
     flops: metrics.FlopModel
     start: int            # optimizer steps already done (resume)
     total_steps: int
-    times: dict = field(default_factory=dict)  # started (perf_counter), load_s, eval_s
+    times: dict = field(default_factory=dict)  # started (perf_counter), started_at (time.time), startup_s, load_s, eval_s
     engine: Any = None    # graphs.StepGraphs, with the whole step recorded
     side: Any = None      # the CUDA stream a recorded step runs on (DDP is built on it)
     trackers: Any = None
@@ -80,9 +80,10 @@ class Run:
 # setup
 
 
-def run(cfg: Config, resume: bool = False):
-    """Train as configured; every process calls this. Returns (summary, trained model)."""
-    r = setup(cfg, resume)
+def run(cfg: Config, resume: bool = False, started: float | None = None):
+    """Train as configured; every process calls this. Returns (summary, trained model). `started`: when
+    the user's command began (time.time() seconds), what its wall time counts from; default: now."""
+    r = setup(cfg, resume, started)
     try:
         history, times = fit(r)
         return finish(r, history, times)
@@ -90,8 +91,9 @@ def run(cfg: Config, resume: bool = False):
         r.trackers.close()
 
 
-def setup(cfg: Config, resume: bool = False) -> Run:
-    started = time.perf_counter()
+def setup(cfg: Config, resume: bool = False, started: float | None = None) -> Run:
+    now, started_at = time.perf_counter(), time.time() if started is None else started
+    began = now - max(time.time() - started_at, 0.0)  # the command's start on this clock: imports, launching counted
     acc = dist.setup(cfg.train.precision, cfg.train.strategy, log_with=cfg.train.log_with, logging_dir=cfg.output_dir)
     world = acc.num_processes
     if dist.validated_by_parent():  # `--nproc`: the parent validated before starting us
@@ -134,7 +136,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     model = build_model(cfg, base, chosen, acc.device)
     acc.print(f"ddptune: model loaded in {time.perf_counter() - t1:.1f}s")
     r = prepare(cfg, plan, acc, out, tokenizer, train_set, val_set, model, stream, chosen, flops, total)
-    r.times.update(started=started, load_s=time.perf_counter() - t0, eval_s=0.0)
+    r.times.update(started=began, started_at=started_at, startup_s=t0 - began, load_s=time.perf_counter() - t0, eval_s=0.0)
     if resume:
         r.start = saving.resume_from(r)
     if chosen.graphs != "off":
@@ -419,9 +421,9 @@ def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
         if acc.is_main_process:
             summary["rouge"] = {k: scores[k] for k in generation.ROUGE_KEYS}
     if acc.is_main_process:
-        summary.update(eval_time_s=r.times["eval_s"], wall_time_s=time.perf_counter() - r.times["started"])
+        summary.update(eval_time_s=r.times["eval_s"], **runlog.wall_time(r.times, history))
         runlog.write_json_atomic(out / "summary.json", summary)
-        acc.print("\n".join(runlog.closing_lines(out, summary, final, cfg.train.method, r.times, bool(r.val_set),
-                                                 cfg.eval.enabled, data.trains_conversations(cfg.data))))
+        acc.print("\n".join(runlog.closing_lines(out, summary, final, cfg.train.method, bool(r.val_set), cfg.eval.enabled,
+                                                 data.trains_conversations(cfg.data))))
     acc.wait_for_everyone()
     return summary, r.model
