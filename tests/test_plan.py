@@ -27,7 +27,7 @@ def test_prediction_inside_the_stated_band_of_every_measured_peak():
     its run used; the largest forward recomputed from the same data and tokenizer. Every prediction
     lies inside the band memory.py (and the README) state: from PLAN_UNDER under to PLAN_OVER over.
     Not covered: the 1B QLoRA scale run the plan missed by 38 % (its raw peak lacks the run's
-    largest forward; the run is in git tag lab-notes-2026-12-01)."""
+    largest forward; the run is in git history at commit 19efb42)."""
     check = _plan_check()
     runs = check.measured_runs()
     assert {r["file"] for r in runs} >= {"h200_llama31_8b_qlora_v2.json", "h200_llama31_8b_lora_bf16.json"}
