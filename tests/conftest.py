@@ -32,6 +32,27 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
 
 
+@contextlib.contextmanager
+def umask(mask: int):
+    """This process's umask set to `mask` meanwhile (what files and folders it creates then get)."""
+    saved = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(saved)
+
+
+def unreadable(folder: Path) -> list[str]:
+    """What in `folder` (itself included) others cannot read: files without read for group and
+    other, folders without read and search for them; each as 'MODE PATH'. Symlinks are not followed."""
+    found = []
+    for p in [folder, *folder.rglob("*")]:
+        need = 0o055 if p.is_dir() else 0o044
+        if not p.is_symlink() and p.stat().st_mode & need != need:
+            found.append(f"{p.stat().st_mode & 0o777:o} {p}")
+    return found
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Preset checkpoints go to a temporary cache shared by the whole test run, never the user's."""

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -59,7 +58,6 @@ def main(args) -> int:
             what = write_merged(run_dir, cfg, tmp, args.dtype)
         else:
             what = write_adapter(run_dir, cfg, tmp)
-        _readable(tmp)
         checkpoint.commit(tmp, out)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -352,15 +350,6 @@ def merged_model(run_dir: Path, cfg: Config, device):
                                "which cannot be merged into (pip uninstall kernels, then export again)"])
         quantizer.remove_quantization_config(net)
     return net
-
-
-def _readable(folder: Path) -> None:
-    """The permissions a plain save would get (mkdtemp makes the folder private, safetensors its files)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(folder, 0o777 & ~umask)
-    for f in folder.iterdir():
-        os.chmod(f, 0o666 & ~umask)
 
 
 def _tokenizer(weights: Path):

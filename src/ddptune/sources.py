@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddptune import lock
+from ddptune import checkpoint, lock
 from ddptune.config import ConfigError, ModelConfig
 
 # Architecture shapes of real models; weights are random (same compute as the real ones).
@@ -301,7 +301,7 @@ def _put_in_place(tmp: Path, folder: Path) -> None:
     """Record `tmp`'s files (RECORD, last), then rename it into place, a damaged `folder` first set aside."""
     files = {p.relative_to(tmp).as_posix(): fingerprint(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
     (tmp / RECORD).write_text(json.dumps({"files": files}, indent=1))
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private
+    checkpoint.make_plain(tmp)  # mkdtemp makes it private, safetensors its weights
     aside = None
     if os.path.lexists(folder):  # readers that find no folder meanwhile wait for the lock, then read the new one
         aside = _beside(folder, "old")
@@ -334,9 +334,3 @@ def cache_problem(src: Source) -> str | None:
             except ConfigError as e:
                 return e.problems[0]
     return None
-
-
-def _umask() -> int:
-    umask = os.umask(0o022)  # read it (os has no other way) and put it back at once
-    os.umask(umask)
-    return umask
