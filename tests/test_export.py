@@ -111,6 +111,30 @@ def test_what_runs_and_exports_write_is_readable_by_others(lora_run, tmp_path):
         assert conftest.unreadable(folder) == [], folder
 
 
+def test_the_runs_model_card_names_its_base_by_hub_id_or_not_at_all(lora_run, tmp_path):
+    """peft's card in adapter/ took its base_model from the folder the base loaded from: a GGUF
+    source's conversion in the cache, '' for a preset. Its front matter holds a hub id or no base,
+    and its text names the source."""
+    import shutil
+
+    from huggingface_hub import ModelCard
+
+    from ddptune import saving
+    from test_gguf_cache import tiny_gguf
+
+    gguf = str(tiny_gguf(tmp_path / "tiny.gguf"))
+    run = train_run(tmp_path / "run", f"model.source={gguf}", "train.max_steps=1", "data.max_length=64")
+    for card_path, source in ((run / "adapter" / "README.md", gguf), (lora_run / "adapter" / "README.md", "preset:tiny")):
+        card = ModelCard.load(card_path)
+        assert card.data.library_name == "peft" and "base_model" not in card.data.to_dict(), card.data
+        assert not any(t.startswith("base_model") for t in card.data.tags) and card.text.count(f"`{source}`") == 1
+    hub = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    path = shutil.copy(run / "adapter" / "README.md", tmp_path / "README.md")
+    saving.name_the_base(path, config.ModelConfig(source=hub), "lora")
+    card = ModelCard.load(path)
+    assert card.data.base_model == hub and [t for t in card.data.tags if t.startswith("base_model")] == [f"base_model:adapter:{hub}"]
+
+
 def test_qlora_is_merged_into_its_dequantized_base(tmp_path):
     run = train_run(tmp_path / "run", "train.method=qlora")
     out = tmp_path / "merged"

@@ -164,22 +164,13 @@ def _model_type(run_dir: Path, cfg: Config) -> str | None:
 # The adapter alone
 
 
-def base_reference(cfg: Config) -> str:
-    """The base as the user named it: a hub id, a local folder (absolute), or the source string
-    (`preset:NAME`, `pypi:PACKAGE`, a .gguf path) that README.md explains how to build."""
-    src = sources.resolve_source(cfg.model)
-    if src.kind == "local":
-        return str(Path(cfg.model.source).expanduser().resolve())
-    return cfg.model.source
-
-
 def write_adapter(run_dir: Path, cfg: Config, folder: Path) -> str:
     weights = rundir.trained_weights_dir(run_dir, cfg.train.method)
     for f in weights.iterdir():
         if f.is_file() and f.name != "README.md":  # peft's model card names the venv path; ours replaces it
             shutil.copy2(f, folder / f.name)
     conf = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
-    conf["base_model_name_or_path"] = base_reference(cfg)
+    conf["base_model_name_or_path"] = sources.base_reference(cfg.model)
     conf["revision"] = cfg.model.revision
     (folder / "adapter_config.json").write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     tokenizer = _tokenizer(weights)
@@ -212,7 +203,7 @@ def build_base_code(cfg: Config) -> str:
             where = f"# pip install gguf\nfolder = {src.path!r}\n"
         return (head + where + f"base = AutoModelForCausalLM.from_pretrained(folder, gguf_file={src.gguf_file!r}, "
                 "dtype=torch.float32" + quant + ")  # dequantized as it loads\n")
-    ref = base_reference(cfg)
+    ref = sources.base_reference(cfg.model)
     rev = f", revision={m.revision!r}" if m.revision else ""
     remote = ", trust_remote_code=True" if m.trust_remote_code else ""
     return head + f"base = AutoModelForCausalLM.from_pretrained({ref!r}{rev}{remote}{quant})\n"
@@ -223,7 +214,7 @@ def adapter_readme(cfg: Config, tokenizer) -> str:
     hub = src.kind in ("hub", "local")
     note = ("`AutoPeftModelForCausalLM.from_pretrained(\"this-folder\")` also works: `base_model_name_or_path` is that model."
             if hub else
-            f"`base_model_name_or_path` is `{base_reference(cfg)}`, ddptune's name for a base that no hub id names "
+            f"`base_model_name_or_path` is `{sources.base_reference(cfg.model)}`, ddptune's name for a base that no hub id names "
             "(AutoPeftModelForCausalLM cannot load it): build it as below."
             + (" The adapter was trained on the GGUF file's dequantized weights, not on the original "
                "full-precision checkpoint: use the same file." if src.kind == "gguf" else ""))

@@ -93,6 +93,14 @@ def resolve_source(m: ModelConfig) -> Source:
     return Source("hub", s, m.gguf_file)
 
 
+def base_reference(m: ModelConfig) -> str:
+    """The base as the user named it: a hub id, a local folder (absolute), or the source string
+    (`preset:NAME`, `pypi:PACKAGE`, a .gguf path) that an exported adapter's README.md explains how to build."""
+    if resolve_source(m).kind == "local":
+        return str(Path(m.source).expanduser().resolve())
+    return m.source
+
+
 def looks_like_hub_id(name: str) -> bool:
     """`org/name`: one slash between two names, not a path (a path that does not exist is never a hub id)."""
     org, _, repo = name.partition("/")
