@@ -53,6 +53,17 @@ def unreadable(folder: Path) -> list[str]:
     return found
 
 
+@contextlib.contextmanager
+def checkpoints_kept():
+    """Runs that finish meanwhile, in this process, keep their checkpoints, as a run killed right
+    after saving its final weights does: what tests cut the folder of a run that died midway from."""
+    from ddptune import saving
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(saving, "remove_checkpoints", lambda out: None)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Preset checkpoints go to a temporary cache shared by the whole test run, never the user's."""

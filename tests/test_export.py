@@ -36,8 +36,9 @@ EVERY_FILE = ["train.save_every=1", "data.val=demo", "data.val_rows=560:562", "e
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
-    """A finished LoRA run that wrote every kind of file a run writes, under umask 022."""
-    with conftest.umask(0o022):
+    """A finished LoRA run that wrote every kind of file a run writes, under umask 022; it keeps
+    its checkpoints, as a run killed right after saving its final weights does."""
+    with conftest.umask(0o022), conftest.checkpoints_kept():
         return train_run(tmp_path_factory.mktemp("export") / "run", *EVERY_FILE)
 
 

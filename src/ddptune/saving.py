@@ -2,17 +2,19 @@
 
 Rank 0 writes checkpoints (sharded, every process its own part first); the final weights are gathered
 whole onto rank 0 when sharded; resume takes the newest checkpoint that reads back whole and fits
-the run (checkpoint.py holds the files' format).
+the run (checkpoint.py holds the files' format). Once the final weights are saved the checkpoints are
+removed: nothing resumes a finished run.
 """
 from __future__ import annotations
 
 import math
+import shutil
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddptune import checkpoint, config as config_lib, dist, model as model_lib, sources
+from ddptune import checkpoint, config as config_lib, dist, model as model_lib, rundir, sources
 from ddptune.config import ConfigError
 
 
@@ -106,6 +108,14 @@ def save_final(r, final: Path) -> None:
         (tmp / "ddptune.yaml").write_text(config_lib.dump(r.cfg))
         checkpoint.commit(tmp, final)
     r.accelerator.wait_for_everyone()
+
+
+def remove_checkpoints(out: Path) -> None:
+    """A finished run's checkpoints, once its summary.json and final weights are written: --resume
+    refuses a finished run, and eval, export, predict and compare read its final weights. The
+    caller is the one process that writes."""
+    if rundir.finished(out):
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
 
 
 def name_the_base(card_path: Path, m: config_lib.ModelConfig, method: str) -> None:

@@ -412,6 +412,8 @@ def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
         summary = runlog.summary(r, runlog.step_rows(out) or history, ranks, val_loss, peaks, fingerprints, final)
         report.write_json(out / "summary.json", summary)  # first: a kill in the saves below keeps the figures
     saving.save_final(r, final)
+    if acc.is_main_process:
+        saving.remove_checkpoints(out)
     if cfg.eval.enabled:
         t0 = time.perf_counter()
         scores = generation.evaluate(r.model, r.tokenizer, generation.eval_rows(cfg), cfg, acc, out / "eval", "fine-tuned")
