@@ -45,6 +45,38 @@ def peak_allocated(fn):
         tracemalloc.stop()
 
 
+@contextlib.contextmanager
+def umask(mask: int):
+    """This process's umask set to `mask` meanwhile (what files and folders it creates then get)."""
+    saved = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(saved)
+
+
+def unreadable(folder: Path) -> list[str]:
+    """What in `folder` (itself included) others cannot read: files without read for group and
+    other, folders without read and search for them; each as 'MODE PATH'. Symlinks are not followed."""
+    found = []
+    for p in [folder, *folder.rglob("*")]:
+        need = 0o055 if p.is_dir() else 0o044
+        if not p.is_symlink() and p.stat().st_mode & need != need:
+            found.append(f"{p.stat().st_mode & 0o777:o} {p}")
+    return found
+
+
+@contextlib.contextmanager
+def checkpoints_kept():
+    """Runs that finish meanwhile, in this process, keep their checkpoints, as a run killed right
+    after saving its final weights does: what tests cut the folder of a run that died midway from."""
+    from ddptune import saving
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(saving, "remove_checkpoints", lambda out: None)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Preset checkpoints go to a temporary cache shared by the whole test run, never the user's."""

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import multiproc
-from conftest import ROOT, metrics
+from conftest import ROOT, checkpoints_kept, metrics
 from ddptune import checkpoint, config, model as model_lib, step, tokenized, train
 from ddptune.config import ConfigError
 
@@ -36,7 +36,8 @@ class Payload:
 
 def test_planted_pickles_never_run(tmp_path):
     out = tmp_path / "run"
-    train.run(config.load(TINY, [f"output_dir={out}", "train.max_steps=2", "train.save_every=2", "data.val=null"]))
+    with checkpoints_kept():
+        train.run(config.load(TINY, [f"output_dir={out}", "train.max_steps=2", "train.save_every=2", "data.val=null"]))
     ckpt = out / "checkpoints" / "step-000002"
     files = sorted(p.name for p in ckpt.iterdir())
     assert files == ["optimizer.json", "optimizer.safetensors", "rng.json", "rng.safetensors", "scheduler.json",
@@ -70,7 +71,8 @@ def test_planted_pickles_never_run(tmp_path):
 def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path):
     args = ["train.max_steps=4", "train.save_every=2", "train.keep_checkpoints=3", "lora.dropout=0.0", "data.val=null"]
     full = tmp_path / "full"
-    train.run(config.load(TINY, [f"output_dir={full}", *args]))
+    with checkpoints_kept():
+        train.run(config.load(TINY, [f"output_dir={full}", *args]))
     part = tmp_path / "part"
     shutil.copytree(full, part, ignore=shutil.ignore_patterns("adapter", "summary.json", "ranks.jsonl"))
     (part / "config.yaml").write_text((full / "config.yaml").read_text().replace(str(full), str(part)))
@@ -80,7 +82,8 @@ def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path):
     (newest / "optimizer.safetensors").write_bytes(b"\0" * 10)
     (newest / "state.json").write_text(json.dumps({"step": 3, "world_size": 1}))
     (part / "checkpoints" / ".step-000004.tmp-abc").mkdir()  # what a kill during a save leaves
-    summary, _ = train.run(config.load(TINY, [f"output_dir={part}", *args]), resume=True)
+    with checkpoints_kept():
+        summary, _ = train.run(config.load(TINY, [f"output_dir={part}", *args]), resume=True)
     losses = lambda d: [r["loss"] for r in metrics(d) if "loss" in r]  # noqa: E731
     assert losses(part) == pytest.approx(losses(full), abs=1e-6)  # resumed after step 2, not 3
     assert not (part / "checkpoints" / ".step-000004.tmp-abc").exists()  # the next save cleared it
@@ -319,7 +322,8 @@ def test_an_undamaged_checkpoint_restores_everything(saved_step_2):
 @pytest.fixture(scope="module")
 def unbroken_4(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("unbroken4") / "run"
-    train.run(config.load(TINY, [f"output_dir={out}", *RESUME_ARGS]))
+    with checkpoints_kept():
+        train.run(config.load(TINY, [f"output_dir={out}", *RESUME_ARGS]))
     return out
 
 

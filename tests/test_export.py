@@ -29,9 +29,17 @@ def train_run(out, *overrides, source=TINY, keep=False):
     return (out, net.eval()) if keep else out
 
 
+# a checkpoint each step, a validation set and an evaluation (2 rows): every kind of file a run writes
+EVERY_FILE = ["train.save_every=1", "data.val=demo", "data.val_rows=560:562", "eval.enabled=true", "eval.max_samples=2",
+              "eval.max_new_tokens=4"]
+
+
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
-    return train_run(tmp_path_factory.mktemp("export") / "run")
+    """A finished LoRA run that wrote every kind of file a run writes, under umask 022; it keeps
+    its checkpoints, as a run killed right after saving its final weights does."""
+    with conftest.umask(0o022), conftest.checkpoints_kept():
+        return train_run(tmp_path_factory.mktemp("export") / "run", *EVERY_FILE)
 
 
 def logits(net, ids):
@@ -88,6 +96,44 @@ def test_adapter_export_names_the_source_and_loads_onto_the_base(lora_run, tmp_p
     net = PeftModel.from_pretrained(base, out)
     assert torch.equal(logits(net, IDS), logits(trained(lora_run), IDS))
     assert (out / "tokenizer.json").is_file()
+
+
+def test_what_runs_and_exports_write_is_readable_by_others(lora_run, tmp_path):
+    """Under umask 022 every file a run, an export and the cache hold is readable by others, every
+    folder readable and searchable: temporary folders (mkdtemp: 0700) and safetensors' files (0600)
+    get plain permissions before they are renamed into place."""
+    with conftest.umask(0o022):
+        export(lora_run, tmp_path / "adapter")
+        export(lora_run, tmp_path / "merged", "--merge")
+        preset = model_lib.preset_folder("tiny", 0, cache_dir=tmp_path / "cache")  # what a QLoRA run of a preset loads
+    assert {"checkpoints", "adapter", "eval", "eval-base", "summary.json"} <= {p.name for p in lora_run.iterdir()}
+    assert list((lora_run / "checkpoints").glob("step-*/weights.safetensors"))
+    for folder in (lora_run, lora_run.parent / "cache", tmp_path / "adapter", tmp_path / "merged", preset):
+        assert conftest.unreadable(folder) == [], folder
+
+
+def test_the_runs_model_card_names_its_base_by_hub_id_or_not_at_all(lora_run, tmp_path):
+    """peft's card in adapter/ took its base_model from the folder the base loaded from: a GGUF
+    source's conversion in the cache, '' for a preset. Its front matter holds a hub id or no base,
+    and its text names the source."""
+    import shutil
+
+    from huggingface_hub import ModelCard
+
+    from ddptune import saving
+    from test_gguf_cache import tiny_gguf
+
+    gguf = str(tiny_gguf(tmp_path / "tiny.gguf"))
+    run = train_run(tmp_path / "run", f"model.source={gguf}", "train.max_steps=1", "data.max_length=64")
+    for card_path, source in ((run / "adapter" / "README.md", gguf), (lora_run / "adapter" / "README.md", "preset:tiny")):
+        card = ModelCard.load(card_path)
+        assert card.data.library_name == "peft" and "base_model" not in card.data.to_dict(), card.data
+        assert not any(t.startswith("base_model") for t in card.data.tags) and card.text.count(f"`{source}`") == 1
+    hub = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    path = shutil.copy(run / "adapter" / "README.md", tmp_path / "README.md")
+    saving.name_the_base(path, config.ModelConfig(source=hub), "lora")
+    card = ModelCard.load(path)
+    assert card.data.base_model == hub and [t for t in card.data.tags if t.startswith("base_model")] == [f"base_model:adapter:{hub}"]
 
 
 def test_qlora_is_merged_into_its_dequantized_base(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import multiproc
-from conftest import ROOT, SHARED_DATA, metrics
+from conftest import ROOT, SHARED_DATA, checkpoints_kept, metrics
 from ddptune import batches, chat, config, data, formats, metrics as metrics_lib, model as model_lib, train
 from ddptune.config import DataConfig, ModelConfig
 
@@ -226,7 +226,8 @@ def test_a_mixture_resumes_where_it_stopped(tmp_path):
             "data.train_rows=null", "data.val=null", "train.max_steps=6", "train.save_every=3", "train.keep_checkpoints=5",
             "lora.dropout=0.0"]
     full = tmp_path / "full"
-    train.run(config.load(TINY, [f"output_dir={full}", *args]))
+    with checkpoints_kept():
+        train.run(config.load(TINY, [f"output_dir={full}", *args]))
     part = died_after(full, tmp_path / "part", checkpoint_step=3, metric_lines=3)
     train.run(config.load(TINY, [f"output_dir={part}", *args]), resume=True)
     assert_ended_as(full, part, loss_tol=1e-6, weight_tol=0.0)

@@ -17,7 +17,7 @@ import yaml
 from safetensors.torch import load_file
 
 import multiproc
-from conftest import ROOT, metrics
+from conftest import ROOT, checkpoints_kept, metrics
 from ddptune import batches, checks, config, data, dist, train
 from ddptune.config import ConfigError
 
@@ -29,8 +29,10 @@ METHODS = ("lora", "full")
 
 
 def train_all(runs: list[tuple[list[str], bool]]) -> list[dict]:
-    """One process's part of each `ddptune train configs/tiny.yaml OVERRIDES [--resume]`, in turn."""
-    return [train.run(config.load(TINY, overrides), resume=resume)[0] for overrides, resume in runs]
+    """One process's part of each `ddptune train configs/tiny.yaml OVERRIDES [--resume]`, in turn; finished
+    runs keep their checkpoints (the tests read them and cut interrupted runs from them)."""
+    with checkpoints_kept():
+        return [train.run(config.load(TINY, overrides), resume=resume)[0] for overrides, resume in runs]
 
 
 def weights_file(run_dir, method: str):

@@ -31,7 +31,7 @@ import yaml
 from safetensors.torch import load_file
 
 import multiproc
-from conftest import ROOT, metrics
+from conftest import ROOT, checkpoints_kept, metrics
 from ddptune import config, dist, memory, model as model_lib, step as step_lib, train
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -43,7 +43,9 @@ ADAPTER = "adapter/adapter_model.safetensors"
 
 
 def run(out, overrides: list[str], resume: bool = False) -> dict:
-    return train.run(config.load(TINY, [f"output_dir={out}", *overrides]), resume=resume)[0]
+    """A run that keeps its checkpoints when it finishes (the tests read them and cut interrupted runs from them)."""
+    with checkpoints_kept():
+        return train.run(config.load(TINY, [f"output_dir={out}", *overrides]), resume=resume)[0]
 
 
 def stopped(out, overrides: list[str]) -> str:
@@ -113,7 +115,8 @@ def two_processes(root: str, ports: list[int]) -> dict:
     afresh(ports[1])
     run(root / "fsdp2-bf16", [*FSDP, "train.precision=bf16"])
     afresh(ports[2])
-    out["fsdp"], model = train.run(config.load(TINY, [f"output_dir={root / 'fsdp2'}", *FSDP]))
+    with checkpoints_kept():
+        out["fsdp"], model = train.run(config.load(TINY, [f"output_dir={root / 'fsdp2'}", *FSDP]))
     layer = model.get_base_model().model.layers[1]  # a unit's gathered weights carry their quantization state
     layer.unshard()
     q = layer.self_attn.q_proj.base_layer

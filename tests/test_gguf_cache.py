@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import conftest
 from ddptune import config, memory, model as model_lib, sources
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,6 +145,16 @@ def test_a_cut_converted_model_is_converted_again_with_one_warning(tiny, capsys)
     assert converted(tiny, "model") == folder and list(folder.parent.glob(".*")) == []  # whole, nothing left beside it
     model_lib.load_model(tiny, "lora", torch.device("cpu"), "fp32", 0)
     assert warnings_of(capsys) == []  # whole again: used as it is
+
+
+def test_conversions_are_readable_by_others(tiny, tmp_path):
+    """The cache may be shared: under umask 022 the converted folders are readable by everyone, the
+    weights too (safetensors writes its files 0600, mkdtemp its folders 0700)."""
+    with conftest.umask(0o022):
+        model_lib.load_model(tiny, "lora", torch.device("cpu"), "fp32", 0)
+        model_lib.load_tokenizer(tiny)
+    assert converted(tiny, "model") is not None and converted(tiny, "tokenizer") is not None
+    assert conftest.unreadable(tmp_path / "cache") == []
 
 
 @pytest.mark.parametrize("damage", ["cut", "overwritten", "removed", "record removed"])

@@ -174,7 +174,7 @@ def test_whole_step_graphs_train_to_the_losses_of_compiled_layers(tmp_path, monk
     launched one by one (bf16, so within rounding), at one length or several. A run resumed from its
     checkpoint at step 4 goes on with the unbroken run's losses. With gradient checkpointing too, and
     several packed rows a step, with a 4-bit base, and full fine-tuning."""
-    from conftest import ROOT
+    from conftest import ROOT, checkpoints_kept
     from ddptune import config, train
 
     def run(name, scope):
@@ -183,7 +183,8 @@ def test_whole_step_graphs_train_to_the_losses_of_compiled_layers(tmp_path, monk
             f"output_dir={tmp_path / name}", "train.max_steps=8", "data.val=null", "eval.enabled=false", "train.compile=true",
             "train.micro_batch_size=8", "train.save_every=4", f"train.gradient_checkpointing={str(checkpointing).lower()}",
             f"train.tokens_per_forward={row}", f"train.method={method}", *(["train.lr=1e-4"] if method == "full" else [])])
-        summary, _ = train.run(cfg, resume="resume" in name)
+        with checkpoints_kept():  # the resumed run starts from the step-4 checkpoint of a finished one
+            summary, _ = train.run(cfg, resume="resume" in name)
         return summary, losses_of(tmp_path / name)
 
     _, eager = run("eager", "off")

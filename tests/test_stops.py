@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 import multiproc
-from conftest import ROOT, metrics
+from conftest import ROOT, checkpoints_kept, metrics
 from ddptune import cli, config, launch, lock, rundir, train
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -159,6 +159,7 @@ def test_a_kill_in_the_final_save_keeps_the_runs_figures_and_resume_finishes_it(
     assert after["final_loss"] == before["final_loss"] and after["train_time_s"] == pytest.approx(before["train_time_s"])
     assert after["steps"] == 4 and after["tokens_per_s_per_gpu"] > 0
     assert (out / "adapter" / "adapter_model.safetensors").is_file() and not list(out.glob(".adapter.tmp-*"))
+    assert not (out / "checkpoints").exists()  # finished now: nothing resumes it
 
 
 def test_resume_auto_starts_continues_and_refuses_what_it_should(tmp_path, capsys):
@@ -168,7 +169,8 @@ def test_resume_auto_starts_continues_and_refuses_what_it_should(tmp_path, capsy
     assert cli.main(_train(out, "train.save_every=2", "train.max_steps=2", "--resume", "auto")) == 2  # complete
     assert "is complete" in capsys.readouterr().err
     part = tmp_path / "part"  # interrupted after its step-2 checkpoint: continued from there
-    assert cli.main(_train(part, "train.save_every=2")) == 0
+    with checkpoints_kept():
+        assert cli.main(_train(part, "train.save_every=2")) == 0
     a = load_file(part / "adapter" / "adapter_model.safetensors")
     for name in ("adapter", "summary.json", "ranks.jsonl"):
         path = part / name
@@ -204,7 +206,8 @@ def test_a_killed_workers_line_says_what_its_run_saved(tmp_path, monkeypatch):
 
 def test_a_lead_time_saves_the_first_step_at_once_and_warns_when_a_stop_would_outlast_it(tmp_path, capsys):
     out = tmp_path / "run"
-    assert cli.main(_train(out, "train.max_steps=3", "train.save_lead_seconds=3600")) == 0
+    with checkpoints_kept():
+        assert cli.main(_train(out, "train.max_steps=3", "train.save_lead_seconds=3600")) == 0
     said = capsys.readouterr()
     lines = [l for l in (said.out + said.err).replace("\r", "\n").splitlines() if l.startswith("ddptune: a checkpoint")]
     assert len(lines) == 1 and lines[0].startswith("ddptune: a checkpoint (step 1) took "), lines
@@ -246,7 +249,8 @@ def left_runs(tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("left")
     runs = {name: base / name for name in ("finished", "checkpointed", "unsaved")}
     for name, out in runs.items():
-        assert cli.main(_train(out, *(["train.save_every=2"] if name == "checkpointed" else []))) == 0
+        with checkpoints_kept():
+            assert cli.main(_train(out, *(["train.save_every=2"] if name == "checkpointed" else []))) == 0
     for out in (runs["checkpointed"], runs["unsaved"]):
         for path in (out / "adapter", out / "summary.json", out / "checkpoints" / "step-000004"):
             path.unlink() if path.is_file() else __import__("shutil").rmtree(path, ignore_errors=True)

@@ -13,7 +13,7 @@ import yaml
 from safetensors.torch import load_file
 
 import multiproc
-from conftest import ROOT, check, ddptune, metrics
+from conftest import ROOT, check, checkpoints_kept, ddptune, metrics
 from ddptune import batches, checks, config, graphs, model as model_lib, speed as speed_lib, train
 from ddptune.config import ConfigError
 
@@ -39,15 +39,19 @@ def forced(overrides: list[str]):
 
 
 def train_tiny(overrides: list[str], resume: bool = False) -> dict:
-    """One process's part of `ddptune train configs/tiny.yaml OVERRIDES` (run by multiproc.run)."""
-    with forced(overrides) as rest:
+    """One process's part of `ddptune train configs/tiny.yaml OVERRIDES` (run by multiproc.run); the
+    run keeps its checkpoints when it finishes (resume tests cut interrupted runs from them)."""
+    with forced(overrides) as rest, checkpoints_kept():
         summary, _ = train.run(config.load(TINY, rest), resume=resume)
     return summary
 
 
 def test_cli_two_processes_end_to_end(tmp_path):
     out = tmp_path / "run"
-    proc = check(ddptune("train", TINY, f"output_dir={out}", "--nproc", "2", "train.profile_steps=2"))
+    proc = check(ddptune("train", TINY, f"output_dir={out}", "--nproc", "2", "train.profile_steps=2", "train.save_every=10"))
+    # a checkpoint every 10 steps, removed by rank 0 once the run finished (nothing resumes a finished run)
+    assert sorted(p.name for p in out.iterdir()) == [".ddptune-run", "adapter", "config.yaml", "metrics.jsonl", "profile.txt",
+                                                     "ranks.jsonl", "summary.json", "trace-rank1.json", "trace.json"]
 
     for name in ("config.yaml", "metrics.jsonl", "ranks.jsonl", "summary.json", "adapter/adapter_model.safetensors",
                  "adapter/adapter_config.json", "adapter/tokenizer.json", "adapter/ddptune.yaml", "profile.txt"):

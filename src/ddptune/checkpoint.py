@@ -181,10 +181,22 @@ def plain_mode() -> int:
     return 0o777 & ~umask
 
 
+def make_plain(folder: Path) -> None:
+    """Give `folder` and everything in it the permissions a plain `mkdir` and `open` give under the
+    umask (0755 and 0644 under 022): mkdtemp makes a folder private (0700), and safetensors writes
+    its files 0600. Symlinks are left as they are, never followed."""
+    mode = plain_mode()
+    for root, _, files in os.walk(folder):
+        os.chmod(root, mode)
+        for name in files:
+            if not os.path.islink(path := os.path.join(root, name)):
+                os.chmod(path, mode & 0o666)
+
+
 def commit(tmp: Path, final: Path) -> None:
     """Rename the finished `tmp` into place as `final` (replacing an older `final` whole), with the
-    permissions of a plain folder: mkdtemp makes it private (0700)."""
-    os.chmod(tmp, plain_mode())
+    permissions of plain folders and files (make_plain)."""
+    make_plain(tmp)
     _fsync_dir(tmp)  # its entries (each file is synced as written) reach the disk before the rename does
     if final.exists():  # an older copy of the same step: replace it whole
         old = final.with_name(f".{final.name}.old")

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -59,7 +58,6 @@ def main(args) -> int:
             what = write_merged(run_dir, cfg, tmp, args.dtype)
         else:
             what = write_adapter(run_dir, cfg, tmp)
-        _readable(tmp)
         checkpoint.commit(tmp, out)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -166,22 +164,13 @@ def _model_type(run_dir: Path, cfg: Config) -> str | None:
 # The adapter alone
 
 
-def base_reference(cfg: Config) -> str:
-    """The base as the user named it: a hub id, a local folder (absolute), or the source string
-    (`preset:NAME`, `pypi:PACKAGE`, a .gguf path) that README.md explains how to build."""
-    src = sources.resolve_source(cfg.model)
-    if src.kind == "local":
-        return str(Path(cfg.model.source).expanduser().resolve())
-    return cfg.model.source
-
-
 def write_adapter(run_dir: Path, cfg: Config, folder: Path) -> str:
     weights = rundir.trained_weights_dir(run_dir, cfg.train.method)
     for f in weights.iterdir():
         if f.is_file() and f.name != "README.md":  # peft's model card names the venv path; ours replaces it
             shutil.copy2(f, folder / f.name)
     conf = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
-    conf["base_model_name_or_path"] = base_reference(cfg)
+    conf["base_model_name_or_path"] = sources.base_reference(cfg.model)
     conf["revision"] = cfg.model.revision
     (folder / "adapter_config.json").write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     tokenizer = _tokenizer(weights)
@@ -214,7 +203,7 @@ def build_base_code(cfg: Config) -> str:
             where = f"# pip install gguf\nfolder = {src.path!r}\n"
         return (head + where + f"base = AutoModelForCausalLM.from_pretrained(folder, gguf_file={src.gguf_file!r}, "
                 "dtype=torch.float32" + quant + ")  # dequantized as it loads\n")
-    ref = base_reference(cfg)
+    ref = sources.base_reference(cfg.model)
     rev = f", revision={m.revision!r}" if m.revision else ""
     remote = ", trust_remote_code=True" if m.trust_remote_code else ""
     return head + f"base = AutoModelForCausalLM.from_pretrained({ref!r}{rev}{remote}{quant})\n"
@@ -225,7 +214,7 @@ def adapter_readme(cfg: Config, tokenizer) -> str:
     hub = src.kind in ("hub", "local")
     note = ("`AutoPeftModelForCausalLM.from_pretrained(\"this-folder\")` also works: `base_model_name_or_path` is that model."
             if hub else
-            f"`base_model_name_or_path` is `{base_reference(cfg)}`, ddptune's name for a base that no hub id names "
+            f"`base_model_name_or_path` is `{sources.base_reference(cfg.model)}`, ddptune's name for a base that no hub id names "
             "(AutoPeftModelForCausalLM cannot load it): build it as below."
             + (" The adapter was trained on the GGUF file's dequantized weights, not on the original "
                "full-precision checkpoint: use the same file." if src.kind == "gguf" else ""))
@@ -354,15 +343,6 @@ def merged_model(run_dir: Path, cfg: Config, device):
                                "which cannot be merged into (pip uninstall kernels, then export again)"])
         quantizer.remove_quantization_config(net)
     return net
-
-
-def _readable(folder: Path) -> None:
-    """The permissions a plain save would get (mkdtemp makes the folder private, safetensors its files)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(folder, 0o777 & ~umask)
-    for f in folder.iterdir():
-        os.chmod(f, 0o666 & ~umask)
 
 
 def _tokenizer(weights: Path):

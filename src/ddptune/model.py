@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTr
 
 from ddptune import chat, sources
 from ddptune.attention import register_attention
-from ddptune.checkpoint import atomic_dir
+from ddptune.checkpoint import atomic_dir, make_plain
 from ddptune.config import DataConfig, LoraConfig, ModelConfig
 from ddptune.rundir import trained_weights_dir  # noqa: F401 - model.trained_weights_dir, for its callers
 from ddptune.sources import PRESETS, cache_root, resolve_source  # noqa: F401 - model.resolve_source, for its callers
@@ -153,6 +153,7 @@ def _written_once(folder: Path, write) -> Path:
     tmp = atomic_dir(folder)
     try:
         write(tmp)
+        make_plain(tmp)  # readable as a plain folder is (mkdtemp's is private, safetensors' files too)
         if not folder.exists():
             os.replace(tmp, folder)
     except OSError:

@@ -10,7 +10,7 @@ import io
 import json
 import math
 import os
-import tempfile
+import secrets
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,10 +19,12 @@ Column = tuple[str, str]  # (row key, header)
 
 
 def _atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Write `data` to `path` via a temporary file in the same folder + os.replace."""
+    """Write `data` to `path` via a temporary file in the same folder + os.replace. The temporary
+    file is created as `open` creates one, 0666 less the umask (mkstemp's would stay private, 0600)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

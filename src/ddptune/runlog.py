@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -42,17 +41,6 @@ class JsonlWriter:
 
     def close(self) -> None:
         self.f.close()
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    """`obj` as JSON in `path`, written beside it, synced and renamed: a kill leaves the old file or the new."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
 
 
 def step_rows(out: Path) -> list[dict]:

@@ -2,17 +2,19 @@
 
 Rank 0 writes checkpoints (sharded, every process its own part first); the final weights are gathered
 whole onto rank 0 when sharded; resume takes the newest checkpoint that reads back whole and fits
-the run (checkpoint.py holds the files' format).
+the run (checkpoint.py holds the files' format). Once the final weights are saved the checkpoints are
+removed: nothing resumes a finished run.
 """
 from __future__ import annotations
 
 import math
+import shutil
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddptune import checkpoint, config as config_lib, dist, model as model_lib
+from ddptune import checkpoint, config as config_lib, dist, model as model_lib, rundir, sources
 from ddptune.config import ConfigError
 
 
@@ -100,7 +102,37 @@ def save_final(r, final: Path) -> None:
         checkpoint.remove_leftovers(final)  # what a save killed before left beside it (for full fine-tuning, a model's size)
         tmp = checkpoint.atomic_dir(final)
         model_lib.save_trained(r.model, tmp, state)
+        if (tmp / "README.md").is_file():  # peft's model card (an adapter's)
+            name_the_base(tmp / "README.md", r.cfg.model, r.cfg.train.method)
         r.tokenizer.save_pretrained(tmp)
         (tmp / "ddptune.yaml").write_text(config_lib.dump(r.cfg))
         checkpoint.commit(tmp, final)
     r.accelerator.wait_for_everyone()
+
+
+def remove_checkpoints(out: Path) -> None:
+    """A finished run's checkpoints, once its summary.json and final weights are written: --resume
+    refuses a finished run, and eval, export, predict and compare read its final weights. The
+    caller is the one process that writes."""
+    if rundir.finished(out):
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+
+
+def name_the_base(card_path: Path, m: config_lib.ModelConfig, method: str) -> None:
+    """peft's model card takes its `base_model` (front matter the hub reads as the base's id, and
+    the tag `base_model:adapter:...`) from the folder the base was loaded from: for a GGUF source
+    its conversion in the cache, for a preset nothing. Both are set to the hub id where the source
+    is one and left out otherwise; the card's text names the source as configured."""
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(card_path)
+    hub = m.source if sources.resolve_source(m).kind == "hub" else None
+    card.data.base_model = hub
+    card.data.tags = [t for t in card.data.tags or [] if not t.startswith("base_model:")] + (
+        [f"base_model:adapter:{hub}"] if hub else [])
+    said = f"A {method} adapter trained by ddptune on `{sources.base_reference(m)}` (model.source)." + (
+        "" if hub else " No hub id names that base: `ddptune export` writes a copy whose README.md says how to build it.")
+    lines = card.text.splitlines()
+    title = next((i + 1 for i, line in enumerate(lines) if line.startswith("# ")), 0)
+    card.text = "\n".join([*lines[:title], "", said, *lines[title:]]) + "\n"
+    card.save(card_path)

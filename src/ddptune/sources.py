@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddptune import lock
+from ddptune import checkpoint, lock
 from ddptune.config import ConfigError, ModelConfig
 
 # Architecture shapes of real models; weights are random (same compute as the real ones).
@@ -91,6 +91,14 @@ def resolve_source(m: ModelConfig) -> Source:
     if not looks_like_hub_id(s):
         raise ValueError(f"{s!r} is neither an existing path, a preset ({', '.join('preset:' + k for k in PRESETS)}) nor a hub id like org/name")
     return Source("hub", s, m.gguf_file)
+
+
+def base_reference(m: ModelConfig) -> str:
+    """The base as the user named it: a hub id, a local folder (absolute), or the source string
+    (`preset:NAME`, `pypi:PACKAGE`, a .gguf path) that an exported adapter's README.md explains how to build."""
+    if resolve_source(m).kind == "local":
+        return str(Path(m.source).expanduser().resolve())
+    return m.source
 
 
 def looks_like_hub_id(name: str) -> bool:
@@ -301,7 +309,7 @@ def _put_in_place(tmp: Path, folder: Path) -> None:
     """Record `tmp`'s files (RECORD, last), then rename it into place, a damaged `folder` first set aside."""
     files = {p.relative_to(tmp).as_posix(): fingerprint(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
     (tmp / RECORD).write_text(json.dumps({"files": files}, indent=1))
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private
+    checkpoint.make_plain(tmp)  # mkdtemp makes it private, safetensors its weights
     aside = None
     if os.path.lexists(folder):  # readers that find no folder meanwhile wait for the lock, then read the new one
         aside = _beside(folder, "old")
@@ -334,9 +342,3 @@ def cache_problem(src: Source) -> str | None:
             except ConfigError as e:
                 return e.problems[0]
     return None
-
-
-def _umask() -> int:
-    umask = os.umask(0o022)  # read it (os has no other way) and put it back at once
-    os.umask(umask)
-    return umask

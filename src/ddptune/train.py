@@ -26,7 +26,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from ddptune import batches, batchplan, checkpoint, checks, comm, config as config_lib, data, dist, fallback, generation, graphs
-from ddptune import memory, metrics, model as model_lib, rundir, runlog, saving, speed as speed_lib, step as step_lib, tokenized
+from ddptune import memory, metrics, model as model_lib, report, rundir, runlog, saving, speed as speed_lib, step as step_lib, tokenized
 from ddptune.batchplan import BatchPlan
 from ddptune.config import Config, ConfigError
 
@@ -412,8 +412,10 @@ def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
         ranks = metrics.rank_rows(r.start, per_rank, [s for _, s in times])
         runlog.write_ranks(out, ranks)
         summary = runlog.summary(r, runlog.step_rows(out) or history, ranks, val_loss, peaks, fingerprints, final)
-        runlog.write_json_atomic(out / "summary.json", summary)  # first: a kill in the saves below keeps the figures
+        report.write_json(out / "summary.json", summary)  # first: a kill in the saves below keeps the figures
     saving.save_final(r, final)
+    if acc.is_main_process:
+        saving.remove_checkpoints(out)
     if cfg.eval.enabled:
         t0 = time.perf_counter()
         scores = generation.evaluate(r.model, r.tokenizer, generation.eval_rows(cfg), cfg, acc, out / "eval", "fine-tuned")
@@ -422,7 +424,7 @@ def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
             summary["rouge"] = {k: scores[k] for k in generation.ROUGE_KEYS}
     if acc.is_main_process:
         summary.update(eval_time_s=r.times["eval_s"], **runlog.wall_time(r.times, history))
-        runlog.write_json_atomic(out / "summary.json", summary)
+        report.write_json(out / "summary.json", summary)
         acc.print("\n".join(runlog.closing_lines(out, summary, final, cfg.train.method, bool(r.val_set), cfg.eval.enabled,
                                                  data.trains_conversations(cfg.data))))
     acc.wait_for_everyone()
