@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import ROOT, metrics
+from conftest import ROOT, checkpoints_kept, metrics
 from ddptune import config, step, train
 from ddptune.config import ConfigError
 from test_train import died_after
@@ -44,7 +44,8 @@ def test_warmup_stable_decay_logs_transformers_rates_and_resumes_on_them(tmp_pat
     args = ["train.max_steps=10", "train.warmup_steps=2", "train.lr_schedule=warmup_stable_decay", "train.min_lr_ratio=0.1",
             "train.decay_ratio=0.4", "train.save_every=5", "train.keep_checkpoints=3", "lora.dropout=0.0", "data.val=null"]
     full = tmp_path / "full"
-    train.run(config.load(TINY, [f"output_dir={full}", *args]))
+    with checkpoints_kept():  # a finished run removes them; the resume below starts from one
+        train.run(config.load(TINY, [f"output_dir={full}", *args]))
     logged = [r["lr"] for r in metrics(full) if "lr" in r]
     theirs = transformers.get_wsd_schedule(optimizer(1e-2), num_warmup_steps=2, num_decay_steps=4, num_training_steps=10,
                                            min_lr_ratio=0.1)
