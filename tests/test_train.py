@@ -311,6 +311,26 @@ def test_gradient_checkpointing_works_under_ddp(method, tmp_path):
     assert adapter and all(torch.equal(v, adapter[k]) for k, v in load_file(kept / "adapter" / "adapter_model.safetensors").items())
 
 
+def test_gradient_checkpointing_keeps_a_fraction_of_the_activations(tmp_path):
+    """from_pretrained leaves a model in eval mode, where transformers' layers skip checkpointing:
+    the run trains its model in training mode, so that with checkpointing its forward keeps for the
+    backward (saved tensors, in bytes) a fraction of what it keeps without. QLoRA: its preset base
+    loads through from_pretrained, as a real model does."""
+    from ddptune import step as step_lib
+
+    kept = {}
+    for on in ("true", "false"):
+        r = train.setup(config.load(TINY, [f"output_dir={tmp_path / on}", f"train.gradient_checkpointing={on}",
+                                           "train.method=qlora", "train.max_steps=1", "data.val=null"]))
+        r.trackers.close()
+        batch = step_lib.to_device(r.stream.collate(r.stream.share(0).forwards[0][0], r.tokenizer.pad_token_id), r.accelerator.device)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t):
+            r.loss_model(**batch, num_items=1).backward()
+        kept[on] = sum(saved)
+    assert 0 < kept["true"] < kept["false"] / 3, kept
+
+
 def test_packing_gives_the_padded_losses_without_padding(tmp_path):
     """Padded micro-batches, packed rows, and packed rows padded to one length as train.cuda_graphs
     pads them (pad samples outside the loss): the same losses on 2 processes, different work."""

@@ -294,13 +294,15 @@ def _checkpointed(forward):
 
 
 def add_adapters(model, method: str, lora: LoraConfig, gradient_checkpointing: bool):
-    """Freeze the base and add LoRA (lora, qlora), or train every weight (full).
+    """Freeze the base and add LoRA (lora, qlora), or train every weight (full); the model is in
+    training mode.
 
     QLoRA keeps the frozen non-quantized weights (embeddings, norms, head) in bf16 like LoRA does,
     rather than peft's prepare_model_for_kbit_training, which copies them to fp32: they receive no
     gradient, and compute runs in bf16 under autocast either way; fp32 copies only cost memory
     and a slower output head.
     """
+    model.train()  # from_pretrained leaves it in eval mode, where transformers' layers skip checkpointing
     for p in model.parameters():
         p.requires_grad_(False)
     if gradient_checkpointing:
