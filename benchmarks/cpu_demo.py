@@ -57,7 +57,7 @@ def run_once(tree: Path, out: Path, cache: Path, threads: str = "chosen", beside
     if proc.returncode != 0:
         raise SystemExit(f"{tree}: exit {proc.returncode}\n{proc.stderr[-2000:]}")
     summary = json.loads((out / "summary.json").read_text())
-    chosen = re.search(r"(\d+) CPU thread\(s\) each", proc.stderr)
+    chosen = re.search(r"(\d+) CPU thread\(s\) each", proc.stdout + proc.stderr)
     return {"command_wall_s": round(wall, 2), "threads_said": int(chosen.group(1)) if chosen else None,
             **{k: summary[k] for k in KEEP if k in summary}}
 

@@ -185,7 +185,7 @@ class TrainConfig:
     """Also write one when this many minutes have passed since the last (0: off), and always when SIGINT
     or SIGTERM stops the run, so an interrupted run continues with --resume."""
     keep_checkpoints: int = 2
-    """How many of the newest checkpoints to keep."""
+    """How many of the newest checkpoints to keep while the run trains (a finished run removes them)."""
     save_lead_seconds: Optional[float] = None
     """Seconds a scheduler gives between its stop signal and its kill (sbatch --signal=TERM@N). Set, the
     first step is saved at once and the run warns when a stop (two more steps, then a save) would take
