@@ -153,8 +153,9 @@ def default_threads(nproc: int, cuda: bool | None = None) -> int:
     thread each and 0.411 s with 16 (1 process alone: 0.402 s; BENCHMARKS.md, 2026-11-30). torchrun
     also gives 1 thread when it is the launcher, and `setup` gives it to an in-process GPU run. On CPUs
     the threads do the training: share the cores that are free. A thread on a core another program
-    holds makes every parallel region wait for it: on 2 cores beside other work, a SmolLM2-shaped
-    forward and backward took 5-6x as long with torch's default 2 threads as with 1 (BENCHMARKS.md).
+    holds makes every parallel region wait for it: on 2 cores beside one program spinning on a core,
+    the demo's median step took 15.4 s with torch's default 2 threads and 7.1 s with the 1 chosen
+    here; on the idle machine both took 4.3-4.5 s (BENCHMARKS.md, the CPU demo).
     """
     return cpu_threads(nproc, cuda)[0]
 
