@@ -18,6 +18,8 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 def ddptune(*args: str, timeout: float = 600, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """Run `python -m ddptune ARGS` and return the finished process (output captured)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    if "--nproc" not in args:  # one process takes every core, as in-process runs here do (the launcher shares them out)
+        env.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
     env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run([sys.executable, "-m", "ddptune", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
@@ -74,6 +76,21 @@ def checkpoints_kept():
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(saving, "remove_checkpoints", lambda out: None)
+        yield
+
+
+from ddptune import launch  # noqa: E402
+
+measured_busy_cores = launch.busy_cores  # the real measurement, for the tests of it
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _threads_as_torch_sets_them():
+    """In-process runs take every core, as torch does, whatever else this machine runs meanwhile:
+    tests compare runs bit for bit, and a thread count that followed the load between two runs
+    would change the order of their sums."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(launch, "busy_cores", lambda seconds=0.2: 0.0)
         yield
 
 

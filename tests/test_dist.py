@@ -9,6 +9,7 @@ import torch
 from accelerate.utils import DistributedType
 
 import multiproc
+from conftest import measured_busy_cores
 from ddptune import dist, launch
 
 
@@ -77,7 +78,7 @@ def test_a_program_spinning_on_one_of_the_cores_is_seen_busy():
         import time
 
         time.sleep(0.5)  # started and spinning
-        assert launch.busy_cores(0.5) >= 0.7
+        assert measured_busy_cores(0.5) >= 0.7
     finally:
         spin.kill()
         spin.wait()
