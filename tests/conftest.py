@@ -25,6 +25,21 @@ def ddptune(*args: str, timeout: float = 600, cwd: Path = ROOT) -> subprocess.Co
                           capture_output=True, text=True, timeout=timeout)
 
 
+def answer_ids(tok, text: str) -> list[int]:
+    """What an answer trains (a dialogue's summary, an assistant turn): its text's ids, then the end
+    its template writes after it, each spelled out here: the tokenizer's end-of-sequence token without
+    a template, '<|end|>' and a newline for the tests' own templates, SmolLM2's '<|im_end|>' and a newline."""
+    ids = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+    if not getattr(tok, "chat_template", None):
+        end = [tok.convert_tokens_to_ids("<|eos|>")]
+    elif "<|end|>" in tok.chat_template:
+        end = ids("<|end|>\n")
+    else:
+        end = [tok.convert_tokens_to_ids("<|im_end|>")] + ids("\n")
+    assert len(end) >= 1 and None not in end and tok.unk_token_id not in end
+    return ids(text) + end
+
+
 def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-4000:]}"
     return proc

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import peak_allocated
+from conftest import answer_ids, peak_allocated
 from ddptune import chat, data, model as model_lib, tokens
 from ddptune.config import DataConfig, ModelConfig
 
@@ -67,21 +67,6 @@ def test_smollm2_masks_exactly_the_assistant_turns_and_their_end_of_turn_tokens(
         assert smollm2.decode(last["input_ids"]) == smollm2.decode(example["input_ids"])
 
 
-def reply_ids(tok, reply: str) -> list[int]:
-    """What an assistant turn trains: its text's ids, then the end its template writes after it, each
-    spelled out here: SmolLM2's '<|im_end|>' and a newline, MARKED's '<|end|>' and a newline, the
-    plain template's end-of-sequence token (a tokenizer without a template)."""
-    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    if not getattr(tok, "chat_template", None):
-        end = [tok.convert_tokens_to_ids("<|eos|>")]
-    elif tok.chat_template == MARKED:
-        end = ids("<|end|>\n")
-    else:
-        end = [tok.convert_tokens_to_ids("<|im_end|>")] + ids("\n")
-    assert len(end) >= 1 and None not in end and tok.unk_token_id not in end
-    return ids(reply) + end
-
-
 def trained_id_runs(example: dict) -> list[list[int]]:
     """The ids of each run of trained positions; every trained label is the input id at its position."""
     runs, previous = [], False
@@ -119,7 +104,7 @@ def test_every_chat_format_trains_exactly_its_replies_and_their_end_of_turn_toke
     path = tmp_path / f"{fmt}.jsonl"
     path.write_text(json.dumps(FORMAT_ROWS[fmt] | {"id": "0"}) + "\n")
     for tok in (smollm2, with_template(MARKED), model_lib.byte_tokenizer()):
-        want = [reply_ids(tok, r) for r in REPLIES[fmt]]
+        want = [answer_ids(tok, r) for r in REPLIES[fmt]]
         for loss_on, runs in (("assistant", want), ("last_assistant", want[-1:])):
             d = DataConfig(max_length=4096, loss_on=loss_on)
             [example] = data.tokenize(data.load_split(str(path), None, d), tok, d)

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import SHARED_DATA, peak_allocated
+from conftest import SHARED_DATA, answer_ids, peak_allocated
 from ddptune import batches, data, metrics, model as model_lib
 from ddptune.config import DataConfig, ModelConfig
 
@@ -21,21 +21,6 @@ def tokenizers():
     return plain, chat
 
 
-def summary_ids(tok, summary: str) -> list[int]:
-    """What a dialogue example trains: the summary's ids, then the end the template writes after an
-    answer, each spelled out here: the byte tokenizer's end-of-sequence token without a template,
-    CHAT's '<|end|>' and a newline, SmolLM2's '<|im_end|>' and a newline."""
-    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    if not getattr(tok, "chat_template", None):
-        end = [tok.convert_tokens_to_ids("<|eos|>")]
-    elif tok.chat_template == CHAT:
-        end = ids("<|end|>\n")
-    else:
-        end = [tok.convert_tokens_to_ids("<|im_end|>")] + ids("\n")
-    assert len(end) >= 1 and None not in end and tok.unk_token_id not in end
-    return ids(summary) + end
-
-
 def assert_trains_exactly(ex: dict, want: list[int]) -> None:
     """The example's labels are IGNORE over its prompt and its own ids over `want`, its last tokens."""
     n = len(ex["input_ids"])
@@ -48,7 +33,7 @@ def test_loss_covers_the_summary_and_its_end_exactly_in_every_template(smollm2):
     for tok in (*tokenizers(), smollm2):
         d = DataConfig(instruction="Summarize.", max_length=512)
         pieces = data.prompt_pieces(tok, d.instruction)
-        want = summary_ids(tok, "They greet.")
+        want = answer_ids(tok, "They greet.")
         ex = data.tokenize_example(tok, pieces, "A: hi\nB: hello", "They greet.", 512)
         assert_trains_exactly(ex, want)
         prompt = tok.decode(ex["input_ids"][: ex["prompt_len"]])
@@ -58,7 +43,7 @@ def test_loss_covers_the_summary_and_its_end_exactly_in_every_template(smollm2):
                 {"id": "1", "dialogue": "A: bye", "summary": "A leaves. B stays."}]
         got = data.tokenize(rows, tok, d)
         assert_trains_exactly(got[0], want)
-        assert_trains_exactly(got[1], summary_ids(tok, "A leaves. B stays."))
+        assert_trains_exactly(got[1], answer_ids(tok, "A leaves. B stays."))
         assert got[0] == ex
 
 
@@ -75,10 +60,10 @@ def test_overlong_examples_are_cut_in_the_dialogue_and_keep_the_summary(smollm2)
         pieces = data.prompt_pieces(tok, d.instruction)
         ex = data.tokenize_example(tok, pieces, "A: " + "blah " * 500, "Short summary.", 128)
         assert len(ex["input_ids"]) == 128
-        assert_trains_exactly(ex, summary_ids(tok, "Short summary."))
+        assert_trains_exactly(ex, answer_ids(tok, "Short summary."))
         assert tok.decode(ex["input_ids"][: ex["prompt_len"]]).endswith("### Summary:\n" if tok is plain else pieces[1])
         [batched] = data.tokenize([{"id": "0", "dialogue": "A: " + "blah " * 500, "summary": "Short summary."}], tok, d)
-        assert_trains_exactly(batched, summary_ids(tok, "Short summary."))
+        assert_trains_exactly(batched, answer_ids(tok, "Short summary."))
         assert batched == ex | {"cut": "dialogue"}
 
 
