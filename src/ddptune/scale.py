@@ -86,7 +86,7 @@ def main(args) -> int:
                                   base, cuda)
             base = base or row
             rows.append(row)
-    write(args, cfg, out, rows, runs, windows, bandwidth, modes, warmup, measured)
+    write(args, cfg, out, rows, runs, windows, bandwidth, modes, warmup, measured, int(child_env["OMP_NUM_THREADS"]))
     return 0
 
 
@@ -151,7 +151,7 @@ def measure_bandwidth(nproc: int, sizes: list[int], cuda: bool) -> dict:
 
 
 def write(args, cfg, out: Path, rows: list[dict], runs: dict, windows: dict, bandwidth: dict, modes: list[str],
-          warmup: int, measured: int) -> None:
+          warmup: int, measured: int, threads: int) -> None:
     """scaling.json, .csv, .md and .png and manifest.json, each written once and atomically; the table on the console."""
     topo = comm.topology()
     summary = json.loads((runs["n1"]["dir"] / "summary.json").read_text())
@@ -163,7 +163,7 @@ def write(args, cfg, out: Path, rows: list[dict], runs: dict, windows: dict, ban
         "command": shlex.join(command), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "modes": modes,
         "config": args.config, "overrides": list(args.overrides), "seed": cfg.train.seed,
         "sample_window": {m: list(w) for m, w in windows.items()},
-        "threads_per_process": dist.default_threads(max(r["nproc"] for r in runs.values()), torch.cuda.is_available()),
+        "threads_per_process": threads,  # what every run's processes were given
         "batch": [{"nproc": r["nproc"], **dataclasses.asdict(r["plan"]), "global_batch": r["plan"].global_batch,
                    "describe": r["plan"].describe()} for r in runs.values()],
         "runs": {k: {"nproc": r["nproc"], "steps": r["steps"], "dir": str(r["dir"]), "command": r["command"],
