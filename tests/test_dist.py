@@ -97,3 +97,28 @@ def test_an_in_process_cpu_run_takes_the_threads_the_free_cores_allow(monkeypatc
     finally:
         dist.teardown()
         torch.set_num_threads(before)
+
+
+def _prepare_with_rank_1_changed(change: str):
+    """Two processes build the same frozen layer and trained layer; rank 1 changes one of them before
+    DDP's wrapper is built. Returns (trained weight after the wrapper, or the refusal's class name)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    model[0].requires_grad_(False)
+    acc = dist.setup()
+    if acc.process_index == 1:
+        with torch.no_grad():
+            model[0 if change == "frozen" else 1].weight.add_(1.0)
+    try:
+        prepared, _ = dist.prepare(acc, model, torch.optim.SGD(model[1].parameters(), lr=0.1))
+    except dist.ReplicasDiffer as e:
+        return type(e).__name__
+    return prepared.module[1].weight.tolist(), prepared.module[0].weight.tolist()
+
+
+def test_ddp_sends_what_trains_and_refuses_replicas_whose_frozen_weights_differ():
+    # the trained weight is rank 0's on every process after the wrapper
+    (w0, f0), (w1, f1) = multiproc.run(_prepare_with_rank_1_changed, 2, "trained")
+    assert w0 == w1 and f0 == f1
+    # a frozen weight that differs is not silently overwritten by rank 0's: every process stops
+    assert multiproc.run(_prepare_with_rank_1_changed, 2, "frozen") == ["ReplicasDiffer", "ReplicasDiffer"]

@@ -335,7 +335,7 @@ def _run(cfg, resume: bool, started: float) -> int:
 
     try:
         train.run(cfg, resume=resume, started=started)
-    except (train.NonFinite, dist.ShardingFailed) as e:
+    except (train.NonFinite, dist.ShardingFailed, dist.ReplicasDiffer) as e:
         if dist.is_main_process():
             print(f"ddptune: {e}", file=sys.stderr)
         return 1
