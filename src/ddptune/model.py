@@ -190,6 +190,13 @@ def _convert_gguf(path: Path, part: str, tmp: Path) -> None:
     model.config.save_pretrained(tmp)
 
 
+def writes_once(m: ModelConfig, method: str) -> bool:
+    """Whether loading downloads or writes what every process then reads: a hub model, a GGUF file's
+    conversion, a 4-bit preset's checkpoint. A local folder or a preset built in memory writes nothing."""
+    kind = resolve_source(m).kind
+    return kind in ("hub", "gguf") or (kind == "preset" and method == "qlora")
+
+
 def load_model(m: ModelConfig, method: str, device: torch.device, precision: str, seed: int,
                cache_dir: str | os.PathLike | None = None, sharded: bool = False):
     """Load the base model onto `device` for `method` (lora, qlora or full); `sharded`: a QLoRA base's

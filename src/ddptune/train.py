@@ -12,6 +12,7 @@ step waits for the device: its figures are read one step later, while the next s
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import signal
@@ -120,7 +121,10 @@ def setup(cfg: Config, resume: bool = False, started: float | None = None) -> Ru
     if problems := checks.profile_problems(cfg.train, total) + config_lib.schedule_problems(cfg.train, total):
         raise ConfigError(problems)
     t1 = time.perf_counter()
-    with acc.main_process_first(), checks.loading(cfg.model, "model"):  # a preset checkpoint or hub download is made once
+    # what loading downloads or writes is made once, by the first process, before the others read it;
+    # otherwise every process loads at once
+    once = acc.main_process_first() if model_lib.writes_once(cfg.model, cfg.train.method) else contextlib.nullcontext()
+    with once, checks.loading(cfg.model, "model"):
         base = model_lib.load_model(cfg.model, cfg.train.method, acc.device, cfg.train.precision, cfg.train.seed,
                                     sharded=cfg.train.strategy == "fsdp")
     shape = memory.shape_of(base.config)
