@@ -1,6 +1,7 @@
 """The speed decider: what it chooses for the jobs it was calibrated on, and why; what a benchmark may force."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -53,7 +54,7 @@ def test_kernels_are_combined_only_where_the_host_launches_them(monkeypatch):
     assert recorded.graphs == "step" and not recorded.combo
     cpu = decide(["train.method=lora"], None, samsum_like(15), preset="tiny", cuda=False)
     assert not cpu.combo and not cpu.compiled
-    monkeypatch.setenv(speed.FORCE_ENV, "combo=false,samples=14736")
+    monkeypatch.setenv(speed.FORCE_ENV, "combo=false")
     forced = decide(["train.cuda_graphs=false"], 139.3, samsum_like(51))
     assert forced.graphs == "off" and not forced.combo and forced.forced["combo"] is False
 
@@ -91,22 +92,24 @@ def test_set_up_is_weighed_against_the_run_s_steps():
         assert total == pytest.approx(min(o["step_s"] * chosen.estimate["steps"] + o["setup_s"] for o in fits))
 
 
-def test_a_short_window_of_a_long_job_is_decided_as_that_job(monkeypatch):
-    """`ddptune scale` times a few steps of a job: with DDPTUNE_SPEED's samples= or epochs= the choices
-    are the job's (the tutorial's 14,736 samples: 921 steps of 16), not the window's 30 steps."""
-    cfg = ["train.gradient_checkpointing=true"]
-    short = decide(cfg, 139.3, samsum_like(30))
-    assert speed.span(0, 30, 818, 16) == (0, 30) and short.graphs == "step"
-    for job in ("samples=14736", "epochs=18"):
+def test_a_window_of_the_job_and_the_whole_job_run_one_program(monkeypatch):
+    """The choices are made for the job the config describes, train.epochs over its examples at its
+    global batch (SAMSum's 14,732 at 16: 920 steps), whatever train.max_steps: a 30-step window of the
+    job runs the job's program, and says so. A horizon is no longer something DDPTUNE_SPEED can set."""
+    whole = config.load(CONFIG_8B, ["model.source=preset:llama-3.1-8b", "train.gradient_checkpointing=true"])
+    window = config.load(CONFIG_8B, ["model.source=preset:llama-3.1-8b", "train.gradient_checkpointing=true",
+                                     "train.max_steps=30"])
+    assert speed.horizon(whole.train, 14732, 16) == speed.horizon(window.train, 14732, 16) == 920
+    assert speed.horizon(config.load(CONFIG_8B, ["train.epochs=2"]).train, 14732, 16) == 1841
+    work = samsum_like(920)
+    chosen = [speed.decide(c, True, shape("llama-3.1-8b"), 1, 139.3, work, 750.0) for c in (whole, window)]
+    assert [dataclasses.replace(c, reasons={}) for c in chosen] == [dataclasses.replace(chosen[0], reasons={})] * 2
+    assert chosen[0].graphs == "off" and chosen[0].estimate["steps"] == 920
+    assert "train.max_steps=30" in chosen[1].reasons["CUDA graphs"] and "max_steps" not in chosen[0].reasons["CUDA graphs"]
+    for job in ("samples=14736", "epochs=18", "samples=0"):
         monkeypatch.setenv(speed.FORCE_ENV, job)
-        first, last = speed.span(0, 30, 818, 16)
-        assert (first, last) == (0, 921 if job.startswith("samples") else 920)
-        chosen = decide(cfg, 139.3, samsum_like(last))
-        assert chosen.graphs == "off" and chosen.forced == {job.split("=")[0]: float(job.split("=")[1])}
-        assert chosen.estimate["steps"] == last
-    monkeypatch.setenv(speed.FORCE_ENV, "samples=0")
-    with pytest.raises(ConfigError):
-        speed.forced()
+        with pytest.raises(ConfigError):
+            speed.forced()
 
 
 def test_a_cpu_run_compiles_nothing_records_nothing_and_checkpoints_nothing():

@@ -5,9 +5,9 @@ Modes (named in every output; `both` runs each, sharing the n = 1 run): same-per
 process takes the samples per step that n = 1 takes, so the global batch grows with n (the
 tutorial's way); same-global, the global batch of n = 1 at every n, each process taking 1/n of it.
 Every run trains over the same window of the sample stream (scaling.py: rows, the time split and
-its findings), after --warmup steps of the largest batch. Each run's speed choices are made for the
-job being scaled, its samples or epochs as the config gives them (`job_horizon`), not for the window's
-few steps: a window would record CUDA graphs where the job does not, padded differently at each count.
+its findings), after --warmup steps of the largest batch. Each run is the config as a user runs it:
+its speed choices are made for the job the config describes (speed.horizon), not for the window's
+few steps, so each window runs the job's program.
 
 Gradient bytes per optimizer step = trainable parameters x 4 (DDP all-reduces fp32 gradients);
 comm.predict models the all-reduce overlapped with backward (a FLOP share of the step:
@@ -26,8 +26,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from ddptune import checks, comm, config as config_lib, dist, launch, metrics, report, rundir, scaling, speed, system
-from ddptune.batchplan import batch_plan
+from ddptune import checks, comm, config as config_lib, dist, launch, metrics, report, rundir, scaling, system
 from ddptune.config import ConfigError
 from ddptune.scaling import MODES, SAME_PER_DEVICE
 
@@ -65,11 +64,10 @@ def main(args) -> int:
     bandwidth = measure_bandwidth(max(counts), sizes, cuda)
     # as many threads per process at every count, those of the largest count, so that n = 1 is not
     # measured with threads that n = N could not have
-    child_env = dict(os.environ, OMP_NUM_THREADS=str(dist.default_threads(max(counts), cuda)),
-                     **{speed.FORCE_ENV: job_horizon(cfg)})
+    child_env = dict(os.environ, OMP_NUM_THREADS=str(dist.default_threads(max(counts), cuda)))
     for run in runs.values():
         child = ["ddptune", "train", args.config, *args.overrides, *run["overrides"]]
-        run["command"], run["env"] = shlex.join(child), {speed.FORCE_ENV: child_env[speed.FORCE_ENV]}
+        run["command"] = shlex.join(child)
         print(f"ddptune scale: {run['nproc']} process(es), {run['steps']} steps: {shlex.join(child[1:])}", flush=True)
         before = system.cpu_times()
         rc = launch.torchrun(run["nproc"], child, env=child_env)
@@ -122,17 +120,6 @@ def plan_runs(args, cfg, out: Path, counts: list[int], modes: list[str], warmup:
     return runs, windows
 
 
-def job_horizon(cfg) -> str:
-    """DDPTUNE_SPEED for every run: what the user set, and the job's length (`samples=` from train.max_steps
-    at the config's own global batch, or `epochs=`) unless they named one."""
-    have = os.environ.get(speed.FORCE_ENV, "").strip()
-    if speed.forced().keys() & speed.HORIZON_KEYS:
-        return have
-    t = cfg.train
-    job = f"samples={t.max_steps * batch_plan(t, 1).global_batch}" if t.max_steps else f"epochs={t.epochs:g}"
-    return ",".join(filter(None, [have, job]))
-
-
 def measure_bandwidth(nproc: int, sizes: list[int], cuda: bool) -> dict:
     """All-reduce bandwidth over the largest count (the cost model's busbw)."""
     bandwidth = {"nproc": nproc, "status": "single process: no all-reduce to measure"}
@@ -166,8 +153,8 @@ def write(args, cfg, out: Path, rows: list[dict], runs: dict, windows: dict, ban
         "threads_per_process": threads,  # what every run's processes were given
         "batch": [{"nproc": r["nproc"], **dataclasses.asdict(r["plan"]), "global_batch": r["plan"].global_batch,
                    "describe": r["plan"].describe()} for r in runs.values()],
-        "runs": {k: {"nproc": r["nproc"], "steps": r["steps"], "dir": str(r["dir"]), "command": r["command"],
-                     "env": r["env"]} for k, r in runs.items()},
+        "runs": {k: {"nproc": r["nproc"], "steps": r["steps"], "dir": str(r["dir"]),
+                     "command": r["command"]} for k, r in runs.items()},
         "devices": info["gpus"] or f"cpu ({info['cpu_count']} cores)", "interconnect": info["interconnect"],
         "versions": {"python": info["python"], "torch": info["torch"], "cuda": info["cuda"], "nccl": info["nccl"], **info["packages"]},
         "environment": {k: v for k, v in info.items() if k != "bandwidth"},

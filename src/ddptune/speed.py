@@ -1,7 +1,7 @@
 """The speed decider: the one place that decides how a run goes fast on its device.
 
-From the config, the device, the model's shape, the process count, the free memory and the run's
-own steps (`Work`: their rows and tokens, known before the first step), `decide` chooses
+From the config, the device, the model's shape, the process count, the free memory and a bounded
+sample of the job's steps (`Work`: their rows and tokens, known before the first step), `decide` chooses
 - compiled decoder layers (train.compile: auto is on with CUDA, off on CPU, where compiling costs
   more than a short run saves);
 - CUDA graphs: off, each layer recorded (8-bit optimizers, which cannot be recorded), or the whole
@@ -13,7 +13,7 @@ own steps (`Work`: their rows and tokens, known before the first step), `decide`
   graphs: there the host issues every launch, and the 8B step is bound by it (a steady-state profile:
   the GPU idles after launches that came late, and no launch call waits for room in the queue).
 Every combination the config allows is costed, memory by `memory.estimate` and time by the model
-below over the run's remaining steps, set-up included; the fastest one whose memory fits the free
+below over the job's steps (`horizon`), set-up included; the fastest one whose memory fits the free
 GPU memory with `MARGIN` to spare wins. Nothing else in ddptune makes these choices. Each choice
 comes with its reason (the run's banner, summary.json's `speed`).
 
@@ -49,9 +49,11 @@ on two NVLink H200s; elsewhere (PCIe, several machines) torch's overlapping buck
 
 `DDPTUNE_SPEED` forces choices for a benchmark (`graphs=off|layers|step,lengths=N,checkpointing=
 true|false,dequantize=true|false,bucket_mb=N,compile=true|false,combo=true|false`); summary.json records what it forced.
-`samples=N` or `epochs=E` there makes the choices for the job a short run stands for, its steps at the
-run's global batch, instead of the run's own steps: `ddptune scale` times short windows of a job, and
-passes the job's length so that each window runs as that job would.
+The job is what the config describes, `train.epochs` over the training examples at the global batch,
+whatever `train.max_steps` and wherever a resumed run starts: a window of the job (a benchmark's 30
+steps, `ddptune scale`'s runs), a resumed run and the whole job run one program. The one difference
+this makes: a run cut short by train.max_steps pays the set-up chosen for the whole job (the banner's
+CUDA graphs line names the job's steps).
 """
 from __future__ import annotations
 
@@ -61,8 +63,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from ddptune import batches, memory
-from ddptune.config import Config, ConfigError
+from ddptune import batches, batchplan, memory
+from ddptune.config import Config, ConfigError, TrainConfig
 from ddptune.graphs import DDP_WARMUP
 
 MARGIN = 0.10                 # free memory kept spare: the plan has been up to 8 % under measured peaks
@@ -79,9 +81,8 @@ LENGTH_S = 22.0               # with graphs: one padded length's static-shape co
 GRAPH_COUNTS = (1, 2, 4)      # padded lengths tried
 FORCE_ENV = "DDPTUNE_SPEED"
 FORCE_KEYS = {"graphs": ("off", "layers", "step"), "lengths": int, "checkpointing": bool, "dequantize": bool,
-              "bucket_mb": float, "compile": bool, "combo": bool, "samples": int, "epochs": float}
-HORIZON_KEYS = {"samples", "epochs"}
-WORK_STEPS = 64  # steps whose shares the choices are estimated from (Work.of)  # not choices: the job the choices are made for
+              "bucket_mb": float, "compile": bool, "combo": bool}
+WORK_STEPS = 64  # steps whose shares the choices are estimated from (Work.of)
 
 
 @dataclass(frozen=True)
@@ -159,12 +160,10 @@ def forced() -> dict:
     return out
 
 
-def span(first: int, total: int, rows: int, global_batch: int) -> tuple[int, int]:
-    """The steps the choices are made for: the run's remaining ones, or those of the job DDPTUNE_SPEED's
-    `samples` or `epochs` name (over `rows` training rows, at this run's `global_batch`)."""
-    force = forced()
-    job = force.get("samples") or force.get("epochs", 0) * rows
-    return (0, max(1, math.floor(job / global_batch))) if job else (min(first, total), total)
+def horizon(t: TrainConfig, examples: int, global_batch: int) -> int:
+    """The steps the choices are made for: the job's, `train.epochs` over `examples` at `global_batch`,
+    whatever train.max_steps (batchplan.total_steps without it)."""
+    return batchplan.total_steps(dataclasses.replace(t, max_steps=None), examples, global_batch)
 
 
 def _value(kind, raw: str):
@@ -237,7 +236,7 @@ def candidates(cfg: Config, cuda: bool, compiled: bool, force: dict) -> list[Opt
     counts = [force["lengths"]] if "lengths" in force else list(GRAPH_COUNTS)
     out = []
     for c, d, g in itertools.product(ckpt, dequant, scopes):
-        if g != "off" and c and d and not force.keys() - HORIZON_KEYS:  # measured slower a step than either alone
+        if g != "off" and c and d and not force:  # measured slower a step than either alone
             continue
         out += [Option(c, d, g, k) for k in (counts if g != "off" else [0])]
     return out
@@ -368,8 +367,14 @@ def graphs_reason(cfg: Config, cuda: bool, compiled: bool, choice: Option, best:
                "train.cuda_graphs=false" if t.cuda_graphs is False else None)
     if why_not:
         return f"off ({why_not})"
+    reason = _graphs_choice(choice, best, fitting, work, f"the job's {work.steps} steps")
+    return reason + (f" [chosen for the job: train.epochs={t.epochs:g}, {work.steps} steps; train.max_steps={t.max_steps} "
+                     "does not change the choices]" if t.max_steps and t.max_steps != work.steps else "")
+
+
+def _graphs_choice(choice: Option, best: tuple, fitting: list, work: Work, steps: str) -> str:
+    """Why graphs are on or off where they could be either, the whole job's time weighed."""
     what = {"step": "the whole step", "layers": "each layer (an 8-bit optimizer cannot be recorded)"}
-    steps = f"the job's {work.steps} steps ({FORCE_ENV})" if force.keys() & HORIZON_KEYS else f"the run's {work.steps} steps"
     off = [c for c in fitting if c[0].graphs == "off"]
     on = [c for c in fitting if c[0].graphs != "off"]
     if choice.graphs != "off":

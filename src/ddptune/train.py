@@ -133,8 +133,7 @@ def setup(cfg: Config, resume: bool = False, started: float | None = None) -> Ru
                             plan.global_batch, world, cfg.train.seed, cfg.train.packing, cfg.train.micro_batch_size,
                             cfg.train.tokens_per_forward, cfg.data.max_length, lockstep=cfg.train.strategy == "fsdp",
                             mix=data.mixture(cfg.data, train_set.sizes))
-    first = checkpoint.newest_step(out / "checkpoints") if resume else 0
-    work = speed_lib.Work.of(stream, *speed_lib.span(first, total, len(train_set), plan.global_batch))
+    work = speed_lib.Work.of(stream, 0, speed_lib.horizon(cfg.train, len(train_set), plan.global_batch))
     chosen = dist.on_main(acc, lambda: speed_lib.decide(cfg, acc.device.type == "cuda", shape, world, free, work,
                                                         metrics.matrix_tflops(acc.device), comm.link(acc.device, world), dist.one_machine()))
     model = build_model(cfg, base, chosen, acc.device)
