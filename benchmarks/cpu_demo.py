@@ -23,17 +23,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
+
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import provenance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KEEP = ("load_time_s", "train_time_s", "eval_time_s", "wall_time_s", "median_step_time_s", "final_loss", "val_loss",
         "rouge", "steps", "tokens_per_s_per_gpu")
-
-
-def commit(tree: Path) -> str:
-    return subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          check=True).stdout.strip()
 
 
 def run_once(tree: Path, out: Path, cache: Path, threads: str = "chosen", beside: int = 0) -> dict:
@@ -62,7 +60,8 @@ def run_once(tree: Path, out: Path, cache: Path, threads: str = "chosen", beside
             **{k: summary[k] for k in KEEP if k in summary}}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """The command line (module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trees", nargs="*", type=Path, default=[ROOT])
     p.add_argument("--repeat", type=int, default=1)
@@ -71,7 +70,8 @@ def main() -> int:
     p.add_argument("--threads", default="chosen", help="chosen, all, or both (alternating): ddptune's thread count "
                    "or every core (OMP_NUM_THREADS set to them, torch's default)")
     p.add_argument("--beside", default="0", help="other processes spinning on a core during each run, e.g. 0,1 (each in turn)")
-    args = p.parse_args()
+    p.add_argument("--commit", help="this checkout's commit, where the machine's copy does not carry its history")
+    args = p.parse_args(argv)
     runs = []
     ways = ["chosen", "all"] if args.threads == "both" else [args.threads]
     with tempfile.TemporaryDirectory() as tmp:
@@ -81,13 +81,12 @@ def main() -> int:
                     for i, tree in enumerate(args.trees):
                         cache = Path(tmp) / (f"cache-{k}-{i}" if args.cache == "fresh" else "cache")
                         out = Path(tmp) / f"run-{k}-{i}-{beside}-{threads}"
-                        row = {"tree": str(tree), "commit": commit(tree), "repeat": k, "cache": args.cache,
+                        row = {"tree": str(tree), "commit": provenance.commit(tree), "repeat": k, "cache": args.cache,
                                "threads": threads, "beside": beside, **run_once(tree.resolve(), out, cache, threads, beside)}
                         print(json.dumps(row), flush=True)
                         runs.append(row)
-    result = {"command": " ".join(["python", "benchmarks/cpu_demo.py", *sys.argv[1:]]),
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpus": os.cpu_count(),
-              "machine": platform.processor() or platform.machine(), "python": platform.python_version(), "runs": runs}
+    result = {**provenance.record(args.commit, __file__, argv), "cpus": os.cpu_count(),
+              "python": platform.python_version(), "runs": runs}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0
 

@@ -33,20 +33,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
+
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import provenance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM = "You are a careful assistant who summarizes conversations."
 INSTRUCTION = "Summarize the following dialogue."
-
-
-def commit(tree: Path) -> str:
-    """The tree's commit: its COMMIT file (a copy of an older src/ carried without its history), or git's."""
-    if (tree / "COMMIT").is_file():
-        return (tree / "COMMIT").read_text().strip()
-    return subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          check=True).stdout.strip()
 
 
 def make_rows(samsum: Path, n: int, path: Path, kind: str = "chat") -> None:
@@ -232,7 +227,7 @@ def train(tree: Path, args, data: Path, cache: Path, nproc: int, work: Path) -> 
 
 def one_tree(tree: Path, args, data: Path, rows: int, work: Path) -> dict:
     cache = work / f"cache-{tree.name}-{data.stem}"
-    row = {"tree": str(tree), "commit": commit(tree) if tree != ROOT else args.commit, "rows": rows, "kind": data.stem.split("-")[0],
+    row = {"tree": str(tree), "commit": provenance.commit(tree) if tree != ROOT else args.commit, "rows": rows, "kind": data.stem.split("-")[0],
            "prepare": prepare(tree, args, data, cache)}
     if tree == ROOT:
         row["store"] = store_bytes(cache)
@@ -246,7 +241,8 @@ def one_tree(tree: Path, args, data: Path, rows: int, work: Path) -> dict:
     return row
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """The command line (module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokenizer", required=True)
     p.add_argument("--rows", default="100000,1000000")
@@ -262,12 +258,13 @@ def main() -> int:
     p.add_argument("--train-nproc", type=int, help="processes of the train runs (default: the largest --nproc)")
     p.add_argument("--commit", help="this checkout's commit, where its git history is not the one it was made from")
     p.add_argument("--out", required=True)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    args.argv = argv
     if args.hold:
         return hold_worker(args) or 0
     args.nproc = [int(n) for n in args.nproc.split(",")]
     args.tokenizer = str(Path(args.tokenizer).resolve())
-    args.commit = args.commit or commit(ROOT)
+    args.commit = args.commit or provenance.commit(ROOT)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -285,9 +282,8 @@ def main() -> int:
 
 
 def write(args, results: list) -> None:
-    out = {"command": " ".join(["python", "benchmarks/data_scale.py", *sys.argv[1:]]), "commit": args.commit,
-           "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpus": len(os.sched_getaffinity(0)),
-           "machine": platform.processor() or platform.machine(), "python": platform.python_version(), "results": results}
+    out = {**provenance.record(args.commit, __file__, args.argv), "cpus": len(os.sched_getaffinity(0)),
+           "python": platform.python_version(), "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 

@@ -24,8 +24,11 @@ import platform
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
+
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import provenance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 READ = """
@@ -62,7 +65,8 @@ def peak_gib() -> float:
     return round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, 2)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """The command line (module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True)
     p.add_argument("--tokenizer", required=True)
@@ -70,11 +74,11 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--step", required=True, choices=["train", "export", "read"])
     p.add_argument("--commit")
-    args, overrides = p.parse_known_args()
+    args, overrides = p.parse_known_args(argv)
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""), HF_HUB_OFFLINE="1")
     run_dir, gguf = args.work / "run", args.work / "gguf"
-    record = {"step": args.step, "commit": args.commit, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join(sys.argv), "host": platform.node(), "cores": len(os.sched_getaffinity(0))}
+    record = {"step": args.step, **provenance.record(args.commit, __file__, argv), "host": platform.node(),
+              "cores": len(os.sched_getaffinity(0))}
     if args.step == "train":
         cmd = [sys.executable, "-m", "ddptune", "train", args.config, f"model.tokenizer={args.tokenizer}", "data.train=demo",
                "data.val=null", "train.max_steps=2", f"output_dir={run_dir}", *overrides]
@@ -89,12 +93,6 @@ def main() -> int:
         name = sorted(gguf.glob("*.gguf"))[0].name
         done = run([sys.executable, "-c", READ, str(gguf), name, args.tokenizer], env)
         record["read"] = {"wall_s": done["wall_s"], "peak_rss_gib": peak_gib(), **json.loads(done["stdout"].splitlines()[-1])}
-    try:
-        import torch
-
-        record["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    except ImportError:
-        pass
     runs = json.loads(args.out.read_text()) if args.out.is_file() else []
     args.out.write_text(json.dumps([*runs, record], indent=1) + "\n")
     print(json.dumps(record, indent=1)[:3000])

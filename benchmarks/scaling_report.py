@@ -1,8 +1,9 @@
-"""Turn the raw 2-GPU results of benchmarks/scaling_x2.sh into benchmarks/results/h200x2_<model>_<mode><suffix>.json.
+"""Raw files of finished multi-process runs: `ddptune scale` results into benchmarks/results/<prefix>_<model>_<mode><suffix>.json,
+or (`runs`) several finished `ddptune train` runs side by side, each beside `ddptune plan`'s prediction.
 
     python benchmarks/scaling_report.py --scale R1.json R2.json --runs R1_runs R2_runs \
         --recipe-1 RECIPE_N1.json --recipe-2 RECIPE_N2.json --model llama31_8b_qlora --suffix _defaults \
-        --device "2x NVIDIA H200 (NVLink NV18), nvidia-h200-x2" --date 2026-12-02
+        --device "2x NVIDIA H200 (NVLink NV18), nvidia-h200-x2" --date 2026-12-02 --commit COMMIT
 
 One file per scaling mode: device, mode, model, steps, and for each process count a row with nproc,
 speedup and efficiency (by mean steps over the sample window, and by median steps), where the lost
@@ -19,12 +20,37 @@ A `ddptune scale` run cut short (a time limit ran out before its last run) leave
 but every finished run left its ranks.jsonl: `--ranks N1.jsonl N2.jsonl --mode same-per-device --steps 20
 --warmup 3` rebuilds the rows from them, over the same sample window and with the same accounting as
 `ddptune scale` (tokens a second from the per-process token counts).
+
+Each file records the measurement's commit (--commit: `ddptune scale` records none), date, command and device,
+and under `report` this script's own command line, commit, date and machine.
+
+`runs` (the runs' folders, each NAME=RUN_DIR[:PLAN.json], and the file to write):
+
+    python benchmarks/scaling_report.py runs --warmup 5 --out runs.json NAME=RUN_DIR[:PLAN.json] ...
+
+For each run (its summary.json and metrics.jsonl): strategy, processes, samples a step, every step's
+loss, the median and mean step after the first `--warmup` steps, real tokens a second per GPU, the
+speed decider's choices and reasons, and the peak memory of each process (max_memory_allocated).
+With a plan (`ddptune plan ... --json PLAN.json` for the same config and GPU count), its
+as-configured option's `allocated` and `total` GiB beside the peak, and `plan_error` (measured
+largest peak / allocated - 1) where the run kept the 4-bit base the option assumes; the plan's
+`dequantized_base_gib` (a total) is given for a run whose base the decider kept dequantized.
+Runs of the same config, seed and global batch train on the same samples: each run after the first
+gets `loss_max_abs_diff`, the largest difference of its per-step losses from the first run's over
+the steps both ran. A run folder without summary.json (a run that failed) is listed with `missing`.
+The file records this command's commit, date, command line and device (the runs' own are in their folders).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import sys
 from pathlib import Path
+
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import provenance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KEEP = ("nproc", "per_process", "batch", "global_batch", "steps", "samples_measured", "step_s", "median_step_s",
@@ -48,6 +74,7 @@ def with_median_efficiency(rows: list[dict]) -> list[dict]:
 
 
 def kept(rows: list[dict]) -> list[dict]:
+    """The rows as a raw file keeps them: the KEEP figures of each, with its efficiency by median steps."""
     return [{k: r[k] for k in KEEP if k in r} for r in with_median_efficiency(rows)]
 
 
@@ -131,7 +158,91 @@ def from_scale(args) -> list[dict]:
     return outs
 
 
-def main() -> int:
+def parse_spec(spec: str) -> tuple[str, Path, Path | None]:
+    """NAME=RUN_DIR[:PLAN.json] -> (name, run folder, plan file or None)."""
+    name, sep, rest = spec.partition("=")
+    if not sep or not name or not rest:
+        raise SystemExit(f"scaling_report.py runs: {spec!r} is not NAME=RUN_DIR[:PLAN.json]")
+    folder, _, plan = rest.partition(":")
+    return name, Path(folder), Path(plan) if plan else None
+
+
+def plan_part(plan: dict, peak: float | None, dequantized: bool) -> dict:
+    """The plan's as-configured option beside a run's peak: `plan_error` only where the run kept the 4-bit
+    base the option assumes (`dequantized` False), else None."""
+    option = plan["options"][0]  # as configured
+    out = {"option": option["option"], "allocated_gib": option["allocated"], "total_gib": option["total"],
+           "dequantized_base_gib": plan.get("dequantized_base_gib"), "verdict": plan["verdict"],
+           "recommendation": plan["recommendation"]}
+    out["plan_error"] = peak / option["allocated"] - 1 if peak is not None and not dequantized else None
+    return out
+
+
+def run_row(name: str, folder: Path, plan: Path | None, warmup: int) -> dict:
+    """One run's figures (module docstring)."""
+    if not (folder / "summary.json").is_file():
+        return {"name": name, "folder": str(folder), "missing": "no summary.json (the run did not finish)"}
+    summary = json.loads((folder / "summary.json").read_text())
+    steps = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if '"step_time_s"' in line]
+    measured = steps[warmup:] or steps
+    seconds = sum(r["step_time_s"] for r in measured)
+    world = summary["world_size"]
+    speed = summary.get("speed") or {}
+    peaks = [p for p in summary.get("peak_mem_gib_per_process") or [] if p is not None]
+    row = {"name": name, "folder": str(folder), "strategy": summary["strategy"], "method": summary["method"],
+           "world_size": world, "global_batch": summary["global_batch"], "per_process": summary["per_process"],
+           "steps": len(steps), "measured_steps": len(measured), "warmup_steps_excluded": len(steps) - len(measured),
+           "median_step_s": statistics.median(r["step_time_s"] for r in measured), "mean_step_s": seconds / len(measured),
+           "tokens_per_s_per_gpu": sum(r["tokens"] for r in measured) / seconds / world,
+           "losses": [r["loss"] for r in steps], "final_loss": summary["final_loss"], "val_loss": summary["val_loss"],
+           "peak_mem_gib": max(peaks) if peaks else None, "peak_mem_gib_per_process": summary.get("peak_mem_gib_per_process"),
+           "speed": {k: speed.get(k) for k in SPEED}, "load_time_s": summary["load_time_s"],
+           "wall_time_s": summary["wall_time_s"]}
+    if plan is not None:
+        row["plan"] = plan_part(json.loads(plan.read_text()), row["peak_mem_gib"], bool(speed.get("dequantize")))
+    return row
+
+
+def collect(specs: list[str], warmup: int) -> dict:
+    """Every run of `specs` (NAME=RUN_DIR[:PLAN.json]) as a row, each after the first with its largest loss
+    difference from the first run's."""
+    rows = [run_row(*parse_spec(s), warmup) for s in specs]
+    first = next((r for r in rows if "losses" in r), None)
+    for r in rows:
+        if first is not None and r is not first and "losses" in r:
+            pairs = list(zip(first["losses"], r["losses"]))
+            r["loss_max_abs_diff"] = max(abs(a - b) for a, b in pairs) if pairs else None
+            r["loss_compared_with"] = first["name"]
+    return {"warmup_steps_excluded": warmup, "runs": rows}
+
+
+def runs_main(argv: list[str]) -> int:
+    """`scaling_report.py runs ...` (module docstring)."""
+    p = argparse.ArgumentParser(prog="scaling_report.py runs", description="finished ddptune train runs side by side")
+    p.add_argument("runs", nargs="+", metavar="NAME=RUN_DIR[:PLAN.json]")
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of the step-time figures")
+    p.add_argument("--out", required=True, help="the JSON file to write")
+    p.add_argument("--commit", help="this checkout's commit, where the machine's copy does not carry its history")
+    args = p.parse_args(argv)
+    result = {**provenance.record(args.commit, __file__, ["runs", *argv]), **collect(args.runs, args.warmup)}
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    for r in result["runs"]:
+        if "missing" in r:
+            print(f"{r['name']}: {r['missing']}")
+            continue
+        plan = r.get("plan") or {}
+        print(f"{r['name']}: {r['strategy']} x {r['world_size']}, median step {r['median_step_s']:.4f} s, "
+              f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU, peak {r['peak_mem_gib']} GiB (plan allocated "
+              f"{plan.get('allocated_gib')}), final loss {r['final_loss']:.4f}, loss gap {r.get('loss_max_abs_diff')}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line (module docstring): `runs ...` for train runs, anything else for `ddptune scale` results."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["runs"]:
+        return runs_main(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scale", nargs="+", help="scaling.json written by ddptune scale; several: repeats of one command")
     p.add_argument("--runs", nargs="+", help="with --scale: each repeat's runs folder (its *_runs.tgz unpacked), in order")
@@ -150,7 +261,9 @@ def main() -> int:
     p.add_argument("--device", required=True)
     p.add_argument("--date", required=True)
     p.add_argument("--note", default=None)
-    args = p.parse_args()
+    p.add_argument("--commit", help="the commit the measurement ran at (`ddptune scale` records none)")
+    args = p.parse_args(argv)
+    report = provenance.record(None, __file__, argv)
     if bool(args.scale) == bool(args.ranks):
         p.error("give --scale or --ranks")
     if args.runs and len(args.runs) != len(args.scale or []):
@@ -162,6 +275,7 @@ def main() -> int:
     else:
         outs = from_scale(args)
     for out in outs:
+        out.update(commit=args.commit, report=report)
         print(write(out, args))
     return 0
 

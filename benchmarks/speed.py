@@ -3,14 +3,15 @@
 One run does, in order:
   1. the GPU's bf16 matrix rate (the MFU denominator), measured on random data;
   2. the reference recipe (HF Trainer + accelerate launch + PEFT + bitsandbytes QLoRA, gradient
-     checkpointing, dynamic padding: benchmarks/reference_recipe.py), unless --skip-reference; with
+     checkpointing, dynamic padding: `recipe` below), unless --skip-reference; with
      --reference-best also the recipe with its own best switches (no checkpointing, cuDNN attention off);
   3. the ddptune runs named by --runs (RUNS below) and --run: the same job (same samples per optimizer
      step, learning rate, LoRA, 4-bit base, optimizer) as configs/samsum_qlora_llama31_8b.yaml ships it,
      the speed decider choosing how it runs (src/ddptune/speed.py); the same with gradient checkpointing
      forced on; bf16 LoRA (no quantization) for MFU. An override such as `env:DDPTUNE_SPEED=graphs=off`
      forces the decider's choices.
-It writes benchmarks/results/<name>.json (--results: another folder; raw figures of every run) and prints the headline figures.
+It writes benchmarks/results/<name>.json (--results: another folder; raw figures of every run, every step's time
+and tokens on both sides, and the commit, date, command line and device) and prints the headline figures.
 An 8B run of all three plus the reference takes over 10 minutes: split it with --runs if that is too long.
 
     python benchmarks/speed.py --name h200_llama31_8b_qlora_v2 --preset llama-3.1-8b \
@@ -31,12 +32,21 @@ A run of --steps steps gets the speed decider's choices for that many steps (for
 length). `--run tutorial=env:DDPTUNE_SPEED=samples=14736` times --steps steps of the choices it makes for the
 tutorial's epoch instead, as `ddptune scale` does for its windows. Several `env:` values for one variable
 are joined with commas: `--run plain=env:DDPTUNE_SPEED=samples=14736,env:DDPTUNE_SPEED=graphs=off`.
+
+`recipe` runs the tutorial's recipe alone, the way the comparison above runs it: HF Trainer + Accelerate +
+PEFT (QLoRA through bitsandbytes), gradient checkpointing, dynamic padding (DataCollatorForSeq2Seq), no
+packing; it does not import ddptune. It writes one JSON summary (rank 0) with every optimizer step's time
+and tokens:
+
+    accelerate launch --num_processes N benchmarks/speed.py recipe --model-dir DIR --data samsum.json --out ref.json
+    python benchmarks/speed.py recipe --method lora ...   # CPU smoke test (fp32)
 """
 from __future__ import annotations
 
 import argparse
-import datetime
+import importlib.metadata
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -45,10 +55,23 @@ import tempfile
 import time
 from pathlib import Path
 
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import provenance  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "samsum_qlora_llama31_8b.yaml"
 TUTORIAL_SAMPLES = 14_732  # SAMSum's training dialogues: the tutorial trains one epoch of them
-EPOCH_STEPS = 921          # that epoch in steps of 16 samples (4 a forward x 4 accumulated), the last one full
+INSTRUCTION = "Summarize the following dialogue."
+
+
+def epoch_steps(samples: int = TUTORIAL_SAMPLES, per_step: int = 16) -> int:
+    """Optimizer steps of one epoch of `samples` at `per_step` samples a step (4 a forward x 4 accumulated),
+    the last one full: the tutorial's epoch is 921."""
+    return math.ceil(samples / per_step)
+
+
+EPOCH_STEPS = epoch_steps()
 
 
 def sh(cmd: list[str], log: Path, env: dict | None = None) -> float:
@@ -84,6 +107,292 @@ def matmul_tflops() -> float | None:
     return 2 * n**3 / statistics.median(times) / 1e12
 
 
+def recipe_args(argv=None):
+    """The recipe's command line (`speed.py recipe --help`)."""
+    p = argparse.ArgumentParser(prog="speed.py recipe", description="the tutorial's recipe alone (module docstring)")
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--tokenizer-dir", default=None, help="default: --model-dir")
+    p.add_argument("--data", required=True, help="JSON list of {dialogue, summary} rows (SAMSum)")
+    p.add_argument("--out", required=True, help="summary JSON (written by rank 0)")
+    p.add_argument("--method", choices=["qlora", "lora"], default="qlora")
+    p.add_argument("--rows", type=int, default=None, help="use only the first N rows")
+    p.add_argument("--max-steps", type=int, default=30)
+    p.add_argument("--per-device-batch", type=int, default=4)
+    p.add_argument("--grad-accum", type=int, default=4)
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--max-length", type=int, default=512)
+    p.add_argument("--warmup-steps", type=float, default=0.03,
+                   help="LR warmup; a value < 1 is a ratio of max steps (tutorial: 0.03)")
+    p.add_argument("--warmup-steps-excluded", type=int, default=5,
+                   help="first N optimizer steps excluded from the timing statistics")
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--lora-r", type=int, default=16)
+    p.add_argument("--lora-alpha", type=int, default=32)
+    p.add_argument("--lora-dropout", type=float, default=0.05)
+    p.add_argument("--no-gradient-checkpointing", action="store_true")
+    p.add_argument("--no-cudnn-attention", action="store_true",
+                   help="turn torch's cuDNN attention off (it builds a plan for every new sequence length)")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- data
+def encode_example(tokenizer, dialogue, summary, max_length):
+    """Token ids + labels (-100 on the prompt, loss on the summary only), truncated."""
+    if getattr(tokenizer, "chat_template", None):
+        user = {"role": "user", "content": f"{INSTRUCTION}\n\n{dialogue}"}
+        prompt = tokenizer.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template([user, {"role": "assistant", "content": summary}], tokenize=False)
+        special = False  # the template already carries BOS etc.
+    else:
+        prompt = f"{INSTRUCTION}\n\n### Dialogue:\n{dialogue}\n\n### Summary:\n"
+        full = f"{prompt}{summary}{tokenizer.eos_token}"
+        special = True
+    ids = tokenizer(full, add_special_tokens=special)["input_ids"][:max_length]
+    n_prompt = min(len(tokenizer(prompt, add_special_tokens=special)["input_ids"]), len(ids))
+    labels = [-100] * n_prompt + ids[n_prompt:]
+    return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
+
+
+def build_dataset(tokenizer, path, rows, max_length, samples_needed):
+    """The recipe's examples from a JSON list of SAMSum rows (the first `rows`), repeated to `samples_needed`."""
+    with open(path) as f:
+        data = json.load(f)
+    data = data[:rows] if rows else data
+    if not data:
+        raise SystemExit(f"no rows in {path}")
+    encoded = [encode_example(tokenizer, r["dialogue"], r["summary"], max_length) for r in data]
+    reps = max(1, math.ceil(samples_needed / len(encoded)))
+    return encoded * reps  # a list of dicts is a valid map-style dataset
+
+
+# ----------------------------------------------------------------------------- measurement
+def recipe_trainer():
+    """(StepMeter, MeteredTrainer): a callback timing every optimizer step (wall time, tokens real and
+    padded on this rank, loss, grad norm) and the stock Trainer counting each micro-batch's tokens for it
+    (the loss math untouched). Made on call: transformers is imported only where the recipe runs."""
+    import torch
+    from transformers import Trainer, TrainerCallback
+
+    class StepMeter(TrainerCallback):
+        def __init__(self):
+            self.cuda = torch.cuda.is_available()
+            self.times, self.real, self.padded, self.losses, self.grad_norms = [], [], [], [], []
+            self._real = 0  # running (device tensor) count for the current optimizer step
+            self._padded = 0
+            self._t = None
+
+        def count(self, inputs):  # called for every micro-batch by MeteredTrainer
+            mask = inputs["attention_mask"]
+            self._real = self._real + mask.sum()
+            self._padded += mask.numel()
+
+        def _now(self):
+            if self.cuda:
+                torch.cuda.synchronize()
+            return time.perf_counter()
+
+        def on_train_begin(self, args, state, control, **kw):
+            self._t = self._now()
+
+        def on_step_end(self, args, state, control, **kw):
+            # step_end -> step_end: includes data loading and the previous step's logging
+            t = self._now()
+            self.times.append(t - self._t)
+            self._t = t
+            self.real.append(int(self._real))
+            self.padded.append(self._padded)
+            self._real, self._padded = 0, 0
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                self.losses.append(float(logs["loss"]))
+                if "grad_norm" in logs:
+                    self.grad_norms.append(float(logs["grad_norm"]))
+
+    class MeteredTrainer(Trainer):
+        def __init__(self, *a, meter, **kw):
+            super().__init__(*a, **kw)
+            self.meter = meter
+
+        def training_step(self, model, inputs, *a, **kw):
+            self.meter.count(inputs)
+            return super().training_step(model, inputs, *a, **kw)
+
+    return StepMeter, MeteredTrainer
+
+
+def reduce_list(values, op, device, dtype=None):
+    """all_reduce ("SUM"/"MAX") a per-step list across ranks (no-op single-process)."""
+    import torch
+
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return list(values)
+    t = torch.tensor(values, dtype=dtype or torch.float64, device=device)
+    torch.distributed.all_reduce(t, op=getattr(torch.distributed.ReduceOp, op))
+    return t.tolist()
+
+
+def versions():
+    """The recipe's packages and their versions."""
+    out = {}
+    for pkg in ("torch", "transformers", "peft", "accelerate", "bitsandbytes"):
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+# ----------------------------------------------------------------------------- main
+def load_model(args, cuda, local_rank):
+    """The recipe's model: the base (4-bit NF4 with double quantization for qlora) with LoRA on every linear layer."""
+    import torch
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM
+
+    gc = not args.no_gradient_checkpointing
+    gc_kwargs = {"use_reentrant": False}
+    kw = {"attn_implementation": "sdpa"}
+    if cuda:
+        kw.update(dtype=torch.bfloat16, device_map={"": local_rank})
+    else:
+        kw.update(dtype=torch.float32)
+    if args.method == "qlora":
+        if not cuda:
+            raise SystemExit("--method qlora needs CUDA (bitsandbytes 4-bit); use --method lora on CPU")
+        from transformers import BitsAndBytesConfig
+        kw["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, **kw)
+    model.config.use_cache = False
+    if args.method == "qlora":
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=gc, gradient_checkpointing_kwargs=gc_kwargs)
+    lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                      target_modules="all-linear", task_type="CAUSAL_LM")
+    return get_peft_model(model, lora)
+
+
+def recipe(argv=None):
+    """The recipe's run (`speed.py recipe`): trains, then writes its summary JSON from rank 0 and returns it."""
+    import torch
+    from accelerate import PartialState
+    from transformers import AutoTokenizer, DataCollatorForSeq2Seq, TrainingArguments
+
+    args = recipe_args(argv)
+    state = PartialState()
+    cuda = torch.cuda.is_available()
+    if cuda and args.no_cudnn_attention:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    world, rank = state.num_processes, state.process_index
+    is_main = state.is_main_process
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_dir or args.model_dir)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
+
+    samples_per_step = args.per_device_batch * args.grad_accum * world
+    dataset = build_dataset(tokenizer, args.data, args.rows, args.max_length, samples_per_step * args.max_steps)
+
+    t0 = time.perf_counter()
+    model = load_model(args, cuda, state.local_process_index)
+    load_time = time.perf_counter() - t0
+    if is_main:
+        model.print_trainable_parameters()
+
+    targs = TrainingArguments(
+        output_dir=tempfile.mkdtemp(prefix="reference_recipe_"),
+        per_device_train_batch_size=args.per_device_batch,
+        gradient_accumulation_steps=args.grad_accum,
+        learning_rate=args.lr,
+        bf16=cuda,
+        use_cpu=not cuda,
+        optim="paged_adamw_8bit" if cuda else "adamw_torch",
+        gradient_checkpointing=not args.no_gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        max_steps=args.max_steps,
+        lr_scheduler_type="cosine",
+        warmup_steps=args.warmup_steps,  # transformers 5: float < 1 == ratio (old warmup_ratio)
+        max_grad_norm=args.max_grad_norm,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        ddp_find_unused_parameters=False,
+        seed=args.seed,
+        data_seed=args.seed,
+        remove_unused_columns=False,
+        label_names=["labels"],
+    )
+    StepMeter, MeteredTrainer = recipe_trainer()
+    meter = StepMeter()
+    trainer = MeteredTrainer(
+        model=model, args=targs, train_dataset=dataset, processing_class=tokenizer,
+        data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100),
+        callbacks=[meter], meter=meter)
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    trainer.train()
+    if cuda:
+        torch.cuda.synchronize()
+    train_time = time.perf_counter() - t0
+
+    # ---- aggregate across ranks: tokens summed, times/memory max
+    dev = targs.device
+    times = reduce_list(meter.times, "MAX", dev)
+    real = reduce_list(meter.real, "SUM", dev)
+    padded = reduce_list(meter.padded, "SUM", dev)
+    peak = [torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()] if cuda else [0, 0]
+    peak = reduce_list(peak, "MAX", dev)
+
+    skip = args.warmup_steps_excluded if len(times) > args.warmup_steps_excluded else 0
+    m_times, m_real, m_padded = times[skip:], real[skip:], padded[skip:]
+    n = max(len(m_times), 1)
+    summary = {
+        "tool": "reference_recipe",
+        "method": args.method,
+        "world_size": world,
+        "per_device_batch": args.per_device_batch,
+        "grad_accum": args.grad_accum,
+        "samples_per_step": samples_per_step,
+        "steps": len(times),
+        "warmup_steps_excluded": skip,
+        "median_step_time_s": statistics.median(m_times) if m_times else None,
+        "real_tokens_per_step": sum(m_real) / n,
+        "padded_tokens_per_step": sum(m_padded) / n,
+        "padding_fraction": 1.0 - sum(m_real) / sum(m_padded) if sum(m_padded) else None,
+        "real_tok_s": sum(m_real) / sum(m_times) if sum(m_times) else None,
+        "real_tok_s_per_gpu": sum(m_real) / sum(m_times) / world if sum(m_times) else None,
+        "peak_mem_gib": peak[0] / 2**30,
+        "peak_reserved_gib": peak[1] / 2**30,
+        "step_times_s": times,  # every optimizer step's, the excluded ones first
+        "real_tokens": [int(x) for x in real],
+        "padded_tokens": [int(x) for x in padded],
+        "losses": meter.losses,
+        "grad_norms": meter.grad_norms,
+        "final_loss": meter.losses[-1] if meter.losses else None,
+        "load_time_s": load_time,
+        "train_time_s": train_time,
+        "device": torch.cuda.get_device_name(state.local_process_index) if cuda else "cpu",
+        "versions": versions(),
+    }
+    if is_main:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=2)
+        s = summary
+        print(f"[reference_recipe] {s['method']} x{world} on {s['device']}: {s['steps']} steps, "
+              f"median step {s['median_step_time_s']:.3f}s, {s['real_tok_s']:.0f} real tok/s "
+              f"({s['real_tok_s_per_gpu']:.0f}/gpu), padding {s['padding_fraction']:.1%}, "
+              f"peak {s['peak_mem_gib']:.2f} GiB, final loss {s['final_loss']} -> {args.out}")
+    state.wait_for_everyone()
+    return summary
+
+
 # ddptune's runs: the recipe's job as the config ships it (packing; the speed decider keeps gradient
 # checkpointing off where the run fits without it), the same with gradient checkpointing forced on
 # (the recipe's memory class), and bf16 LoRA without quantization (the MFU target), 64 samples per step.
@@ -96,8 +405,8 @@ RUNS = {
 
 
 def steps_of(args) -> int:
-    """Steps of each ddptune run: the epoch's, --ddptune-steps, or the recipe's --steps."""
-    return EPOCH_STEPS if args.epoch else args.ddptune_steps or args.steps
+    """Steps of each ddptune run: the epoch's (--epoch-steps), --ddptune-steps, or the recipe's --steps."""
+    return getattr(args, "epoch_steps", EPOCH_STEPS) if args.epoch else args.ddptune_steps or args.steps
 
 
 def ddptune_run(args, name: str, overrides: list[str], work: Path) -> dict:
@@ -140,30 +449,35 @@ def ddptune_run(args, name: str, overrides: list[str], work: Path) -> dict:
     }
 
 
-def epoch(result: dict, runs: list[str], references: list[str]) -> dict:
-    """The tutorial's epoch end to end: each ddptune run's measured wall time (it trained every step),
-    and each recipe run's extrapolated from its shorter run: its wall time plus its median step for
-    each step it did not run."""
-    out = {"steps": EPOCH_STEPS, "tutorial_samples": TUTORIAL_SAMPLES, "runs": {}}
+def epoch(result: dict, runs: list[str], references: list[str], steps: int = EPOCH_STEPS) -> dict:
+    """The tutorial's epoch of `steps` steps end to end: each ddptune run's measured wall time (it trained
+    every step), and each recipe run's extrapolated from its shorter run: its wall time plus its median
+    step for each step it did not run."""
+    out = {"steps": steps, "tutorial_samples": TUTORIAL_SAMPLES, "runs": {}}
     for name in runs:
         r = result[name]
-        out["runs"][name] = {"wall_s": r["wall_s"], "extrapolated": False, "samples": EPOCH_STEPS * r["samples_per_step"],
+        out["runs"][name] = {"wall_s": r["wall_s"], "extrapolated": False, "samples": steps * r["samples_per_step"],
                              "load_time_s": r["load_time_s"], "train_time_s": r["train_time_s"],
                              "median_step_time_s": r["median_step_time_s"]}
     for key in references:
         r = result[key]
-        missing = EPOCH_STEPS - r["steps"]
+        missing = steps - r["steps"]
         out["runs"][key] = {"wall_s": r["wall_s"] + missing * r["median_step_time_s"], "extrapolated": True,
                             "how": f"measured wall time of {r['steps']} steps + {missing} x the median step",
                             "measured_steps": r["steps"], "measured_wall_s": r["wall_s"],
-                            "median_step_time_s": r["median_step_time_s"], "samples": EPOCH_STEPS * r["samples_per_step"]}
+                            "median_step_time_s": r["median_step_time_s"], "samples": steps * r["samples_per_step"]}
     if "reference" in out["runs"]:
         for name in runs:
             out["runs"][name]["against_reference"] = out["runs"]["reference"]["wall_s"] / out["runs"][name]["wall_s"]
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """The command line (module docstring): `recipe ...` runs the recipe alone, anything else the comparison."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["recipe"]:
+        recipe(argv[1:])
+        return 0
     p = argparse.ArgumentParser()
     p.add_argument("--name", required=True)
     p.add_argument("--preset", default="llama-3.1-8b")
@@ -185,9 +499,11 @@ def main() -> int:
                    help="a run of its own: NAME=section.key=value,section.key=value (repeatable; after --runs)")
     p.add_argument("--epoch", action="store_true",
                    help=f"ddptune runs train the tutorial's epoch, {EPOCH_STEPS} steps, timed end to end; the recipe's is extrapolated")
+    p.add_argument("--epoch-steps", type=int, default=EPOCH_STEPS, help="the epoch's steps (a shorter one for a smoke test)")
+    p.add_argument("--commit", help="this checkout's commit, where the machine's copy does not carry its history")
     p.add_argument("--work", default="/tmp/ddptune-bench", help="the compiler and preset cache, and a new folder of this call's runs")
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"), help="the folder <name>.json goes to")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     Path(args.work).mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("DDPTUNE_CACHE", str(Path(args.work) / "cache"))
     # this call's runs and logs in a folder of their own: a run's output_dir from an earlier call on the same
@@ -196,13 +512,9 @@ def main() -> int:
 
     from ddptune import model as model_lib
 
-    result = {"name": args.name, "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
-              "preset": args.preset, "steps": args.steps, "warmup_steps_excluded": args.warmup,
+    result = {"name": args.name, **provenance.record(args.commit, __file__, argv), "preset": args.preset, "steps": args.steps, "warmup_steps_excluded": args.warmup,
               "ddptune_steps": steps_of(args), "runs_folder": str(work)}
     result["matmul_tflops_bf16"] = matmul_tflops()  # the second MFU column's denominator (ddptune's is the datasheet's)
-    import torch
-
-    result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     t = time.perf_counter()
     folder = model_lib.preset_folder(args.preset, 0)
     result["preset_save_s"] = time.perf_counter() - t
@@ -213,7 +525,7 @@ def main() -> int:
     for key, extra in variants.items():
         ref_json = work / f"{key}.json"
         wall = sh(["accelerate", "launch", "--num_processes", "1", "--mixed_precision", "bf16",
-            str(ROOT / "benchmarks" / "reference_recipe.py"), "--model-dir", str(folder), "--tokenizer-dir", args.tokenizer,
+            str(Path(__file__).resolve()), "recipe", "--model-dir", str(folder), "--tokenizer-dir", args.tokenizer,
             "--data", args.data, "--method", args.method, "--max-steps", str(args.steps), "--warmup-steps-excluded", str(args.warmup),
             "--out", str(ref_json), *extra], work / f"{key}.log")
         result[key] = dict(json.loads(ref_json.read_text()), wall_s=wall)
@@ -230,7 +542,7 @@ def main() -> int:
             Path(os.environ["OUT"], out.name).write_text(json.dumps(result, indent=2))
 
     if args.epoch:
-        result["epoch"] = epoch(result, [n for n, _ in named], list(variants))
+        result["epoch"] = epoch(result, [n for n, _ in named], list(variants), args.epoch_steps)
     d = result.get("ddptune")
     if d:
         result.update({"ddptune_tok_s": d["real_tok_s_per_gpu"], "mfu": d["mfu"], "peak_mem_gib": d["peak_mem_gib"]})
@@ -251,7 +563,7 @@ def main() -> int:
         Path(os.environ["OUT"], out.name).write_text(json.dumps(result, indent=2))
     print(json.dumps({k: v for k, v in result.items() if not isinstance(v, dict)}, indent=2))
     for name, run in result.get("epoch", {}).get("runs", {}).items():
-        print(f"epoch of {EPOCH_STEPS} steps, {name}: {run['wall_s']:.1f} s{' (extrapolated)' if run['extrapolated'] else ''}")
+        print(f"epoch of {args.epoch_steps} steps, {name}: {run['wall_s']:.1f} s{' (extrapolated)' if run['extrapolated'] else ''}")
     return 0
 
 

@@ -166,27 +166,3 @@ def unbroken(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("unbroken") / "run"
     multiproc.run(_train_tiny_to_the_end, 2, [*UNBROKEN_ARGS, f"output_dir={out}"])
     return load_file(out / "adapter" / "adapter_model.safetensors")
-
-
-def gpu_trace(slow: float = 0.0, profiler_steps: tuple[int, ...] = (3, 4), late: float = 0.0) -> dict:
-    """A torch.profiler trace of one process on a GPU with the whole step recorded as CUDA graphs
-    (what `timeline` reads). Each ProfilerStep#k holds one graph replay whose work runs after the
-    host has moved on: 100 µs of GEMM with a copy inside it, 20 µs idle, 50 + `slow` µs more compute
-    hiding the first all-reduce, then the last all-reduce alone until 330 µs after the replay's
-    start, when the last GPU to come (slow + late = 160 at most) has joined it. `late`: this GPU
-    starts the step so many µs after the others. One kernel was launched before the first profiled
-    step and belongs to none."""
-    events = [{"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": -50, "dur": 5, "args": {"correlation": 1}},
-              {"ph": "X", "cat": "kernel", "name": "nvjet_early", "ts": 10, "dur": 20, "args": {"correlation": 1}}]
-    for i, k in enumerate(profiler_steps):
-        host, t0, corr = 400 * i, 1000 * (i + 1), 10 + i
-        events += [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{k}", "ts": host, "dur": 400},
-                   {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": host + 10, "dur": 5, "args": {"correlation": corr}}]
-        arrive = 170 + slow + late
-        for name, cat, start, end in (("nvjet_tst_128x256", "kernel", late, late + 100),
-                                      ("Memcpy HtoD (Pinned -> Device)", "gpu_memcpy", late + 50, late + 70),
-                                      ("triton_poi_fused_add_3", "kernel", late + 120, arrive),
-                                      ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "kernel", late + 140, late + 200),
-                                      ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "kernel", arrive, 330)):
-            events.append({"ph": "X", "cat": cat, "name": name, "ts": t0 + start, "dur": end - start, "args": {"correlation": corr}})
-    return {"traceEvents": events}

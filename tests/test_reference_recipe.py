@@ -1,4 +1,4 @@
-"""CPU smoke test of benchmarks/reference_recipe.py on a tiny random Llama (no network)."""
+"""CPU smoke test of the tutorial's recipe (`benchmarks/speed.py recipe`) on a tiny random Llama (no network)."""
 import importlib.util
 import json
 import math
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "reference_recipe.py"
+SCRIPT = ROOT / "benchmarks" / "speed.py"
 
 NAMES = ["Anna", "Ben", "Carl", "Dora", "Eve", "Finn"]
 VERBS = ["meet", "call", "cook", "read", "walk", "shop"]
@@ -19,7 +19,8 @@ PLACES = ["park", "office", "cafe", "gym", "station", "library"]
 KEYS = ["tool", "method", "world_size", "per_device_batch", "grad_accum", "samples_per_step", "steps",
         "warmup_steps_excluded", "median_step_time_s", "real_tokens_per_step", "padded_tokens_per_step",
         "padding_fraction", "real_tok_s", "real_tok_s_per_gpu", "peak_mem_gib", "peak_reserved_gib",
-        "losses", "grad_norms", "final_loss", "load_time_s", "train_time_s", "device", "versions"]
+        "step_times_s", "real_tokens", "padded_tokens", "losses", "grad_norms", "final_loss", "load_time_s",
+        "train_time_s", "device", "versions"]
 
 
 def make_rows(n=20):
@@ -73,7 +74,7 @@ def tiny_setup(tmp_path_factory):
 
 
 def load_script_module():
-    spec = importlib.util.spec_from_file_location("reference_recipe", SCRIPT)
+    spec = importlib.util.spec_from_file_location("speed_bench", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -104,7 +105,7 @@ def test_encode_masks_prompt(tiny_setup):
 def test_reference_recipe_cpu_lora(tiny_setup):
     tmp, model_dir, data, _ = tiny_setup
     out = tmp / "ref.json"
-    cmd = [sys.executable, str(SCRIPT), "--model-dir", str(model_dir), "--data", str(data),
+    cmd = [sys.executable, str(SCRIPT), "recipe", "--model-dir", str(model_dir), "--data", str(data),
            "--out", str(out), "--method", "lora", "--max-steps", "3", "--per-device-batch", "2",
            "--grad-accum", "2", "--warmup-steps-excluded", "1"]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
@@ -118,6 +119,7 @@ def test_reference_recipe_cpu_lora(tiny_setup):
     assert s["warmup_steps_excluded"] == 1
     assert len(s["losses"]) == 3 and all(math.isfinite(x) for x in s["losses"])
     assert len(s["grad_norms"]) == 3 and all(math.isfinite(g) for g in s["grad_norms"])
+    assert len(s["step_times_s"]) == len(s["real_tokens"]) == len(s["padded_tokens"]) == 3  # every step's, for ratios over any window
     assert 0 <= s["padding_fraction"] < 1
     assert s["real_tok_s"] > 0 and s["median_step_time_s"] > 0
     assert 0 < s["real_tokens_per_step"] <= s["padded_tokens_per_step"]

@@ -74,9 +74,11 @@ def test_repeats_give_each_ones_figures_their_range_the_speed_choices_and_the_re
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scaling_report.py"), "--scale", str(tmp_path / "r1.json"),
                            str(tmp_path / "r2.json"), "--runs", *runs, "--recipe-1", str(tmp_path / "ref1.json"),
                            "--recipe-2", str(tmp_path / "ref2.json"), "--model", "m", "--device", "d", "--date", "x",
-                           "--results", str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
+                           "--commit", "abc1234", "--results", str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     out = json.loads((tmp_path / f"h200x2_m_{mode}.json").read_text())
+    assert (out["commit"], out["date"], out["device"], out["command"]) == ("abc1234", "x", "d", "ddptune scale ...")
+    assert out["report"]["command"].startswith("python benchmarks/scaling_report.py --scale ") and out["report"]["date"]
     assert [r["efficiency"] for r in out["rows"]] == pytest.approx([r["efficiency"] for r in first])
     one, two = out["spread"]
     assert one["efficiency"] == [1.0, 1.0] and one["efficiency_range"] == 0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,22 +16,25 @@ _spec.loader.exec_module(speed_bench)
 
 
 def test_the_tutorials_epoch_is_921_steps_of_16():
-    assert speed_bench.EPOCH_STEPS * 16 >= speed_bench.TUTORIAL_SAMPLES > (speed_bench.EPOCH_STEPS - 1) * 16
+    assert speed_bench.epoch_steps() == 921 and speed_bench.epoch_steps(14_736, 16) == 921
+    assert speed_bench.epoch_steps(14_737, 16) == 922
 
 
 def test_epoch_runs_train_every_step_of_it_and_are_timed_whole(tmp_path, monkeypatch):
-    """On the CPU with the tiny preset and a 5-step 'epoch' (the module's step count lowered)."""
+    """On the CPU with the tiny preset and a 5-step 'epoch' (--epoch-steps)."""
     from ddptune import model
 
     model.byte_tokenizer().save_pretrained(tmp_path / "tok")
-    monkeypatch.setattr(speed_bench, "EPOCH_STEPS", 5)
-    monkeypatch.setattr(sys, "argv", ["speed.py", "--epoch", "--name", "epoch", "--preset", "tiny", "--method", "lora",
-                                      "--tokenizer", str(tmp_path / "tok"), "--data", "demo", "--rows", "0:64", "--steps", "2",
-                                      "--warmup", "1", "--skip-reference", "--runs", "", "--run", "shipped=train.grad_accum=1,env:DDPTUNE_SPEED=compile=false,env:DDPTUNE_SPEED=samples=40",
-                                      "--work", str(tmp_path / "work"), "--results", str(tmp_path)])
+    argv = ["--epoch", "--epoch-steps", "5", "--name", "epoch", "--preset", "tiny", "--method", "lora",
+            "--tokenizer", str(tmp_path / "tok"), "--data", "demo", "--rows", "0:64", "--steps", "2", "--warmup", "1",
+            "--skip-reference", "--runs", "", "--run",
+            "shipped=train.grad_accum=1,env:DDPTUNE_SPEED=compile=false,env:DDPTUNE_SPEED=samples=40",
+            "--work", str(tmp_path / "work"), "--results", str(tmp_path)]
     monkeypatch.delenv("OUT", raising=False)
-    assert speed_bench.main() == 0
+    assert speed_bench.main(argv) == 0
     result = json.loads((tmp_path / "epoch.json").read_text())
+    assert result["command"].startswith("python benchmarks/speed.py --epoch --epoch-steps 5 --name epoch")
+    assert result["date"] and result["device"] and "commit" in result
     assert len([r for r in metrics(Path(result["runs_folder"]) / "shipped") if "step_time_s" in r]) == 5
     shipped, epoch = result["shipped"], result["epoch"]
     assert shipped["steps"] == 5 and result["ddptune_steps"] == 5 and epoch["steps"] == 5
@@ -62,19 +64,18 @@ def test_ddptune_runs_take_their_own_step_count_unless_timing_the_epoch():
 
     assert speed_bench.steps_of(Namespace(epoch=False, ddptune_steps=None, steps=30)) == 30
     assert speed_bench.steps_of(Namespace(epoch=False, ddptune_steps=150, steps=30)) == 150
-    assert speed_bench.steps_of(Namespace(epoch=True, ddptune_steps=150, steps=30)) == speed_bench.EPOCH_STEPS
+    assert speed_bench.steps_of(Namespace(epoch=True, epoch_steps=921, ddptune_steps=150, steps=30)) == 921
 
 
 def test_a_second_call_on_the_same_machine_runs_in_a_folder_of_its_own(tmp_path, monkeypatch):
     """Runs of an earlier call with the same name stay where they are: a run's output_dir that holds a run
     is refused, so each call gets a new folder of runs and deletes nothing."""
-    argv = ["speed.py", "--name", "again", "--preset", "tiny", "--skip-reference", "--runs", "", "--tokenizer", "-",
+    argv = ["--name", "again", "--preset", "tiny", "--skip-reference", "--runs", "", "--tokenizer", "-",
             "--data", "demo", "--work", str(tmp_path / "work"), "--results", str(tmp_path)]
-    monkeypatch.setattr(sys, "argv", argv)
     monkeypatch.delenv("OUT", raising=False)
     folders = []
     for _ in range(2):
-        assert speed_bench.main() == 0
+        assert speed_bench.main(argv) == 0
         folders.append(Path(json.loads((tmp_path / "again.json").read_text())["runs_folder"]))
         (folders[-1] / "shipped").mkdir()  # what a run leaves behind
     assert folders[0] != folders[1] and all(f.parent == tmp_path / "work" and (f / "shipped").is_dir() for f in folders)

@@ -1,4 +1,4 @@
-"""benchmarks/train_runs.py: finished `ddptune train` runs side by side, each beside `ddptune plan`'s
+"""benchmarks/scaling_report.py runs: finished `ddptune train` runs side by side, each beside `ddptune plan`'s
 prediction, read from a real tiny run on the CPU."""
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 from conftest import ROOT, metrics
 from ddptune import cli
 
-_spec = importlib.util.spec_from_file_location("train_runs", ROOT / "benchmarks" / "train_runs.py")
-train_runs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(train_runs)
+_spec = importlib.util.spec_from_file_location("scaling_report", ROOT / "benchmarks" / "scaling_report.py")
+report = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(report)
 
 
 def test_runs_side_by_side_with_their_plan_their_loss_gap_and_a_run_that_did_not_finish(tmp_path):
@@ -25,11 +25,14 @@ def test_runs_side_by_side_with_their_plan_their_loss_gap_and_a_run_that_did_not
     assert cli.main(["train", *job, f"output_dir={run}"]) == 0
     assert cli.main(["plan", *job, "--json", str(plan)]) == 0
     out = tmp_path / "runs.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_runs.py"), "--warmup", "2", "--out", str(out),
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scaling_report.py"), "runs", "--warmup", "2", "--out", str(out),
                            f"one={run}:{plan}", f"again={run}", f"gone={tmp_path / 'never'}"],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
-    one, again, gone = json.loads(out.read_text())["runs"]
+    written = json.loads(out.read_text())
+    one, again, gone = written["runs"]
+    assert written["command"].startswith("python benchmarks/scaling_report.py runs --warmup 2 --out ")
+    assert written["date"] and written["device"] and "commit" in written
     steps = [r for r in metrics(run) if "step_time_s" in r]
     times = [r["step_time_s"] for r in steps[2:]]
     assert (one["steps"], one["measured_steps"], one["warmup_steps_excluded"]) == (6, 4, 2)
@@ -47,6 +50,6 @@ def test_runs_side_by_side_with_their_plan_their_loss_gap_and_a_run_that_did_not
 def test_the_plan_error_is_given_only_for_the_base_the_plan_assumed():
     plan = {"options": [{"option": "DDP as configured", "allocated": 40.0, "total": 44.0}], "verdict": "ddp",
             "recommendation": "DDP as is", "dequantized_base_gib": 58.0}
-    assert train_runs.plan_part(plan, 42.0, dequantized=False)["plan_error"] == pytest.approx(0.05)
-    kept = train_runs.plan_part(plan, 52.0, dequantized=True)
+    assert report.plan_part(plan, 42.0, dequantized=False)["plan_error"] == pytest.approx(0.05)
+    kept = report.plan_part(plan, 52.0, dequantized=True)
     assert kept["plan_error"] is None and kept["dequantized_base_gib"] == 58.0
