@@ -28,10 +28,11 @@ job takes about 8 minutes on an H200 with the recipe at --steps 30:
     python benchmarks/speed.py --epoch --name h200_llama31_8b_qlora_epoch --preset llama-3.1-8b \
         --tokenizer .tok/smollm2 --data .devdata/samsum_validation.json --steps 30 --warmup 5 --runs "" --run shipped=
 
-A run of --steps steps gets the speed decider's choices for that many steps (for 30, one recorded padded
-length). `--run tutorial=env:DDPTUNE_SPEED=samples=14736` times --steps steps of the choices it makes for the
-tutorial's epoch instead, as `ddptune scale` does for its windows. Several `env:` values for one variable
-are joined with commas: `--run plain=env:DDPTUNE_SPEED=samples=14736,env:DDPTUNE_SPEED=graphs=off`.
+Every ddptune run is a window of the tutorial's job: the speed decider makes its choices for the job
+the config describes, train.epochs over the training rows, whatever train.max_steps, so each run sets
+train.epochs to the passes over --rows that make the tutorial's 921 steps of 16 samples (`job_epochs`:
+18.0153 over 818 rows), and --steps of that one program are timed. Several `env:` values for one variable
+are joined with commas: `--run plain=env:DDPTUNE_SPEED=graphs=off,env:DDPTUNE_SPEED=combo=false`.
 
 `recipe` runs the tutorial's recipe alone, the way the comparison above runs it: HF Trainer + Accelerate +
 PEFT (QLoRA through bitsandbytes), gradient checkpointing, dynamic padding (DataCollatorForSeq2Seq), no
@@ -72,6 +73,15 @@ def epoch_steps(samples: int = TUTORIAL_SAMPLES, per_step: int = 16) -> int:
 
 
 EPOCH_STEPS = epoch_steps()
+
+
+def job_epochs(rows: str, steps: int = EPOCH_STEPS, per_step: int = 16) -> str | None:
+    """The train.epochs that makes the tutorial's job, `steps` steps of `per_step` samples, of the row
+    slice `rows` ("a:b"): the job the speed decider chooses for. None for a slice it cannot count."""
+    start, _, stop = rows.partition(":")
+    if not (start or "0").isdigit() or not stop.isdigit() or int(stop) <= int(start or 0):
+        return None
+    return f"{(steps * per_step + 0.5) / (int(stop) - int(start or 0)):.6g}"
 
 
 def sh(cmd: list[str], log: Path, env: dict | None = None) -> float:
@@ -412,7 +422,7 @@ def steps_of(args) -> int:
 def ddptune_run(args, name: str, overrides: list[str], work: Path) -> dict:
     """One `ddptune train` of the shipped config on the benchmark's data; an override `env:NAME=VALUE`
     sets an environment variable for the run instead (DDPTUNE_SPEED forces speed choices); the values
-    of several for one NAME are joined with commas (`env:DDPTUNE_SPEED=samples=14736,env:DDPTUNE_SPEED=graphs=off`)."""
+    of several for one NAME are joined with commas (`env:DDPTUNE_SPEED=graphs=off,env:DDPTUNE_SPEED=combo=false`)."""
     out = work / name
     env: dict[str, str] = {}
     for o in overrides:
@@ -423,6 +433,7 @@ def ddptune_run(args, name: str, overrides: list[str], work: Path) -> dict:
     cmd = [sys.executable, "-m", "ddptune", "train", str(CONFIG), f"output_dir={out}",
            f"model.source=preset:{args.preset}", f"model.tokenizer={args.tokenizer}", f"data.train={args.data}",
            f"data.train_rows={args.rows}", "data.val=null", f"train.max_steps={steps_of(args)}",
+           *([f"train.epochs={job_epochs(args.rows)}"] if job_epochs(args.rows) else []),
            f"train.warmup_steps={args.lr_warmup}", f"train.method={args.method}", *args.override, *overrides, "--nproc", "1"]
     wall = sh(cmd, work / f"{name}.log", env)
     summary = json.loads((out / "summary.json").read_text())

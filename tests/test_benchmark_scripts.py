@@ -27,7 +27,7 @@ def test_every_override_names_a_config_field():
 def test_every_forced_speed_choice_is_one_ddptune_takes(monkeypatch):
     # speed.py's `env:DDPTUNE_SPEED=a,env:DDPTUNE_SPEED=b` is two values
     values = {m.group(1).removesuffix(",env") for p in SOURCES for m in FORCED.finditer(p.read_text())}
-    assert {"graphs=off", "samples=14736"} <= values
+    assert {"graphs=off", "combo=false"} <= values
     for value in values:
         monkeypatch.setenv(speed.FORCE_ENV, value)
         assert speed.forced(), value  # raises ConfigError for a key or value it does not know

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,9 @@ _spec.loader.exec_module(speed_bench)
 def test_the_tutorials_epoch_is_921_steps_of_16():
     assert speed_bench.epoch_steps() == 921 and speed_bench.epoch_steps(14_736, 16) == 921
     assert speed_bench.epoch_steps(14_737, 16) == 922
+    # every run is a window of the tutorial's job: the passes over 818 rows that make its 921 steps of 16
+    epochs = float(speed_bench.job_epochs("0:818"))
+    assert math.floor(epochs * 818 / 16) == 921 and speed_bench.job_epochs("all") is None
 
 
 def test_epoch_runs_train_every_step_of_it_and_are_timed_whole(tmp_path, monkeypatch):
@@ -28,7 +32,7 @@ def test_epoch_runs_train_every_step_of_it_and_are_timed_whole(tmp_path, monkeyp
     argv = ["--epoch", "--epoch-steps", "5", "--name", "epoch", "--preset", "tiny", "--method", "lora",
             "--tokenizer", str(tmp_path / "tok"), "--data", "demo", "--rows", "0:64", "--steps", "2", "--warmup", "1",
             "--skip-reference", "--runs", "", "--run",
-            "shipped=train.grad_accum=1,env:DDPTUNE_SPEED=compile=false,env:DDPTUNE_SPEED=samples=40",
+            "shipped=train.grad_accum=1,env:DDPTUNE_SPEED=compile=false,env:DDPTUNE_SPEED=combo=false",
             "--work", str(tmp_path / "work"), "--results", str(tmp_path)]
     monkeypatch.delenv("OUT", raising=False)
     assert speed_bench.main(argv) == 0
@@ -44,7 +48,7 @@ def test_epoch_runs_train_every_step_of_it_and_are_timed_whole(tmp_path, monkeyp
     assert run["extrapolated"] is False and run["wall_s"] == shipped["wall_s"] > shipped["train_time_s"] > 0
     assert run["samples"] == 5 * 4 and "reference" not in epoch["runs"]
     # two env: values for one variable reach the run joined, the way DDPTUNE_SPEED takes several choices
-    assert shipped["speed"]["forced"] == {"compile": False, "samples": 40}
+    assert shipped["speed"]["forced"] == {"compile": False, "combo": False}
 
 
 def test_the_recipes_epoch_is_its_measured_wall_plus_its_median_step_for_each_step_it_did_not_run():
