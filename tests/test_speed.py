@@ -118,6 +118,22 @@ def test_a_cpu_run_compiles_nothing_records_nothing_and_checkpoints_nothing():
     assert chosen.bucket_mb is None
 
 
+def test_a_cpu_process_checkpoints_only_where_its_share_of_host_memory_is_short():
+    """On a CPU the budget is the process's share of the host's available memory, fp32 weights and
+    activations counted (SmolLM2-135M LoRA, 16 samples a step in one packed row of about 3,800 tokens:
+    about 11 GiB without checkpointing, 3.6 with); checkpointing costs a forward, so it is chosen only
+    where the run would not fit."""
+    work = samsum_like(50)
+    roomy = decide(["train.method=lora"], 20.0, work, preset="smollm2-135m", cuda=False)
+    tight = decide(["train.method=lora"], 5.0, work, preset="smollm2-135m", cuda=False)
+    assert (roomy.checkpointing, tight.checkpointing) == (False, True)
+    without = [o["memory_gib"] for o in tight.estimate["options"] if not o["checkpointing"]]
+    assert tight.estimate["memory_gib"] <= 5.0 * (1 - speed.MARGIN) < min(without) < 20.0 * (1 - speed.MARGIN)
+    assert 9.0 < min(without) < 13.0 and 3.0 < tight.estimate["memory_gib"] < 4.0
+    gpu = decide(["train.method=lora"], 20.0, work, preset="smollm2-135m")
+    assert gpu.estimate["options"][0]["memory_gib"] < min(without)  # bf16 on the GPU: half the bytes
+
+
 def test_one_bucket_on_nvlink_and_torchs_buckets_elsewhere():
     work = samsum_like(51, parts=2)
     nvlink = decide([], 139.3, work, world=2, link="NVLink")

@@ -158,7 +158,7 @@ class TrainConfig:
     states, for full fine-tuning of large models (slower: they synchronize the GPU per parameter)."""
     gradient_checkpointing: bool | Literal["auto"] = "auto"
     """Recompute activations in the backward (non-reentrant): less memory, one more forward of compute.
-    auto: on only where the run would not fit the GPU without it (off on CPU)."""
+    auto: on only where the run would not fit without it: the free GPU memory, or on a CPU each process's share of the host's available memory."""
     cuda_graphs: bool | Literal["auto"] = "auto"
     """Replay recorded CUDA graphs (the whole step with adamw, each layer otherwise) instead of launching
     each kernel. auto: where the run ends sooner with them, compiling and recording counted (GPUs only)."""

@@ -48,6 +48,9 @@ GIB = 2**30
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit code + 8-bit absmax per 64 + fp32 absmax per 256 blocks
 CUDA_CONTEXT_GIB = 0.75   # CUDA context, cuBLAS and NCCL workspaces: outside torch's allocator
 ALLOCATOR_SLACK = 0.08    # reserved but not allocated (the recipe's run: 13.71 GiB reserved for 12.63 allocated)
+# a CPU process's libraries (0.39 GiB after the imports) and what loading leaves held: fitted on the CPU demo
+# (SmolLM2-135M LoRA, 2 steps): peak RSS 4.30 GiB, 2.49 with checkpointing; modelled 4.41 and 2.45 (in-sample)
+CPU_PROCESS_GIB = 1.5
 # How far the prediction has been from measured peaks (BENCHMARKS.md, "Plan against measured peaks"): from 4 %
 # under to 8 % over, LoRA, QLoRA and full fine-tunes (1B and 8B, DDP and FSDP). A verdict closer than these to
 # the GPU's memory is said to be one a run must settle.
@@ -167,6 +170,7 @@ class Job:
     graphs: str = "off"           # CUDA graphs recorded: off, layers or step (the whole step)
     fsdp: bool = False            # sharded by FSDP, also with one shard (it gathers each unit into a copy)
     lora_saved: tuple[str, ...] = ()  # lora.modules_to_save: trained whole, with gradients and optimizer states
+    cpu: bool = False             # a CPU process: fp32 weights and activations, no CUDA context
 
 
 def layer_activation_bytes(s: Shape, job: Job) -> float:
@@ -211,7 +215,8 @@ def load_peak(s: Shape, job: Job) -> float:
 
 def estimate(s: Shape, job: Job) -> dict:
     """Bytes per GPU of each term, `allocated` (what torch.cuda.max_memory_allocated would read)
-    and `total` (with the CUDA context and the allocator's slack: what the GPU must hold)."""
+    and `total` (with the CUDA context and the allocator's slack: what the GPU must hold). A CPU
+    process (`job.cpu`): its host memory, the process's own libraries in place of the CUDA context."""
     n, sharding = job.shards, job.shards > 1 or job.fsdp
     trained = s.params if job.method == "full" else \
         s.lora_params(job.lora_r, list(job.lora_targets)) + s.saved_params(list(job.lora_saved))
@@ -238,12 +243,14 @@ def estimate(s: Shape, job: Job) -> dict:
         gradients *= 2                # reducer's buckets, rebuilt after the first step, are the likely holder
     optimizer = trained * (8 if job.optimizer == "adamw" else 2) / n
     activations = activation_bytes(s, job)
+    if job.cpu:  # fp32 compute: every weight and saved activation in 4 bytes, bf16's twice; no autocast copies
+        weights, activations = s.params * 4 / n, activations * 2
     graphs = 0.0
     if job.graphs != "off":
         eager = activation_bytes(s, dataclasses.replace(job, checkpointing=False))
         graphs = eager * (GRAPH_POOL + (GRAPH_POOL_CHECKPOINTED if job.checkpointing and job.graphs == "layers" else 0.0))
     allocated = max(weights + adapters + gradients + optimizer + activations + graphs, load_peak(s, job))
-    total = allocated * (1 + ALLOCATOR_SLACK) + CUDA_CONTEXT_GIB * GIB
+    total = allocated + CPU_PROCESS_GIB * GIB if job.cpu else allocated * (1 + ALLOCATOR_SLACK) + CUDA_CONTEXT_GIB * GIB
     return {"weights": weights, "adapters": adapters, "gradients": gradients, "optimizer": optimizer,
             "activations": activations, "graphs": graphs, "overhead": total - allocated, "allocated": allocated,
             "total": total}
@@ -264,9 +271,9 @@ def forward_tokens(cfg: Config, world: int = 1) -> int:
 
 def job_of(cfg: Config, world: int = 1, checkpointing: bool | None = None, shards: int = 1,
            tokens: int | None = None, targets: int | None = None, compiled: bool | None = None,
-           fsdp: bool | None = None) -> Job:
-    """The Job a config runs on a GPU (checkpointing None: as configured, `auto` counted as off;
-    fsdp None: sharded over more than one GPU, or train.strategy=fsdp)."""
+           fsdp: bool | None = None, cpu: bool = False) -> Job:
+    """The Job a config runs on a GPU, or a CPU process (checkpointing None: as configured, `auto`
+    counted as off; fsdp None: sharded over more than one GPU, or train.strategy=fsdp)."""
     t = cfg.train
     tokens = forward_tokens(cfg, world) if tokens is None else tokens
     return Job(t.method, t.optimizer, t.gradient_checkpointing is True if checkpointing is None else checkpointing,
@@ -274,7 +281,8 @@ def job_of(cfg: Config, world: int = 1, checkpointing: bool | None = None, shard
                t.compile is not False if compiled is None else compiled,
                cfg.lora.r, tuple(cfg.lora.target_modules), cfg.lora.dropout, shards, world,
                dequantized=False, graphs=("step" if t.optimizer == "adamw" else "layers") if t.cuda_graphs is True else "off",
-               fsdp=shards > 1 or t.strategy == "fsdp" if fsdp is None else fsdp, lora_saved=tuple(cfg.lora.modules_to_save))
+               fsdp=shards > 1 or t.strategy == "fsdp" if fsdp is None else fsdp, lora_saved=tuple(cfg.lora.modules_to_save),
+               cpu=cpu)
 
 
 WHAT = {"lora": "LoRA on the bf16 base", "qlora": "QLoRA (a 4-bit base)", "full": "full fine-tuning"}

@@ -189,7 +189,8 @@ def decide(cfg: Config, cuda: bool, shape: memory.Shape, world: int, free_gib: f
     compiled = force.get("compile", t.compile is True or (t.compile == "auto" and cuda))
     options = candidates(cfg, cuda, compiled, force)
     rate = (matrix_tflops or FALLBACK_TFLOPS) * 1e12 * RATE_SHARE
-    costed = [(o, memory_gib(cfg, shape, world, o, work, compiled), *time_s(cfg, shape, o, work, rate, compiled)) for o in options]
+    costed = [(o, memory_gib(cfg, shape, world, o, work, compiled, not cuda), *time_s(cfg, shape, o, work, rate, compiled))
+              for o in options]
     budget = None if free_gib is None else free_gib * (1 - MARGIN)
     fitting = [c for c in costed if budget is None or c[1] <= budget]
     best = min(fitting, key=lambda c: (c[2] * work.steps + c[3], c[1])) if fitting else min(costed, key=lambda c: c[1])
@@ -218,7 +219,7 @@ def candidates(cfg: Config, cuda: bool, compiled: bool, force: dict) -> list[Opt
     elif t.gradient_checkpointing != "auto":
         ckpt = [bool(t.gradient_checkpointing)]
     else:
-        ckpt = [False, True] if cuda else [False]  # a CPU has no fixed memory budget to fit
+        ckpt = [False, True]
     if force.get("dequantize") and t.strategy == "fsdp":
         raise ConfigError([f"{FORCE_ENV}: dequantize=true needs train.strategy=ddp (FSDP shards the 4-bit base; "
                            "or dequantize=false)"])
@@ -256,11 +257,11 @@ def padded(work: Work, lengths: int) -> tuple[float, int, int]:
     return total / max(sum(tokens), 1), max(sizes), -(-targets // batches.TARGET_PAD) * batches.TARGET_PAD
 
 
-def memory_gib(cfg: Config, shape: memory.Shape, world: int, o: Option, work: Work, compiled: bool) -> float:
+def memory_gib(cfg: Config, shape: memory.Shape, world: int, o: Option, work: Work, compiled: bool, cpu: bool = False) -> float:
     _, tokens, targets = padded(work, o.lengths)
     shards = world if cfg.train.strategy == "fsdp" else 1
     job = memory.job_of(cfg, world, checkpointing=o.checkpointing, shards=shards, tokens=tokens or None,
-                        targets=targets or None, compiled=compiled)
+                        targets=targets or None, compiled=compiled, cpu=cpu)
     job = dataclasses.replace(job, dequantized=o.dequantize, graphs=o.graphs)
     return memory.estimate(shape, job)["total"] / memory.GIB
 
@@ -327,7 +328,7 @@ def checkpoint_reason(setting, choice: Option, costed: list, free_gib: float | N
     if setting != "auto":
         return f"{on} (train.gradient_checkpointing={str(setting).lower()})"
     if free_gib is None:
-        return "off (CPU: no fixed memory budget)"
+        return "off (no memory budget known)"
     without = min((m for o, m, _, _ in costed if not o.checkpointing), default=None)
     if choice.checkpointing and without is not None:
         return f"on (without it the run needs about {without:.1f} GiB, more than {1 - MARGIN:.0%} of the {free_gib:.1f} GiB free)"

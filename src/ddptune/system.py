@@ -31,11 +31,18 @@ def _version(name: str) -> str:
 
 def _ram_gib() -> float | None:
     """Total RAM from /proc/meminfo (Linux); None where unreadable."""
+    total = meminfo_gib("MemTotal")
+    return None if total is None else round(total, 1)
+
+
+def meminfo_gib(field: str) -> float | None:
+    """A /proc/meminfo field in GiB (MemTotal, MemAvailable: what new work can take without swapping);
+    None where unreadable (not Linux)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemTotal:"):
-                    return round(int(line.split()[1]) * 1024 / 2**30, 1)
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024 / 2**30
     except (OSError, ValueError, IndexError):
         pass
     return None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import os
 import signal
 import sys
 import time
@@ -27,7 +28,8 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from ddptune import batches, batchplan, checkpoint, checks, comm, config as config_lib, data, dist, fallback, generation, graphs
-from ddptune import memory, metrics, model as model_lib, report, rundir, runlog, saving, speed as speed_lib, step as step_lib, tokenized
+from ddptune import memory, metrics, model as model_lib, report, rundir, runlog, saving, speed as speed_lib, step as step_lib, system
+from ddptune import tokenized
 from ddptune.batchplan import BatchPlan
 from ddptune.config import Config, ConfigError
 
@@ -171,9 +173,11 @@ def prepare(cfg, plan, acc, out, tokenizer, train_set, val_set, model, stream, c
 
 
 def free_gib(cfg: Config, acc: Accelerator) -> float | None:
-    """The GPU's free memory, once `ddptune plan` says the run fits it (None on CPU: no fixed budget)."""
+    """The GPU's free memory, once `ddptune plan` says the run fits it; on a CPU each process's share of
+    the memory the host has available (None where the host does not say)."""
     if acc.device.type != "cuda":
-        return None
+        available = system.meminfo_gib("MemAvailable")
+        return None if available is None else available / int(os.environ.get("LOCAL_WORLD_SIZE", acc.num_processes))
     free = torch.cuda.mem_get_info(acc.device)[0] / memory.GIB + memory.CUDA_CONTEXT_GIB  # our context is in use already
     if problems := dist.on_main(acc, lambda: checks.memory_problems(cfg, acc.num_processes, free)):
         raise ConfigError(problems)
