@@ -1,4 +1,4 @@
-"""The run log: metrics.jsonl, ranks.jsonl, summary.json, trackers, progress and closing lines.
+"""The run log: opening lines, metrics.jsonl, ranks.jsonl, summary.json, trackers, progress and closing lines.
 
 Rank 0 writes; every function here is called by the process that writes.
 """
@@ -8,11 +8,43 @@ import json
 import os
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from ddptune import config as config_lib, dist, metrics, model
+from ddptune import batchplan, config as config_lib, dist, metrics, model as model_lib
+from ddptune.batchplan import BatchPlan
+from ddptune.config import Config
+from ddptune.speed import Speed
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a run is, as its opening lines and summary.json say it."""
+    plan: BatchPlan
+    train_rows: int  # training examples
+    steps: int       # optimizer steps in all
+    start: int       # optimizer steps done before this process started (resume)
+    speed: Speed     # the speed choices, each with its reason
+
+
+def opening_lines(shape: Shape, cfg: Config, accelerator: Accelerator, model: torch.nn.Module) -> list[str]:
+    """What the start of a run prints: the model and what trains, the speed choices and their reasons,
+    the processes, the batch plan and its notes, and the steps the data makes."""
+    acc, plan = accelerator, shape.plan
+    trainable, total = model_lib.count_params(model)
+    lines = [f"{cfg.model.source} | {cfg.train.method} | {trainable:,} of {total:,} parameters trained", *shape.speed.lines(),
+             f"{acc.num_processes} process(es) on {acc.device.type} ({acc.distributed_type.value}, mixed precision "
+             f"{acc.mixed_precision}){', ' + cfg.model.attn_implementation + ' attention' if cfg.train.packing else ''}"
+             + (f", {torch.get_num_threads()} CPU thread(s) each ({dist.threads_why})" if acc.device.type == "cpu" else ""),
+             plan.describe() + ("; each step's samples split into shares of equal cost" if acc.num_processes > 1 else ""),
+             *(f"note: {note}" for note in batchplan.batch_notes(cfg.train)),
+             f"{shape.train_rows} training examples, {shape.train_rows / plan.global_batch:.1f} steps per epoch, "
+             f"{shape.steps} steps" + (f", resuming after step {shape.start}" if shape.start else "")]
+    return [f"ddptune: {line}" for line in lines]
 
 
 def _step(line: str) -> int | None:
@@ -123,7 +155,7 @@ class Progress:
 def summary(r, history: list[dict], ranks: list[dict], val_loss, peaks: list, fingerprints, final: Path) -> dict:
     """summary.json: the run's figures (`r`: train.Run), its speed choices and where its output is."""
     cfg, acc = r.cfg, r.accelerator
-    trainable, total = model.count_params(r.model)
+    trainable, total = model_lib.count_params(r.model)
     warm = min(metrics.WARMUP_STEPS, max(len(history) - 1, 0))
     return {
         "steps": r.total_steps, "world_size": acc.num_processes, "global_batch": r.plan.global_batch,
@@ -139,7 +171,7 @@ def summary(r, history: list[dict], ranks: list[dict], val_loss, peaks: list, fi
         # the gradient all-reduces of the last step (DDP's buckets); null: none (one process, or FSDP)
         "grad_buckets": r.clock.buckets if dist.ddp_wrapper(r.parts.model) and acc.num_processes > 1 else None,
         "speed": r.speed.as_dict(), "gradient_checkpointing": r.speed.checkpointing, "compiled": r.speed.compiled,
-        "cuda_graphs": r.speed.graphs, "padded_lengths": list(r.stream.graph_lengths), "base_4bit": model.holds_4bit(r.model),
+        "cuda_graphs": r.speed.graphs, "padded_lengths": list(r.stream.graph_lengths), "base_4bit": model_lib.holds_4bit(r.model),
         "trainable_params": trainable, "total_params": total,
         "output": str(final), "replica_fingerprints": fingerprints,
     }
@@ -209,8 +241,6 @@ def profile_wait(steps_left: int, n: int) -> int:
 
 def profiling(out: Path, n: int, steps_left: int, rank: int, cuda: bool):
     """torch.profiler over `n` (train.profile_steps) steps after the first profile_wait ones, or nothing."""
-    import torch
-
     if not n:
         return nullcontext(_NoProfiler())
     activities = [torch.profiler.ProfilerActivity.CPU]

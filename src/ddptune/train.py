@@ -76,6 +76,10 @@ class Run:
     side: Any = None      # the CUDA stream a recorded step runs on (DDP is built on it)
     trackers: Any = None
 
+    def shape(self) -> runlog.Shape:
+        """What the run is, as its opening lines and summary.json say it."""
+        return runlog.Shape(self.plan, len(self.train_set), self.total_steps, self.start, self.speed)
+
 
 # ---------------------------------------------------------------------------------------------
 # setup
@@ -145,7 +149,7 @@ def setup(cfg: Config, resume: bool = False, started: float | None = None) -> Ru
         r.start = saving.resume_from(r)
     if chosen.graphs != "off":
         prepare_graphs(r)
-    announce(r)
+    acc.print("\n".join(runlog.opening_lines(r.shape(), cfg, acc, r.model)))
     r.trackers = runlog.Trackers(acc, cfg, out)
     return r
 
@@ -209,20 +213,6 @@ def prepare_graphs(r: Run) -> None:
     warm = time.perf_counter() - t0
     r.times["load_s"] += warm
     acc.print(f"ddptune: CUDA graphs: {note} in {warm:.1f}s")
-
-
-def announce(r: Run) -> None:
-    acc, cfg = r.accelerator, r.cfg
-    trainable, total = model_lib.count_params(r.model)
-    lines = [f"{cfg.model.source} | {cfg.train.method} | {trainable:,} of {total:,} parameters trained", *r.speed.lines(),
-             f"{acc.num_processes} process(es) on {acc.device.type} ({acc.distributed_type.value}, mixed precision "
-             f"{acc.mixed_precision}){', ' + cfg.model.attn_implementation + ' attention' if cfg.train.packing else ''}"
-             + (f", {torch.get_num_threads()} CPU thread(s) each ({dist.threads_why})" if acc.device.type == "cpu" else ""),
-             r.plan.describe() + ("; each step's samples split into shares of equal cost" if acc.num_processes > 1 else ""),
-             *(f"note: {note}" for note in batchplan.batch_notes(cfg.train)),
-             f"{len(r.train_set)} training examples, {len(r.train_set) / r.plan.global_batch:.1f} steps per epoch, "
-             f"{r.total_steps} steps" + (f", resuming after step {r.start}" if r.start else "")]
-    acc.print("\n".join(f"ddptune: {line}" for line in lines))
 
 
 # ---------------------------------------------------------------------------------------------
