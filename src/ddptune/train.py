@@ -72,13 +72,21 @@ class Run:
     start: int            # optimizer steps already done (resume)
     total_steps: int
     times: dict = field(default_factory=dict)  # started (perf_counter), started_at (time.time), startup_s, load_s, eval_s
-    engine: Any = None    # graphs.StepGraphs, with the whole step recorded
+    engine: graphs.StepGraphs | None = None  # the whole step recorded
     side: Any = None      # the CUDA stream a recorded step runs on (DDP is built on it)
     trackers: Any = None
 
     def shape(self) -> runlog.Shape:
         """What the run is, as its opening lines and summary.json say it."""
         return runlog.Shape(self.plan, len(self.train_set), self.total_steps, self.start, self.speed)
+
+    def level(self) -> fallback.Level:
+        """What runs a step now: the speed choices, the step's parts, the recorded step, the stream."""
+        return fallback.Level(self.speed, self.parts, self.engine, self.stream)
+
+    def take(self, level: fallback.Level) -> None:
+        """Run on at `level` (one that fallback.py returned)."""
+        self.speed, self.parts, self.engine, self.stream = level.speed, level.parts, level.engine, level.stream
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,7 +214,8 @@ def prepare_graphs(r: Run) -> None:
             r.stream, r.engine, note, failed = graphs.prepare(r.parts, r.loss_model, r.stream, r.start, r.total_steps,
                                                               r.speed, acc.process_index, r.tokenizer.pad_token_id, r.side, r.clock)
     except RuntimeError as e:  # compiling (or recording a layer) failed
-        fallback.to_eager(r, f"compiling the layers for CUDA graphs failed ({dist.first_line(e)})")
+        r.take(fallback.to_eager(r.level(), r.model, f"compiling the layers for CUDA graphs failed ({dist.first_line(e)})",
+                                 acc.print))
         return
     if failed:  # summary.json and the banner say what runs
         r.speed = r.speed.unrecorded(failed)
@@ -239,7 +248,7 @@ def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
         with runlog.profiling(r.out, cfg.train.profile_steps, r.total_steps - r.start, r.accelerator.process_index,
                               r.accelerator.device.type == "cuda") as profiler:
             for step in range(r.start, r.total_steps):
-                loop.launched(fallback.first_step(r, step, train_step) if step == r.start else train_step(r, step))  # the previous step is read meanwhile
+                loop.launched(first_step(r, step) if step == r.start else train_step(r, step))  # the previous step is read meanwhile
                 profiler.step()
                 if step == r.start:  # the model, data and compiled graphs live all run: never scan them again,
                     gc.collect()     # once what is already garbage is gone (frozen, cycles would live all run)
@@ -337,6 +346,19 @@ class Loop:
     def close(self) -> None:
         self.control.close()
         self.progress.close()
+
+
+def first_step(r: Run, step: int) -> dict:
+    """train_step() for the run's first step; where compiling the layers fails there, the same step
+    again one level down (fallback.py)."""
+    while True:
+        try:
+            return train_step(r, step)
+        except torch._dynamo.exc.TorchDynamoException as e:
+            lower = fallback.level_for_retry(r.level(), r.model, e, r.accelerator.print)
+            if lower is None:
+                raise
+            r.take(lower)
 
 
 def train_step(r: Run, step: int) -> dict:
