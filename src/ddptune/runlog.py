@@ -169,9 +169,9 @@ def summary(r, history: list[dict], ranks: list[dict], val_loss, peaks: list, fi
         "train_rows": len(r.train_set), "steps_per_epoch": len(r.train_set) / r.plan.global_batch,
         "method": cfg.train.method, "strategy": cfg.train.strategy, "mixed_precision": acc.mixed_precision,
         # the gradient all-reduces of the last step (DDP's buckets); null: none (one process, or FSDP)
-        "grad_buckets": r.clock.buckets if dist.ddp_wrapper(r.parts.model) and acc.num_processes > 1 else None,
-        "speed": r.speed.as_dict(), "gradient_checkpointing": r.speed.checkpointing, "compiled": r.speed.compiled,
-        "cuda_graphs": r.speed.graphs, "padded_lengths": list(r.stream.graph_lengths), "base_4bit": model_lib.holds_4bit(r.model),
+        "grad_buckets": r.clock.buckets if dist.ddp_wrapper(r.level.parts.model) and acc.num_processes > 1 else None,
+        "speed": r.level.speed.as_dict(), "gradient_checkpointing": r.level.speed.checkpointing, "compiled": r.level.speed.compiled,
+        "cuda_graphs": r.level.speed.graphs, "padded_lengths": list(r.level.stream.graph_lengths), "base_4bit": model_lib.holds_4bit(r.model),
         "trainable_params": trainable, "total_params": total,
         "output": str(final), "replica_fingerprints": fingerprints,
     }

@@ -13,6 +13,7 @@ step waits for the device: its figures are read one step later, while the next s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import signal
@@ -62,31 +63,20 @@ class Run:
     val_set: Any
     model: Any            # what is saved, checkpointed and evaluated (a PEFT model, or the full model)
     loss_model: Any       # model_lib.CausalLMLoss around `model`
-    parts: step_lib.Parts  # what a step touches: the DDP wrapper (or FSDP-sharded loss_model), the optimizer...
     optimizer: Any        # accelerate's wrapper (checkpoints hold its state)
     scheduler: Any
-    stream: batches.Stream
-    speed: speed_lib.Speed
+    level: fallback.Level  # what runs a step: speed choices, the step's parts, the recorded step, the stream
     clock: dist.StepClock
     flops: metrics.FlopModel
     start: int            # optimizer steps already done (resume)
     total_steps: int
     times: dict = field(default_factory=dict)  # started (perf_counter), started_at (time.time), startup_s, load_s, eval_s
-    engine: graphs.StepGraphs | None = None  # the whole step recorded
     side: Any = None      # the CUDA stream a recorded step runs on (DDP is built on it)
     trackers: Any = None
 
     def shape(self) -> runlog.Shape:
         """What the run is, as its opening lines and summary.json say it."""
-        return runlog.Shape(self.plan, len(self.train_set), self.total_steps, self.start, self.speed)
-
-    def level(self) -> fallback.Level:
-        """What runs a step now: the speed choices, the step's parts, the recorded step, the stream."""
-        return fallback.Level(self.speed, self.parts, self.engine, self.stream)
-
-    def take(self, level: fallback.Level) -> None:
-        """Run on at `level` (one that fallback.py returned)."""
-        self.speed, self.parts, self.engine, self.stream = level.speed, level.parts, level.engine, level.stream
+        return runlog.Shape(self.plan, len(self.train_set), self.total_steps, self.start, self.level.speed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,8 +169,8 @@ def prepare(cfg, plan, acc, out, tokenizer, train_set, val_set, model, stream, c
     parts = step_lib.Parts(acc, ddp_model, params, getattr(optimizer, "optimizer", optimizer), cfg.train.max_grad_norm,
                            dist.sharded(loss_model), acc.autocast, layer_graphs=chosen.graphs == "layers",
                            keep_grads=chosen.graphs != "off" or dist.ddp_wrapper(ddp_model) is not None)
-    return Run(cfg, plan, acc, out, tokenizer, train_set, val_set, model, loss_model, parts, optimizer, scheduler, stream,
-               chosen, clock, flops, 0, total, side=side)
+    return Run(cfg, plan, acc, out, tokenizer, train_set, val_set, model, loss_model, optimizer, scheduler,
+               fallback.Level(chosen, parts, None, stream), clock, flops, 0, total, side=side)
 
 
 def free_gib(cfg: Config, acc: Accelerator) -> float | None:
@@ -208,17 +198,17 @@ def build_model(cfg: Config, base, chosen: speed_lib.Speed, device: torch.device
 def prepare_graphs(r: Run) -> None:
     """Pad, compile and record (graphs.prepare). Where compiling or recording fails the run falls
     back one level (whole step → compiled layers launched one by one → eager), one line saying why."""
-    acc, t0 = r.accelerator, time.perf_counter()
+    acc, level, t0 = r.accelerator, r.level, time.perf_counter()
     try:
         with graphs.on_stream(r.side):
-            r.stream, r.engine, note, failed = graphs.prepare(r.parts, r.loss_model, r.stream, r.start, r.total_steps,
-                                                              r.speed, acc.process_index, r.tokenizer.pad_token_id, r.side, r.clock)
+            stream, engine, note, failed = graphs.prepare(level.parts, r.loss_model, level.stream, r.start, r.total_steps,
+                                                          level.speed, acc.process_index, r.tokenizer.pad_token_id, r.side, r.clock)
     except RuntimeError as e:  # compiling (or recording a layer) failed
-        r.take(fallback.to_eager(r.level(), r.model, f"compiling the layers for CUDA graphs failed ({dist.first_line(e)})",
-                                 acc.print))
+        why = f"compiling the layers for CUDA graphs failed ({dist.first_line(e)})"
+        r.level = fallback.to_eager(level, r.model, why, acc.print)
         return
-    if failed:  # summary.json and the banner say what runs
-        r.speed = r.speed.unrecorded(failed)
+    speed = level.speed.unrecorded(failed) if failed else level.speed  # summary.json and the banner say what runs
+    r.level = dataclasses.replace(level, speed=speed, stream=stream, engine=engine)
     warm = time.perf_counter() - t0
     r.times["load_s"] += warm
     acc.print(f"ddptune: CUDA graphs: {note} in {warm:.1f}s")
@@ -241,7 +231,7 @@ def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
                                 "zero-shot")
         r.times["eval_s"] += time.perf_counter() - t0
     loop = Loop(r)
-    r.parts.model.train()
+    r.level.parts.model.train()
     gc.disable()  # Python's collector would pause each process at its own moment: collect on all at once instead
     step = r.start
     try:
@@ -267,8 +257,8 @@ def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
         loop.close()
         gc.unfreeze()
         gc.enable()
-        if r.engine:  # their memory pool goes back for evaluation
-            r.engine = None
+        if r.level.engine:  # their memory pool goes back for evaluation
+            r.level = dataclasses.replace(r.level, engine=None)
             torch.cuda.empty_cache()
     return loop.history, loop.times
 
@@ -355,30 +345,30 @@ def first_step(r: Run, step: int) -> dict:
         try:
             return train_step(r, step)
         except torch._dynamo.exc.TorchDynamoException as e:
-            lower = fallback.level_for_retry(r.level(), r.model, e, r.accelerator.print)
+            lower = fallback.level_for_retry(r.level, r.model, e, r.accelerator.print)
             if lower is None:
                 raise
-            r.take(lower)
+            r.level = lower
 
 
 def train_step(r: Run, step: int) -> dict:
     """One optimizer step over this process's share of the step's global batch (step.py), replayed
     when it is recorded. Nothing here waits for the device: the loss and gradient norm come back as
     a copy to the host still in flight, the times as events, all read a step later."""
-    acc = r.accelerator
-    share = r.stream.share(step)
+    acc, level = r.accelerator, r.level
+    share = level.stream.share(step)
     forwards = share.forwards[acc.process_index]
     r.clock.start()
     lr = step_lib.current_lr(r.scheduler, r.cfg.train.lr)
-    if r.engine:
-        figures = r.engine.replay(forwards, share.targets, r.clock)
+    if level.engine:
+        figures = level.engine.replay(forwards, share.targets, r.clock)
     else:
         pad = r.tokenizer.pad_token_id
         # an empty group (sharded runs only, batches.lockstep): a forward in step with the others that counts nothing
-        work = [(step_lib.to_device(r.stream.collate(g or forwards[0][:1], pad), acc.device), bool(g)) for g in forwards]
-        loss_sum = step_lib.forward_backward(r.parts, work, share.targets, torch.zeros((), device=acc.device))
+        work = [(step_lib.to_device(level.stream.collate(g or forwards[0][:1], pad), acc.device), bool(g)) for g in forwards]
+        loss_sum = step_lib.forward_backward(level.parts, work, share.targets, torch.zeros((), device=acc.device))
         r.clock.mark("synced")
-        figures = step_lib.clip_and_update(r.parts, loss_sum)
+        figures = step_lib.clip_and_update(level.parts, loss_sum)
     figures = step_lib.to_host(figures)
     r.scheduler.step()
     marks = r.clock.finish()  # after the copy: once the step's end has passed, `figures` holds its loss and norm
