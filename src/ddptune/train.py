@@ -78,6 +78,11 @@ class Run:
         """What the run is, as its opening lines and summary.json say it."""
         return runlog.Shape(self.plan, len(self.train_set), self.total_steps, self.start, self.level.speed)
 
+    def checkpoints(self) -> saving.Checkpoints:
+        """Where the run's checkpoints go and what they hold."""
+        return saving.Checkpoints(self.out / "checkpoints", self.model, self.optimizer, self.scheduler,
+                                  dist.sharded(self.loss_model), self.plan.global_batch)
+
 
 # ---------------------------------------------------------------------------------------------
 # setup
@@ -144,7 +149,7 @@ def setup(cfg: Config, resume: bool = False, started: float | None = None) -> Ru
     r = prepare(cfg, plan, acc, out, tokenizer, train_set, val_set, model, stream, chosen, flops, total)
     r.times.update(started=began, started_at=started_at, startup_s=t0 - began, load_s=time.perf_counter() - t0, eval_s=0.0)
     if resume:
-        r.start = saving.resume_from(r)
+        r.start = saving.resume_from(acc, r.checkpoints(), total)
     if chosen.graphs != "off":
         prepare_graphs(r)
     acc.print("\n".join(runlog.opening_lines(r.shape(), cfg, acc, r.model)))
@@ -323,7 +328,7 @@ class Loop:
             self.progress.line({"step": done, "val_loss": val, **{f"val_loss/{k}": v for k, v in each.items()}},
                                f"step {done}: val_loss {val:.4f}" + "".join(f", {k} {v:.4f}" for k, v in each.items()))
         if save:
-            seconds = saving.save_checkpoint(r, done)
+            seconds = saving.save_checkpoint(r.accelerator, r.checkpoints(), done, t.keep_checkpoints)
             self.progress.say(self.saves.note(done, seconds, [row["step_time_s"] for row in self.history]))
             self.last_save = time.monotonic()
         if validate or save:
@@ -419,7 +424,7 @@ def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
         runlog.write_ranks(out, ranks)
         summary = runlog.summary(r, runlog.step_rows(out) or history, ranks, val_loss, peaks, fingerprints, final)
         report.write_json(out / "summary.json", summary)  # first: a kill in the saves below keeps the figures
-    saving.save_final(r, final)
+    saving.save_final(acc, final, r.model, r.tokenizer, cfg, sharded=sharded)
     if acc.is_main_process:
         saving.remove_checkpoints(out)
     if cfg.eval.enabled:
