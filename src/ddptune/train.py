@@ -76,7 +76,8 @@ class Run:
 
     def shape(self) -> runlog.Shape:
         """What the run is, as its opening lines and summary.json say it."""
-        return runlog.Shape(self.plan, len(self.train_set), self.total_steps, self.start, self.level.speed)
+        return runlog.Shape(self.plan, len(self.train_set), self.total_steps, self.start, self.level.speed,
+                            self.level.stream.graph_lengths)
 
     def checkpoints(self) -> saving.Checkpoints:
         """Where the run's checkpoints go and what they hold."""
@@ -422,7 +423,9 @@ def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
     if acc.is_main_process:
         ranks = metrics.rank_rows(r.start, per_rank, [s for _, s in times])
         runlog.write_ranks(out, ranks)
-        summary = runlog.summary(r, runlog.step_rows(out) or history, ranks, val_loss, peaks, fingerprints, final)
+        buckets = r.clock.buckets if dist.ddp_wrapper(r.level.parts.model) and acc.num_processes > 1 else None
+        measured = runlog.Measured(runlog.step_rows(out) or history, ranks, val_loss, peaks, fingerprints, buckets)
+        summary = runlog.summary(r.shape(), measured, cfg.train, acc, r.model, r.times, final)
         report.write_json(out / "summary.json", summary)  # first: a kill in the saves below keeps the figures
     saving.save_final(acc, final, r.model, r.tokenizer, cfg, sharded=sharded)
     if acc.is_main_process:
