@@ -22,7 +22,7 @@ from ddptune.speed import Speed
 
 
 @dataclass(frozen=True)
-class Shape:
+class Outline:
     """What a run is, as its opening lines and summary.json say it."""
     plan: BatchPlan
     train_rows: int  # training examples
@@ -43,19 +43,19 @@ class Measured:
     grad_buckets: int | None         # the gradient all-reduces of the last step (DDP's buckets); None: one process, or FSDP
 
 
-def opening_lines(shape: Shape, cfg: Config, accelerator: Accelerator, model: torch.nn.Module) -> list[str]:
+def opening_lines(outline: Outline, cfg: Config, accelerator: Accelerator, model: torch.nn.Module) -> list[str]:
     """What the start of a run prints: the model and what trains, the speed choices and their reasons,
     the processes, the batch plan and its notes, and the steps the data makes."""
-    acc, plan = accelerator, shape.plan
+    acc, plan = accelerator, outline.plan
     trainable, total = model_lib.count_params(model)
-    lines = [f"{cfg.model.source} | {cfg.train.method} | {trainable:,} of {total:,} parameters trained", *shape.speed.lines(),
+    lines = [f"{cfg.model.source} | {cfg.train.method} | {trainable:,} of {total:,} parameters trained", *outline.speed.lines(),
              f"{acc.num_processes} process(es) on {acc.device.type} ({acc.distributed_type.value}, mixed precision "
              f"{acc.mixed_precision}){', ' + cfg.model.attn_implementation + ' attention' if cfg.train.packing else ''}"
              + (f", {torch.get_num_threads()} CPU thread(s) each ({dist.threads_why})" if acc.device.type == "cpu" else ""),
              plan.describe() + ("; each step's samples split into shares of equal cost" if acc.num_processes > 1 else ""),
              *(f"note: {note}" for note in batchplan.batch_notes(cfg.train)),
-             f"{shape.train_rows} training examples, {shape.train_rows / plan.global_batch:.1f} steps per epoch, "
-             f"{shape.steps} steps" + (f", resuming after step {shape.start}" if shape.start else "")]
+             f"{outline.train_rows} training examples, {outline.train_rows / plan.global_batch:.1f} steps per epoch, "
+             f"{outline.steps} steps" + (f", resuming after step {outline.start}" if outline.start else "")]
     return [f"ddptune: {line}" for line in lines]
 
 
@@ -164,28 +164,28 @@ class Progress:
             self.log.close()
 
 
-def summary(shape: Shape, measured: Measured, train: TrainConfig, accelerator: Accelerator, model: torch.nn.Module,
+def summary(outline: Outline, measured: Measured, train: TrainConfig, accelerator: Accelerator, model: torch.nn.Module,
             times: dict[str, float], final: Path) -> dict:
     """summary.json: the run's figures, its speed choices and where its output (`final`) is. `times`: the
     seconds spent loading (load_s) and evaluating (eval_s), and the start wall_time counts from."""
-    acc, plan, speed = accelerator, shape.plan, shape.speed
+    acc, plan, speed = accelerator, outline.plan, outline.speed
     history, ranks, peaks = measured.history, measured.ranks, measured.peaks
     trainable, total = model_lib.count_params(model)
     warm = min(metrics.WARMUP_STEPS, max(len(history) - 1, 0))
     return {
-        "steps": shape.steps, "world_size": acc.num_processes, "global_batch": plan.global_batch,
+        "steps": outline.steps, "world_size": acc.num_processes, "global_batch": plan.global_batch,
         "per_process": plan.per_process, "grad_accum": plan.grad_accum, "micro_batch_size": plan.micro_batch_size,
         "packing": train.packing, "final_loss": history[-1]["loss"] if history else None, "val_loss": measured.val_loss,
         "load_time_s": times["load_s"], "train_time_s": sum(row["step_time_s"] for row in history),
         **metrics.summarize_steps(history, warm, acc.num_processes), "mfu_denominator_tflops": metrics.peak_tflops(acc.device),
-        "eval_time_s": times["eval_s"], **wall_time(times, [row for row in history if row["step"] > shape.start]),
+        "eval_time_s": times["eval_s"], **wall_time(times, [row for row in history if row["step"] > outline.start]),
         "time_split": metrics.split(ranks[min(warm, max(len(ranks) - 1, 0)):]),
         "peak_mem_gib": max(peaks) if None not in peaks else None, "peak_mem_gib_per_process": peaks,
-        "train_rows": shape.train_rows, "steps_per_epoch": shape.train_rows / plan.global_batch,
+        "train_rows": outline.train_rows, "steps_per_epoch": outline.train_rows / plan.global_batch,
         "method": train.method, "strategy": train.strategy, "mixed_precision": acc.mixed_precision,
         "grad_buckets": measured.grad_buckets,
         "speed": speed.as_dict(), "gradient_checkpointing": speed.checkpointing, "compiled": speed.compiled,
-        "cuda_graphs": speed.graphs, "padded_lengths": list(shape.padded_lengths), "base_4bit": model_lib.holds_4bit(model),
+        "cuda_graphs": speed.graphs, "padded_lengths": list(outline.padded_lengths), "base_4bit": model_lib.holds_4bit(model),
         "trainable_params": trainable, "total_params": total,
         "output": str(final), "replica_fingerprints": measured.fingerprints,
     }

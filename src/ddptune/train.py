@@ -74,10 +74,10 @@ class Run:
     side: Any = None      # the CUDA stream a recorded step runs on (DDP is built on it)
     trackers: Any = None
 
-    def shape(self) -> runlog.Shape:
+    def outline(self) -> runlog.Outline:
         """What the run is, as its opening lines and summary.json say it."""
-        return runlog.Shape(self.plan, len(self.train_set), self.total_steps, self.start, self.level.speed,
-                            self.level.stream.graph_lengths)
+        return runlog.Outline(self.plan, len(self.train_set), self.total_steps, self.start, self.level.speed,
+                              self.level.stream.graph_lengths)
 
     def checkpoints(self) -> saving.Checkpoints:
         """Where the run's checkpoints go and what they hold."""
@@ -153,7 +153,7 @@ def setup(cfg: Config, resume: bool = False, started: float | None = None) -> Ru
         r.start = saving.resume_from(acc, r.checkpoints(), total)
     if chosen.graphs != "off":
         prepare_graphs(r)
-    acc.print("\n".join(runlog.opening_lines(r.shape(), cfg, acc, r.model)))
+    acc.print("\n".join(runlog.opening_lines(r.outline(), cfg, acc, r.model)))
     r.trackers = runlog.Trackers(acc, cfg, out)
     return r
 
@@ -425,7 +425,7 @@ def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
         runlog.write_ranks(out, ranks)
         buckets = r.clock.buckets if dist.ddp_wrapper(r.level.parts.model) and acc.num_processes > 1 else None
         measured = runlog.Measured(runlog.step_rows(out) or history, ranks, val_loss, peaks, fingerprints, buckets)
-        summary = runlog.summary(r.shape(), measured, cfg.train, acc, r.model, r.times, final)
+        summary = runlog.summary(r.outline(), measured, cfg.train, acc, r.model, r.times, final)
         report.write_json(out / "summary.json", summary)  # first: a kill in the saves below keeps the figures
     saving.save_final(acc, final, r.model, r.tokenizer, cfg, sharded=sharded)
     if acc.is_main_process:
