@@ -41,7 +41,7 @@ def level_for_retry(level: Level, model: torch.nn.Module, error: Exception, say:
 
 
 def uncombined(level: Level, model: torch.nn.Module, why: str, say: Callable[[str], None]) -> Level:
-    """The layers compile again without combined kernels."""
+    """The level below `level` where combined kernels fail to compile: the layers compiled again without them."""
     _reset(level.parts, model)
     model_lib.compile_layers(model)
     reasons = {**level.speed.reasons, "combined kernels": f"off ({why}: compiled layers without them)"}
@@ -50,7 +50,7 @@ def uncombined(level: Level, model: torch.nn.Module, why: str, say: Callable[[st
 
 
 def to_eager(level: Level, model: torch.nn.Module, why: str, say: Callable[[str], None]) -> Level:
-    """The layers run uncompiled from here on."""
+    """The level below every compiled one: the layers run uncompiled from here on, with no graphs and no padded lengths."""
     _reset(level.parts, model)
     reasons = {**level.speed.reasons, "compiled layers": f"off ({why}: fell back to eager layers)",
                "CUDA graphs": "off (eager layers)", "combined kernels": "off (eager layers)"}
