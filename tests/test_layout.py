@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import graphlib
+import re
 from pathlib import Path
 
 import ddptune
@@ -16,6 +17,7 @@ GROUND = {"yamlsafe", "launch", "checkpoint", "metrics", "report", "attention"}
 COMMANDS = {"cli", "train", "evaluate", "predict", "export", "scale", "plan", "env", "datacmd"}
 MAX_MODULE, MAX_TRAIN, MAX_FUNCTION, MAX_CLASS = 600, 450, 60, 120
 LONG_ALLOWED = {("cli", "_parser"), ("config", "check_values")}  # the argparse builder, the config's value checks
+RUN_NAMES = {"r", "run"}  # what train.py calls its run object (train.Run)
 
 
 def ddptune_imports(path: Path) -> set[str]:
@@ -77,6 +79,33 @@ def test_no_module_function_or_class_outgrows_its_bound():
                     "dataclass" in ast.unparse(d) for d in node.decorator_list):
                 too_long[f"{path.stem}.{node.name}"] = size
     assert too_long == {}
+
+
+def run_parameters(source: str) -> list[str]:
+    """The functions (lambdas too) in `source` that take a run object: a parameter named as train.py
+    names its run, or annotated with Run."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            a = node.args
+            for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs, *(x for x in (a.vararg, a.kwarg) if x)]:
+                annotation = ast.unparse(arg.annotation) if arg.annotation else ""
+                if arg.arg in RUN_NAMES or re.search(r"\bRun\b", annotation):
+                    found.append(f"{getattr(node, 'name', 'lambda')}({arg.arg})")
+    return sorted(found)
+
+
+def test_the_reader_finds_a_run_parameter_however_it_is_spelled():
+    source = ("def a(r): pass\ndef b(x, *, run=None): pass\ndef c(state: 'train.Run'): pass\n"
+              "async def d(x: Run | None): pass\nf = lambda r: r\ndef fine(rows, runs: list, running: Running): pass\n")
+    assert run_parameters(source) == ["a(r)", "b(run)", "c(state)", "d(x)", "lambda(r)"]
+
+
+def test_only_train_holds_the_run_object():
+    """Every module but train.py takes the values it uses (or a small record of them) and returns new
+    ones: a function that takes the run hides what it reads, and one that changes it hides what it writes."""
+    found = {p.stem: names for p in modules() if p.stem != "train" and (names := run_parameters(p.read_text()))}
+    assert found == {}
 
 
 def test_each_module_says_in_its_first_line_what_it_owns():

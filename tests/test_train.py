@@ -323,7 +323,8 @@ def test_gradient_checkpointing_keeps_a_fraction_of_the_activations(tmp_path):
         r = train.setup(config.load(TINY, [f"output_dir={tmp_path / on}", f"train.gradient_checkpointing={on}",
                                            "train.method=qlora", "train.max_steps=1", "data.val=null"]))
         r.trackers.close()
-        batch = step_lib.to_device(r.stream.collate(r.stream.share(0).forwards[0][0], r.tokenizer.pad_token_id), r.accelerator.device)
+        stream = r.level.stream
+        batch = step_lib.to_device(stream.collate(stream.share(0).forwards[0][0], r.tokenizer.pad_token_id), r.accelerator.device)
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t):
             r.loss_model(**batch, num_items=1).backward()
@@ -362,7 +363,7 @@ def train_tiny_padded(overrides: list[str], scope: str = "off") -> dict:
     the graphs themselves are off, but the padded lengths, the pad samples and their accounting are the same
     (`scope="step"`: the run is to record the whole step too)."""
     r = train.setup(config.load(TINY, overrides))
-    r.speed = dataclasses.replace(r.speed, lengths=2, graphs=scope)
+    r.level = dataclasses.replace(r.level, speed=dataclasses.replace(r.level.speed, lengths=2, graphs=scope))
     train.prepare_graphs(r)
     try:
         return train.finish(r, *train.fit(r))[0]

@@ -313,7 +313,7 @@ def _start(cfg, args, nproc: int, started: float) -> int:
                 return _run(cfg, resume, started)
         child = ["train", args.config, *args.overrides] + (["--resume"] if resume else [])
         return launch.torchrun(nproc, ["ddptune", *child], nnodes=args.nnodes, node_rank=args.node_rank,
-                               master=args.master, max_restarts=args.max_restarts, run=cfg.output_dir, started=started)
+                               master=args.master, max_restarts=args.max_restarts, output_dir=cfg.output_dir, started=started)
 
 
 @contextlib.contextmanager

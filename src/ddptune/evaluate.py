@@ -126,13 +126,13 @@ def compare_rows(paths: list[str]) -> list[dict]:
     return rows
 
 
-def _compare_row(run: Path, summary: dict, metrics_path: Path | None) -> dict:
-    """One compare row: the run's training figures and, with `metrics_path`, that evaluation's scores."""
+def _compare_row(folder: Path, summary: dict, metrics_path: Path | None) -> dict:
+    """One compare row: the training figures of the run in `folder` and, with `metrics_path`, that evaluation's scores."""
     e = _read_json(metrics_path, ("label", *ROUGE_KEYS, "n", "generation_time_s")) if metrics_path else {}
     base = e.get("label") == "zero-shot"
     trained = {} if base else summary  # the base model was not trained: the run's training columns do not describe it
     return {
-        "run": str(run), "eval": metrics_path.parent.name if metrics_path else None,
+        "run": str(folder), "eval": metrics_path.parent.name if metrics_path else None,
         "model": "zero-shot (base)" if base else "fine-tuned",
         "processes": trained.get("world_size"),
         **{k: trained.get(k) for k in ("global_batch", "steps", "final_loss", "val_loss", "train_time_s", "wall_time_s")},

@@ -3,54 +3,65 @@
 The levels: the whole step recorded (graphs.py: a length that cannot be recorded runs its compiled
 layers launched one by one) → compiled layers with combined kernels → compiled layers without them →
 eager layers. Compiled layers without graphs compile in the run's first step, so that step is the one
-tried again; layers compiled for recording compile before it (train.prepare_graphs).
+tried again (train.first_step); layers compiled for recording compile before it (train.prepare_graphs).
+Each function here takes the level a run is at and returns the one below; the caller runs on with it.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from ddptune import dist, model as model_lib
+from ddptune.batches import Stream
+from ddptune.graphs import StepGraphs
+from ddptune.speed import Speed
+from ddptune.step import Parts
 
 
-def first_step(r: Any, step: int, train_step: Callable[[Any, int], dict]) -> dict:
-    """`train_step(r, step)` for the run's first step; where compiling the layers fails there, the
-    same step again one level down."""
-    while True:
-        try:
-            return train_step(r, step)
-        except torch._dynamo.exc.TorchDynamoException as e:
-            if not r.speed.compiled or r.engine is not None or r.stream.graph_lengths:
-                raise
-            why = f"compiling the layers failed ({dist.first_line(e)})"
-            uncombined(r, why) if r.speed.combo else to_eager(r, why)
+@dataclass(frozen=True)
+class Level:
+    """What runs a step, which falling back changes."""
+    speed: Speed               # the choices and their reasons (the banner, summary.json's `speed`)
+    parts: Parts               # what a step touches
+    engine: StepGraphs | None  # the whole step recorded, or None
+    stream: Stream             # the shares of each step (their padded lengths, with graphs)
 
 
-def uncombined(r: Any, why: str) -> None:
-    """The layers compile again without combined kernels."""
-    _reset(r)
-    model_lib.compile_layers(r.model)
-    reasons = {**r.speed.reasons, "combined kernels": f"off ({why}: compiled layers without them)"}
-    r.speed = dataclasses.replace(r.speed, combo=False, reasons=reasons)
-    r.accelerator.print(f"ddptune: {why}: compiling the layers without combined kernels")
+def level_for_retry(level: Level, model: torch.nn.Module, error: Exception, say: Callable[[str], None]) -> Level | None:
+    """The level to run the first step again at, where compiling the layers in that step raised
+    `error`: without combined kernels where they were on, else eager layers. None where no layer
+    compiled in that step (nothing to fall back from: the error stands)."""
+    if not level.speed.compiled or level.engine is not None or level.stream.graph_lengths:
+        return None
+    why = f"compiling the layers failed ({dist.first_line(error)})"
+    return uncombined(level, model, why, say) if level.speed.combo else to_eager(level, model, why, say)
 
 
-def to_eager(r: Any, why: str) -> None:
-    """The layers run uncompiled from here on."""
-    _reset(r)
-    r.engine, r.stream = None, r.stream.with_lengths([])
-    r.parts = dataclasses.replace(r.parts, layer_graphs=False)
-    reasons = {**r.speed.reasons, "compiled layers": f"off ({why}: fell back to eager layers)", "CUDA graphs": "off (eager layers)",
-               "combined kernels": "off (eager layers)"}
-    r.speed = dataclasses.replace(r.speed, compiled=False, graphs="off", lengths=0, combo=False, reasons=reasons)
-    r.accelerator.print(f"ddptune: {why}: falling back to eager layers")
+def uncombined(level: Level, model: torch.nn.Module, why: str, say: Callable[[str], None]) -> Level:
+    """The level below `level` where combined kernels fail to compile: the layers compiled again without them."""
+    _reset(level.parts, model)
+    model_lib.compile_layers(model)
+    reasons = {**level.speed.reasons, "combined kernels": f"off ({why}: compiled layers without them)"}
+    say(f"ddptune: {why}: compiling the layers without combined kernels")
+    return dataclasses.replace(level, speed=dataclasses.replace(level.speed, combo=False, reasons=reasons))
 
 
-def _reset(r: Any) -> None:
+def to_eager(level: Level, model: torch.nn.Module, why: str, say: Callable[[str], None]) -> Level:
+    """The level below every compiled one: the layers run uncompiled from here on, with no graphs and no padded lengths."""
+    _reset(level.parts, model)
+    reasons = {**level.speed.reasons, "compiled layers": f"off ({why}: fell back to eager layers)",
+               "CUDA graphs": "off (eager layers)", "combined kernels": "off (eager layers)"}
+    speed = dataclasses.replace(level.speed, compiled=False, graphs="off", lengths=0, combo=False, reasons=reasons)
+    say(f"ddptune: {why}: falling back to eager layers")
+    return Level(speed, dataclasses.replace(level.parts, layer_graphs=False), None, level.stream.with_lengths([]))
+
+
+def _reset(parts: Parts, model: torch.nn.Module) -> None:
     """Nothing compiled is left, nor any gradient of the failed try."""
-    model_lib.uncompile_layers(r.model)
+    model_lib.uncompile_layers(model)
     torch._dynamo.reset()
-    for p in r.parts.params:
+    for p in parts.params:
         p.grad = None

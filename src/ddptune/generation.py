@@ -184,7 +184,7 @@ def evaluate(model, tokenizer, rows: list[dict], cfg: Config, accelerator: Accel
         "model": cfg.model.source,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    asked = lambda r: {"messages": formats.context_and_answer(r["messages"])[0]} if "messages" in r else {"dialogue": r["dialogue"]}  # noqa: E731
+    asked = lambda row: {"messages": formats.context_and_answer(row["messages"])[0]} if "messages" in row else {"dialogue": row["dialogue"]}  # noqa: E731
     lines = [json.dumps({"id": r["id"], **({"source": r["source"]} if "source" in r else {}), **asked(r),
                          "reference": reference(r), "prediction": p})
              for r, p in zip(rows, predictions)]

@@ -201,7 +201,7 @@ def _cuda() -> bool:
 
 def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = None,
              nnodes: int = 1, node_rank: int = 0, master: str | None = None, max_restarts: int = 0,
-             run: str | None = None, started: float | None = None) -> int:
+             output_dir: str | None = None, started: float | None = None) -> int:
     """Run `python -m <module_args...>` in `nproc` processes on this host; return the exit code.
 
     One machine: torchrun's standalone rendezvous on a free local port. Several (`nnodes`, the same
@@ -211,7 +211,7 @@ def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = No
 
     `module_args` starts with the module name, e.g. ["ddptune", "train", "cfg.yaml"]. Each child gets
     `default_threads(nproc)` OpenMP threads unless OMP_NUM_THREADS is set (in `env` or here).
-    `run`: a training run's output_dir, so that a killed worker's line says whether it saved a checkpoint;
+    `output_dir`: a training run's, so that a killed worker's line says whether it saved a checkpoint;
     `started`: when its command began (command_started), so that the workers count its start-up too.
 
     Signals: torchrun runs in a session of its own, so a Ctrl-C at the terminal reaches this process
@@ -229,8 +229,8 @@ def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = No
     child_env = dict(os.environ if env is None else env)
     child_env.setdefault("OMP_NUM_THREADS", str(default_threads(nproc)))
     child_env[VALIDATED] = "1"
-    if run:
-        child_env.update({RUN: run} if started is None else {RUN: run, STARTED: repr(started)})
+    if output_dir:
+        child_env.update({RUN: output_dir} if started is None else {RUN: output_dir, STARTED: repr(started)})
     if max_restarts:
         # torchrun (torch 2.13) shares one TCP store across rendezvous rounds without a per-round
         # prefix: restarted workers read the dead round's gloo/NCCL addresses and cannot connect.

@@ -109,9 +109,9 @@ class Shape:
     def params(self) -> int:
         return self.matrix_params + self.other_params
 
-    def lora_params(self, r: int, targets: list[str]) -> int:
+    def lora_params(self, rank: int, targets: list[str]) -> int:
         names = PROJECTIONS if targets == ["all-linear"] else [n for n in PROJECTIONS if n in targets]
-        return self.layers * sum(r * sum(PROJECTIONS[n](self)) for n in names)
+        return self.layers * sum(rank * sum(PROJECTIONS[n](self)) for n in names)
 
     def saved_params(self, names: list[str]) -> int:
         """Weights lora.modules_to_save trains whole: the embeddings and head (one matrix when tied), and

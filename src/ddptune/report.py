@@ -167,7 +167,7 @@ def scaling_figure(groups: dict[str, Sequence[dict[str, Any]]], title: str = "Da
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(groups), 2, squeeze=False)
     for (label, rows), (ax1, ax2) in zip(groups.items(), axes):
-        data = sorted(rows, key=lambda r: r["nproc"])
+        data = sorted(rows, key=lambda row: row["nproc"])
         ns = [int(r["nproc"]) for r in data]
         top = max(ns + [1])
         ax1.plot([1, top], [1, top], color="grey", linestyle=":", label="ideal (y = x)")

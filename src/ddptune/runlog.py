@@ -1,4 +1,4 @@
-"""The run log: metrics.jsonl, ranks.jsonl, summary.json, trackers, progress and closing lines.
+"""The run log: opening lines, metrics.jsonl, ranks.jsonl, summary.json, trackers, progress and closing lines.
 
 Rank 0 writes; every function here is called by the process that writes.
 """
@@ -8,11 +8,55 @@ import json
 import os
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from ddptune import config as config_lib, dist, metrics, model
+from ddptune import batchplan, config as config_lib, dist, metrics, model as model_lib
+from ddptune.batchplan import BatchPlan
+from ddptune.config import Config, TrainConfig
+from ddptune.speed import Speed
+
+
+@dataclass(frozen=True)
+class Outline:
+    """What a run is, as its opening lines and summary.json say it."""
+    plan: BatchPlan
+    train_rows: int  # training examples
+    steps: int       # optimizer steps in all
+    start: int       # optimizer steps done before this process started (resume)
+    speed: Speed     # the speed choices, each with its reason
+    padded_lengths: tuple[int, ...]  # the lengths packed rows are padded to for CUDA graphs; () without
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What a run measured, as summary.json reports it."""
+    history: list[dict]              # metrics.jsonl's step rows (a resumed run's earlier steps too)
+    ranks: list[dict]                # ranks.jsonl's rows: each process's times and work per step
+    val_loss: float | None           # the final validation loss; None without a validation set
+    peaks: list[float | None]        # each process's peak GPU memory, GiB (None on CPU)
+    fingerprints: list[str] | None   # each replica's weights hash; None when sharded (no replicas)
+    grad_buckets: int | None         # the gradient all-reduces of the last step (DDP's buckets); None: one process, or FSDP
+
+
+def opening_lines(outline: Outline, cfg: Config, accelerator: Accelerator, model: torch.nn.Module) -> list[str]:
+    """What the start of a run prints: the model and what trains, the speed choices and their reasons,
+    the processes, the batch plan and its notes, and the steps the data makes."""
+    acc, plan = accelerator, outline.plan
+    trainable, total = model_lib.count_params(model)
+    lines = [f"{cfg.model.source} | {cfg.train.method} | {trainable:,} of {total:,} parameters trained", *outline.speed.lines(),
+             f"{acc.num_processes} process(es) on {acc.device.type} ({acc.distributed_type.value}, mixed precision "
+             f"{acc.mixed_precision}){', ' + cfg.model.attn_implementation + ' attention' if cfg.train.packing else ''}"
+             + (f", {torch.get_num_threads()} CPU thread(s) each ({dist.threads_why})" if acc.device.type == "cpu" else ""),
+             plan.describe() + ("; each step's samples split into shares of equal cost" if acc.num_processes > 1 else ""),
+             *(f"note: {note}" for note in batchplan.batch_notes(cfg.train)),
+             f"{outline.train_rows} training examples, {outline.train_rows / plan.global_batch:.1f} steps per epoch, "
+             f"{outline.steps} steps" + (f", resuming after step {outline.start}" if outline.start else "")]
+    return [f"ddptune: {line}" for line in lines]
 
 
 def _step(line: str) -> int | None:
@@ -120,28 +164,30 @@ class Progress:
             self.log.close()
 
 
-def summary(r, history: list[dict], ranks: list[dict], val_loss, peaks: list, fingerprints, final: Path) -> dict:
-    """summary.json: the run's figures (`r`: train.Run), its speed choices and where its output is."""
-    cfg, acc = r.cfg, r.accelerator
-    trainable, total = model.count_params(r.model)
+def summary(outline: Outline, measured: Measured, train: TrainConfig, accelerator: Accelerator, model: torch.nn.Module,
+            times: dict[str, float], final: Path) -> dict:
+    """summary.json: the run's figures, its speed choices and where its output (`final`) is. `times`: the
+    seconds spent loading (load_s) and evaluating (eval_s), and the start wall_time counts from."""
+    acc, plan, speed = accelerator, outline.plan, outline.speed
+    history, ranks, peaks = measured.history, measured.ranks, measured.peaks
+    trainable, total = model_lib.count_params(model)
     warm = min(metrics.WARMUP_STEPS, max(len(history) - 1, 0))
     return {
-        "steps": r.total_steps, "world_size": acc.num_processes, "global_batch": r.plan.global_batch,
-        "per_process": r.plan.per_process, "grad_accum": r.plan.grad_accum, "micro_batch_size": r.plan.micro_batch_size,
-        "packing": cfg.train.packing, "final_loss": history[-1]["loss"] if history else None, "val_loss": val_loss,
-        "load_time_s": r.times["load_s"], "train_time_s": sum(row["step_time_s"] for row in history),
+        "steps": outline.steps, "world_size": acc.num_processes, "global_batch": plan.global_batch,
+        "per_process": plan.per_process, "grad_accum": plan.grad_accum, "micro_batch_size": plan.micro_batch_size,
+        "packing": train.packing, "final_loss": history[-1]["loss"] if history else None, "val_loss": measured.val_loss,
+        "load_time_s": times["load_s"], "train_time_s": sum(row["step_time_s"] for row in history),
         **metrics.summarize_steps(history, warm, acc.num_processes), "mfu_denominator_tflops": metrics.peak_tflops(acc.device),
-        "eval_time_s": r.times["eval_s"], **wall_time(r.times, [row for row in history if row["step"] > r.start]),
+        "eval_time_s": times["eval_s"], **wall_time(times, [row for row in history if row["step"] > outline.start]),
         "time_split": metrics.split(ranks[min(warm, max(len(ranks) - 1, 0)):]),
         "peak_mem_gib": max(peaks) if None not in peaks else None, "peak_mem_gib_per_process": peaks,
-        "train_rows": len(r.train_set), "steps_per_epoch": len(r.train_set) / r.plan.global_batch,
-        "method": cfg.train.method, "strategy": cfg.train.strategy, "mixed_precision": acc.mixed_precision,
-        # the gradient all-reduces of the last step (DDP's buckets); null: none (one process, or FSDP)
-        "grad_buckets": r.clock.buckets if dist.ddp_wrapper(r.parts.model) and acc.num_processes > 1 else None,
-        "speed": r.speed.as_dict(), "gradient_checkpointing": r.speed.checkpointing, "compiled": r.speed.compiled,
-        "cuda_graphs": r.speed.graphs, "padded_lengths": list(r.stream.graph_lengths), "base_4bit": model.holds_4bit(r.model),
+        "train_rows": outline.train_rows, "steps_per_epoch": outline.train_rows / plan.global_batch,
+        "method": train.method, "strategy": train.strategy, "mixed_precision": acc.mixed_precision,
+        "grad_buckets": measured.grad_buckets,
+        "speed": speed.as_dict(), "gradient_checkpointing": speed.checkpointing, "compiled": speed.compiled,
+        "cuda_graphs": speed.graphs, "padded_lengths": list(outline.padded_lengths), "base_4bit": model_lib.holds_4bit(model),
         "trainable_params": trainable, "total_params": total,
-        "output": str(final), "replica_fingerprints": fingerprints,
+        "output": str(final), "replica_fingerprints": measured.fingerprints,
     }
 
 
@@ -209,8 +255,6 @@ def profile_wait(steps_left: int, n: int) -> int:
 
 def profiling(out: Path, n: int, steps_left: int, rank: int, cuda: bool):
     """torch.profiler over `n` (train.profile_steps) steps after the first profile_wait ones, or nothing."""
-    import torch
-
     if not n:
         return nullcontext(_NoProfiler())
     activities = [torch.profiler.ProfilerActivity.CPU]

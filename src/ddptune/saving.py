@@ -14,18 +14,36 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from torch.optim.lr_scheduler import LRScheduler
+from transformers import PreTrainedTokenizerBase
+
 from ddptune import checkpoint, config as config_lib, dist, model as model_lib, rundir, sources
-from ddptune.config import ConfigError
+from ddptune.config import Config, ConfigError
 
 
-def resume_from(r) -> int:
-    """Restore the newest checkpoint that reads back whole and fits the run (an older one, with a
-    warning, when the newest is damaged); return its step. Any process count may resume it with the
-    run's global batch."""
-    acc, problems = r.accelerator, []
-    for path in reversed(checkpoint.list_checkpoints(r.out / "checkpoints")):
+@dataclass(frozen=True)
+class Checkpoints:
+    """Where a run's checkpoints go and what they hold."""
+    folder: Path                     # output_dir/checkpoints
+    model: torch.nn.Module           # whose trained weights are saved (a PEFT model, or the full model)
+    optimizer: AcceleratedOptimizer  # accelerate's wrapper
+    scheduler: LRScheduler
+    sharded: bool                    # FSDP: each process holds a part of the weights and optimizer states
+    global_batch: int                # samples per optimizer step, which a resumed run must keep
+
+
+def resume_from(accelerator: Accelerator, saved: Checkpoints, total_steps: int) -> int:
+    """Restore the newest checkpoint that reads back whole and fits the run of `total_steps` steps (an
+    older one, with a warning, when the newest is damaged); return its step. Any process count may
+    resume it with the run's global batch."""
+    acc, problems = accelerator, []
+    for path in reversed(checkpoint.list_checkpoints(saved.folder)):
         try:
-            state, error = checkpoint.load(path, r.model, r.optimizer, r.scheduler, acc.process_index, r.total_steps), None
+            state = checkpoint.load(path, saved.model, saved.optimizer, saved.scheduler, acc.process_index, total_steps)
+            error = None
         except ValueError as e:
             state, error = None, str(e)
         # All processes move on together: FSDP's parts are read one per process, so one damaged part
@@ -34,32 +52,33 @@ def resume_from(r) -> int:
             problems += errors
             acc.print(f"ddptune: warning: {errors[0]}; trying the one before")
             continue
-        if state.get("global_batch", r.plan.global_batch) != r.plan.global_batch or (
+        if state.get("global_batch", saved.global_batch) != saved.global_batch or (
                 "global_batch" not in state and state["world_size"] != acc.num_processes):
             raise ConfigError([f"--resume: {path} was written by {state['world_size']} processes with "
                                f"{state.get('global_batch', '?')} samples per optimizer step: set train.effective_batch_size to "
                                f"that, or resume with --nproc {state['world_size']}"])
         return state["step"]
-    raise ConfigError([f"--resume: no checkpoint in {r.out / 'checkpoints'} can be read back"] + problems)
+    raise ConfigError([f"--resume: no checkpoint in {saved.folder} can be read back"] + problems)
 
 
-def save_checkpoint(r, step: int) -> float:
-    """Rank 0 writes the checkpoint; sharded (FSDP), every process first writes its own part of the
-    weights and optimizer states into the folder rank 0 made, which rank 0 then completes. Returns
-    the seconds it took, until every process had it."""
+def save_checkpoint(accelerator: Accelerator, saved: Checkpoints, step: int, keep: int) -> float:
+    """Rank 0 writes the checkpoint of `step` and keeps the newest `keep` (train.keep_checkpoints);
+    sharded (FSDP), every process first writes its own part of the weights and optimizer states into
+    the folder rank 0 made, which rank 0 then completes. Returns the seconds it took, until every
+    process had it."""
     t0 = time.perf_counter()
-    acc, folder = r.accelerator, r.out / "checkpoints"
+    acc, folder = accelerator, saved.folder
     rngs = dist.gather(checkpoint.rng_state())  # every process's RNG, in rank order
-    extra = {"world_size": acc.num_processes, "global_batch": r.plan.global_batch}
-    weights, optimizer, tmp = model_lib.trainable_state(r.model), r.optimizer, None
-    if dist.sharded(r.loss_model):
+    extra = {"world_size": acc.num_processes, "global_batch": saved.global_batch}
+    weights, optimizer, tmp = model_lib.trainable_state(saved.model), saved.optimizer, None
+    if saved.sharded:
         tmp = dist.on_main(acc, lambda: checkpoint.atomic_dir(checkpoint.path_of(folder, step)))
         checkpoint.save_shard(tmp, acc.process_index, weights, optimizer)
         acc.wait_for_everyone()
         weights, optimizer, extra["shards"] = None, None, acc.num_processes
     if acc.is_main_process:
-        checkpoint.save(folder, step, weights, optimizer, r.scheduler, rngs, extra, tmp)
-        checkpoint.prune(folder, r.cfg.train.keep_checkpoints)
+        checkpoint.save(folder, step, weights, optimizer, saved.scheduler, rngs, extra, tmp)
+        checkpoint.prune(folder, keep)
     acc.wait_for_everyone()
     return time.perf_counter() - t0
 
@@ -92,22 +111,23 @@ class SaveTimes:
         return f"ddptune: a checkpoint (step {step}) took {seconds:.2f} s to save{spare}"
 
 
-def save_final(r, final: Path) -> None:
-    """The adapter (PEFT format) or full model, with tokenizer and resolved config, renamed into place.
-    Sharded (FSDP), the trained weights are first gathered whole onto rank 0: one plain file set."""
+def save_final(accelerator: Accelerator, final: Path, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, cfg: Config,
+               *, sharded: bool) -> None:
+    """The adapter (PEFT format) or full model into `final`, with tokenizer and resolved config, renamed
+    into place. Sharded (FSDP), the trained weights are first gathered whole onto rank 0: one plain file set."""
     state = None
-    if dist.sharded(r.loss_model):
-        state = dist.gathered_state_dict(r.model, trainable_only=r.cfg.train.method != "full")
-    if r.accelerator.is_main_process:
+    if sharded:
+        state = dist.gathered_state_dict(model, trainable_only=cfg.train.method != "full")
+    if accelerator.is_main_process:
         checkpoint.remove_leftovers(final)  # what a save killed before left beside it (for full fine-tuning, a model's size)
         tmp = checkpoint.atomic_dir(final)
-        model_lib.save_trained(r.model, tmp, state)
+        model_lib.save_trained(model, tmp, state)
         if (tmp / "README.md").is_file():  # peft's model card (an adapter's)
-            name_the_base(tmp / "README.md", r.cfg.model, r.cfg.train.method)
-        r.tokenizer.save_pretrained(tmp)
-        (tmp / "ddptune.yaml").write_text(config_lib.dump(r.cfg))
+            name_the_base(tmp / "README.md", cfg.model, cfg.train.method)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "ddptune.yaml").write_text(config_lib.dump(cfg))
         checkpoint.commit(tmp, final)
-    r.accelerator.wait_for_everyone()
+    accelerator.wait_for_everyone()
 
 
 def remove_checkpoints(out: Path) -> None:

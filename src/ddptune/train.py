@@ -13,6 +13,7 @@ step waits for the device: its figures are read one step later, while the next s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -64,19 +65,26 @@ class Run:
     val_set: Any
     model: Any            # what is saved, checkpointed and evaluated (a PEFT model, or the full model)
     loss_model: Any       # model_lib.CausalLMLoss around `model`
-    parts: step_lib.Parts  # what a step touches: the DDP wrapper (or FSDP-sharded loss_model), the optimizer...
     optimizer: Any        # accelerate's wrapper (checkpoints hold its state)
     scheduler: Any
-    stream: batches.Stream
-    speed: speed_lib.Speed
+    level: fallback.Level  # what runs a step: speed choices, the step's parts, the recorded step, the stream
     clock: dist.StepClock
     flops: metrics.FlopModel
     start: int            # optimizer steps already done (resume)
     total_steps: int
     times: dict = field(default_factory=dict)  # started (perf_counter), started_at (time.time), startup_s, load_s, eval_s
-    engine: Any = None    # graphs.StepGraphs, with the whole step recorded
     side: Any = None      # the CUDA stream a recorded step runs on (DDP is built on it)
     trackers: Any = None
+
+    def outline(self) -> runlog.Outline:
+        """What the run is, as its opening lines and summary.json say it."""
+        return runlog.Outline(self.plan, len(self.train_set), self.total_steps, self.start, self.level.speed,
+                              self.level.stream.graph_lengths)
+
+    def checkpoints(self) -> saving.Checkpoints:
+        """Where the run's checkpoints go and what they hold."""
+        return saving.Checkpoints(self.out / "checkpoints", self.model, self.optimizer, self.scheduler,
+                                  dist.sharded(self.loss_model), self.plan.global_batch)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,10 +151,10 @@ def setup(cfg: Config, resume: bool = False, started: float | None = None) -> Ru
     r = prepare(cfg, plan, acc, out, tokenizer, train_set, val_set, model, stream, chosen, flops, total)
     r.times.update(started=began, started_at=started_at, startup_s=t0 - began, load_s=time.perf_counter() - t0, eval_s=0.0)
     if resume:
-        r.start = saving.resume_from(r)
+        r.start = saving.resume_from(acc, r.checkpoints(), total)
     if chosen.graphs != "off":
         prepare_graphs(r)
-    announce(r)
+    acc.print("\n".join(runlog.opening_lines(r.outline(), cfg, acc, r.model)))
     r.trackers = runlog.Trackers(acc, cfg, out)
     return r
 
@@ -168,8 +176,8 @@ def prepare(cfg, plan, acc, out, tokenizer, train_set, val_set, model, stream, c
     parts = step_lib.Parts(acc, ddp_model, params, getattr(optimizer, "optimizer", optimizer), cfg.train.max_grad_norm,
                            dist.sharded(loss_model), acc.autocast, layer_graphs=chosen.graphs == "layers",
                            keep_grads=chosen.graphs != "off" or dist.ddp_wrapper(ddp_model) is not None)
-    return Run(cfg, plan, acc, out, tokenizer, train_set, val_set, model, loss_model, parts, optimizer, scheduler, stream,
-               chosen, clock, flops, 0, total, side=side)
+    return Run(cfg, plan, acc, out, tokenizer, train_set, val_set, model, loss_model, optimizer, scheduler,
+               fallback.Level(chosen, parts, None, stream), clock, flops, 0, total, side=side)
 
 
 def free_gib(cfg: Config, acc: Accelerator) -> float | None:
@@ -199,33 +207,20 @@ def build_model(cfg: Config, base, chosen: speed_lib.Speed, device: torch.device
 def prepare_graphs(r: Run) -> None:
     """Pad, compile and record (graphs.prepare). Where compiling or recording fails the run falls
     back one level (whole step → compiled layers launched one by one → eager), one line saying why."""
-    acc, t0 = r.accelerator, time.perf_counter()
+    acc, level, t0 = r.accelerator, r.level, time.perf_counter()
     try:
         with graphs.on_stream(r.side):
-            r.stream, r.engine, note, failed = graphs.prepare(r.parts, r.loss_model, r.stream, r.start, r.total_steps,
-                                                              r.speed, acc.process_index, r.tokenizer.pad_token_id, r.side, r.clock)
+            stream, engine, note, failed = graphs.prepare(level.parts, r.loss_model, level.stream, r.start, r.total_steps,
+                                                          level.speed, acc.process_index, r.tokenizer.pad_token_id, r.side, r.clock)
     except RuntimeError as e:  # compiling (or recording a layer) failed
-        fallback.to_eager(r, f"compiling the layers for CUDA graphs failed ({dist.first_line(e)})")
+        why = f"compiling the layers for CUDA graphs failed ({dist.first_line(e)})"
+        r.level = fallback.to_eager(level, r.model, why, acc.print)
         return
-    if failed:  # summary.json and the banner say what runs
-        r.speed = r.speed.unrecorded(failed)
+    speed = level.speed.unrecorded(failed) if failed else level.speed  # summary.json and the banner say what runs
+    r.level = dataclasses.replace(level, speed=speed, stream=stream, engine=engine)
     warm = time.perf_counter() - t0
     r.times["load_s"] += warm
     acc.print(f"ddptune: CUDA graphs: {note} in {warm:.1f}s")
-
-
-def announce(r: Run) -> None:
-    acc, cfg = r.accelerator, r.cfg
-    trainable, total = model_lib.count_params(r.model)
-    lines = [f"{cfg.model.source} | {cfg.train.method} | {trainable:,} of {total:,} parameters trained", *r.speed.lines(),
-             f"{acc.num_processes} process(es) on {acc.device.type} ({acc.distributed_type.value}, mixed precision "
-             f"{acc.mixed_precision}){', ' + cfg.model.attn_implementation + ' attention' if cfg.train.packing else ''}"
-             + (f", {torch.get_num_threads()} CPU thread(s) each ({dist.threads_why})" if acc.device.type == "cpu" else ""),
-             r.plan.describe() + ("; each step's samples split into shares of equal cost" if acc.num_processes > 1 else ""),
-             *(f"note: {note}" for note in batchplan.batch_notes(cfg.train)),
-             f"{len(r.train_set)} training examples, {len(r.train_set) / r.plan.global_batch:.1f} steps per epoch, "
-             f"{r.total_steps} steps" + (f", resuming after step {r.start}" if r.start else "")]
-    acc.print("\n".join(f"ddptune: {line}" for line in lines))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,14 +240,14 @@ def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
                                 "zero-shot")
         r.times["eval_s"] += time.perf_counter() - t0
     loop = Loop(r)
-    r.parts.model.train()
+    r.level.parts.model.train()
     gc.disable()  # Python's collector would pause each process at its own moment: collect on all at once instead
     step = r.start
     try:
         with runlog.profiling(r.out, cfg.train.profile_steps, r.total_steps - r.start, r.accelerator.process_index,
                               r.accelerator.device.type == "cuda") as profiler:
             for step in range(r.start, r.total_steps):
-                loop.launched(fallback.first_step(r, step, train_step) if step == r.start else train_step(r, step))  # the previous step is read meanwhile
+                loop.launched(first_step(r, step) if step == r.start else train_step(r, step))  # the previous step is read meanwhile
                 profiler.step()
                 if step == r.start:  # the model, data and compiled graphs live all run: never scan them again,
                     gc.collect()     # once what is already garbage is gone (frozen, cycles would live all run)
@@ -271,8 +266,8 @@ def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
         loop.close()
         gc.unfreeze()
         gc.enable()
-        if r.engine:  # their memory pool goes back for evaluation
-            r.engine = None
+        if r.level.engine:  # their memory pool goes back for evaluation
+            r.level = dataclasses.replace(r.level, engine=None)
             torch.cuda.empty_cache()
     return loop.history, loop.times
 
@@ -337,7 +332,7 @@ class Loop:
             self.progress.line({"step": done, "val_loss": val, **{f"val_loss/{k}": v for k, v in each.items()}},
                                f"step {done}: val_loss {val:.4f}" + "".join(f", {k} {v:.4f}" for k, v in each.items()))
         if save:
-            seconds = saving.save_checkpoint(r, done)
+            seconds = saving.save_checkpoint(r.accelerator, r.checkpoints(), done, t.keep_checkpoints)
             self.progress.say(self.saves.note(done, seconds, [row["step_time_s"] for row in self.history]))
             self.last_save = time.monotonic()
         if validate or save:
@@ -352,24 +347,37 @@ class Loop:
         self.progress.close()
 
 
+def first_step(r: Run, step: int) -> dict:
+    """train_step() for the run's first step; where compiling the layers fails there, the same step
+    again one level down (fallback.py)."""
+    while True:
+        try:
+            return train_step(r, step)
+        except torch._dynamo.exc.TorchDynamoException as e:
+            lower = fallback.level_for_retry(r.level, r.model, e, r.accelerator.print)
+            if lower is None:
+                raise
+            r.level = lower
+
+
 def train_step(r: Run, step: int) -> dict:
     """One optimizer step over this process's share of the step's global batch (step.py), replayed
     when it is recorded. Nothing here waits for the device: the loss and gradient norm come back as
     a copy to the host still in flight, the times as events, all read a step later."""
-    acc = r.accelerator
-    share = r.stream.share(step)
+    acc, level = r.accelerator, r.level
+    share = level.stream.share(step)
     forwards = share.forwards[acc.process_index]
     r.clock.start()
     lr = step_lib.current_lr(r.scheduler, r.cfg.train.lr)
-    if r.engine:
-        figures = r.engine.replay(forwards, share.targets, r.clock)
+    if level.engine:
+        figures = level.engine.replay(forwards, share.targets, r.clock)
     else:
         pad = r.tokenizer.pad_token_id
         # an empty group (sharded runs only, batches.lockstep): a forward in step with the others that counts nothing
-        work = [(step_lib.to_device(r.stream.collate(g or forwards[0][:1], pad), acc.device), bool(g)) for g in forwards]
-        loss_sum = step_lib.forward_backward(r.parts, work, share.targets, torch.zeros((), device=acc.device))
+        work = [(step_lib.to_device(level.stream.collate(g or forwards[0][:1], pad), acc.device), bool(g)) for g in forwards]
+        loss_sum = step_lib.forward_backward(level.parts, work, share.targets, torch.zeros((), device=acc.device))
         r.clock.mark("synced")
-        figures = step_lib.clip_and_update(r.parts, loss_sum)
+        figures = step_lib.clip_and_update(level.parts, loss_sum)
     figures = step_lib.to_host(figures)
     r.scheduler.step()
     marks = r.clock.finish()  # after the copy: once the step's end has passed, `figures` holds its loss and norm
@@ -418,9 +426,11 @@ def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
     if acc.is_main_process:
         ranks = metrics.rank_rows(r.start, per_rank, [s for _, s in times])
         runlog.write_ranks(out, ranks)
-        summary = runlog.summary(r, runlog.step_rows(out) or history, ranks, val_loss, peaks, fingerprints, final)
+        buckets = r.clock.buckets if dist.ddp_wrapper(r.level.parts.model) and acc.num_processes > 1 else None
+        measured = runlog.Measured(runlog.step_rows(out) or history, ranks, val_loss, peaks, fingerprints, buckets)
+        summary = runlog.summary(r.outline(), measured, cfg.train, acc, r.model, r.times, final)
         report.write_json(out / "summary.json", summary)  # first: a kill in the saves below keeps the figures
-    saving.save_final(r, final)
+    saving.save_final(acc, final, r.model, r.tokenizer, cfg, sharded=sharded)
     if acc.is_main_process:
         saving.remove_checkpoints(out)
     if cfg.eval.enabled:
