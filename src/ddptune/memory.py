@@ -49,7 +49,7 @@ NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit code + 8-bit absmax per 64 + 
 CUDA_CONTEXT_GIB = 0.75   # CUDA context, cuBLAS and NCCL workspaces: outside torch's allocator
 ALLOCATOR_SLACK = 0.08    # reserved but not allocated (the recipe's run: 13.71 GiB reserved for 12.63 allocated)
 # a CPU process's libraries (0.39 GiB after the imports) and what loading leaves held: fitted on the CPU demo
-# (SmolLM2-135M LoRA, 2 steps): peak RSS 4.30 GiB, 2.49 with checkpointing; modelled 4.41 and 2.45 (in-sample)
+# (SmolLM2-135M LoRA): peak resident 4.55 GiB, 2.44 with checkpointing; modelled 4.41 and 2.45 (in-sample)
 CPU_PROCESS_GIB = 1.5
 # How far the prediction has been from measured peaks (BENCHMARKS.md, "Plan against measured peaks"): from 4 %
 # under to 8 % over, LoRA, QLoRA and full fine-tunes (1B and 8B, DDP and FSDP). A verdict closer than these to
