@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ddptune import checks, config as config_lib, formats, launch, report, rundir, sources as source_lib
+from ddptune import checks, config as config_lib, formats, launch, report, rundir, sources as source_lib, trained
 from ddptune.config import ConfigError
 
 
@@ -55,7 +55,7 @@ def checked(args) -> tuple:
     if source == "-" and launch.in_launched_process() and not launch.validated_by_parent():
         problems.append("--input: - (stdin) cannot be shared by processes a launcher started (give a .jsonl file, or use --nproc)")
     try:
-        cfg = checks.trained_run(run_dir, "predict", overrides)
+        cfg = trained.trained_run(run_dir, "predict", overrides)
     except ConfigError as e:
         raise ConfigError(problems + e.problems) from None
     if not launch.in_launched_process():  # here, before any process starts (--nproc's workers skip it: we did)
