@@ -276,22 +276,22 @@ def _stopped(cfg, signum: int) -> int:
 def _start(cfg, args, nproc: int, started: float) -> int:
     """A valid config's run: validated, locked and started here, in --nproc's processes, or under
     an external launcher."""
-    from ddptune import checks, lock
+    from ddptune import checks, lock, rundir
 
-    resume, args.overwrite = checks.resume_mode(cfg, args.resume, args.overwrite)
+    resume, args.overwrite = rundir.resume_mode(cfg, args.resume, args.overwrite)
     if launch.in_launched_process():
         if launch.validated_by_parent():  # a worker of --nproc: the parent validated and holds the lock
             if launch.is_main_process():
                 lock.join(cfg.output_dir)  # the lock stays live while this worker writes, whatever befalls the parent
             # restarted by torchrun (--max-restarts) after a worker failed: continue from the newest checkpoint
             restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-            return _run(cfg, resume or (restarted and checks.has_checkpoint(cfg.output_dir)), started)
+            return _run(cfg, resume or (restarted and rundir.has_checkpoint(cfg.output_dir)), started)
         # under torchrun or accelerate launch: rank 0 locks output_dir, then validates (in train.setup)
         with lock.acquire(cfg.output_dir) if launch.is_main_process() else contextlib.nullcontext():
             if args.overwrite and launch.is_main_process():  # the others wait at validation meanwhile
-                if problems := checks.output_problems(cfg, resume, None, overwrite=True):
+                if problems := rundir.output_problems(cfg, resume, None, overwrite=True):
                     raise ConfigError(problems)
-                checks.clear_run_folder(cfg.output_dir)
+                rundir.clear(Path(cfg.output_dir))
             return _run(cfg, resume, started)
     launches = not (args.nproc is None and args.nnodes == 1 and not args.max_restarts)
     first = args.node_rank == 0  # node 0 holds rank 0, which writes: it alone checks and locks output_dir
@@ -305,8 +305,8 @@ def _start(cfg, args, nproc: int, started: float) -> int:
     # held until the run ends; a second run or --resume is refused
     with lock.acquire(cfg.output_dir) if first else contextlib.nullcontext():
         if args.overwrite and first:
-            checks.clear_run_folder(cfg.output_dir)
-        if first and (problems := checks.output_problems(cfg, resume, nproc_total)):  # a run that ended since
+            rundir.clear(Path(cfg.output_dir))
+        if first and (problems := rundir.output_problems(cfg, resume, nproc_total)):  # a run that ended since
             raise ConfigError(problems)
         if not launches:
             with _validated():
