@@ -52,7 +52,7 @@ def validate(cfg: Config, world_size: int, resume: bool = False, overwrite: bool
         if not problems:  # every row checked and tokenized, once: the run reads what this made
             n_train = len(tokenized.load(tokenized.prepare(cfg.data, tokenizer, progress=sys.stderr.isatty()))[0])
     if plan and n_train is not None and not problems:
-        problems += rows_problems(n_train, plan)
+        problems += batchplan.rows_problems(n_train, plan)
     if problems:
         raise ConfigError(problems)
     return plan
@@ -106,46 +106,6 @@ def loading(m: config_lib.ModelConfig, what: str):
         name = m.tokenizer if field == "model.tokenizer" else m.source
         raise ConfigError([f"{field}: the {what} of {name} cannot be loaded ({type(e).__name__}: "
                            f"{' '.join(str(e).split())[:200]}) (check the files, the network or HF_HUB_OFFLINE)"]) from None
-
-
-def rows_problems(n_rows: int, plan: BatchPlan) -> list[str]:
-    """Training rows against one global batch (hub data is counted only once loaded: train calls this too)."""
-    if n_rows < plan.world_size:  # no batch setting can help: each process takes a sample a step
-        return [f"--nproc: {plan.world_size} processes are more than the {n_rows} training rows (each process takes "
-                f"at least one sample a step: use at most {n_rows} processes, or more rows in data.train)"]
-    if n_rows < plan.global_batch:
-        return [f"data.train: {n_rows} rows are fewer than one global batch of {plan.global_batch} "
-                "(select more rows, or lower train.micro_batch_size, the accumulation or effective_batch_size)"]
-    return []
-
-
-def memory_problems(cfg: Config, world_size: int, gpu_gib: float) -> list[str]:
-    """`ddptune plan`'s verdict for GPUs of `gpu_gib` GiB, as one line naming the way out when the run
-    will not fit; none when it fits as configured, when checkpointing is `auto` and turning it on is
-    enough (build_model does), or when train.memory_check is off. Reads the model's config only; a hub model's that cannot be fetched is not checked."""
-    from ddptune import memory
-
-    if not cfg.train.memory_check:
-        return []
-    try:
-        shape = memory.model_shape(cfg)
-    except Exception:  # noqa: BLE001 - no config to size the model by: the load will say what is wrong
-        return []
-    if cfg.train.strategy == "fsdp" and (load := memory.load_gib(shape, cfg.train.method)) > gpu_gib:
-        return [f"memory: train.strategy=fsdp: each process loads the whole model onto its GPU before sharding it, "
-                f"{load:.1f} GiB for {cfg.train.method} fine-tuning of {cfg.model.source}, more than {gpu_gib:.1f} GiB "
-                "(loading on the meta device is not supported yet: use GPUs with more memory"
-                + {"full": ", or train.method=lora", "lora": ", or train.method=qlora"}.get(cfg.train.method, "") + ")"]
-    p = memory.plan(cfg, shape, world_size, gpu_gib)
-    need, chosen = p["options"][0]["total"], next((o for o in p["options"] if o["fits"]), None)
-    shards = world_size if cfg.train.strategy == "fsdp" else 1
-    if p["options"][0]["fits"] or (cfg.train.gradient_checkpointing == "auto" and chosen is not None
-                                   and chosen["gradient_checkpointing"] and chosen["shards"] == shards
-                                   and chosen["method"] == cfg.train.method):
-        return []  # as configured, or with the checkpointing that `auto` turns on (build_model does)
-    fix = p["recommendation"] + (f" ({chosen['total']:.1f} GiB per GPU)" if chosen else "")
-    return [f"memory: {cfg.train.method} fine-tuning of {cfg.model.source} needs about {need:.1f} GiB per GPU, more than "
-            f"{gpu_gib:.1f} GiB; the way out: {fix} (`ddptune plan` shows each term; train.memory_check=false tries anyway)"]
 
 
 def model_problems(cfg: Config) -> list[str]:
@@ -212,14 +172,6 @@ def data_file_problems(d: config_lib.DataConfig) -> list[str]:
     if (t := d.chat_template) is not None and config_lib.is_template_path(t) and not Path(t).is_file():
         problems.append(f"data.chat_template: {t} {config_lib.not_a_file(Path(t))} (give the path of a .jinja file, or the template)")
     return problems
-
-
-def profile_problems(t, total: int) -> list[str]:
-    """train.profile_steps after the first PROFILE_AFTER must fit the run's `total` steps (known once the data is)."""
-    if t.profile_steps and total < config_lib.PROFILE_AFTER + t.profile_steps:
-        return [f"train.profile_steps: {t.profile_steps} steps after the first {config_lib.PROFILE_AFTER} "
-                f"do not fit a run of {total} steps (profile fewer steps or train longer)"]
-    return []
 
 
 def local_tokenizer(cfg: Config):

@@ -115,10 +115,10 @@ def setup(cfg: Config, resume: bool = False, started: float | None = None) -> Ru
     train_set, val_set = tokenized.load(prepared)
     acc.print("\n".join(f"ddptune: {line}" for line in [*([f"data: {data.selection(cfg.data)}"] if acc.is_main_process else []), *prepared.notes, f"data ready in {time.perf_counter() - t0:.1f}s; "
                                                            f"loading {cfg.model.source} ..."]))
-    if problems := checks.rows_problems(len(train_set), plan):  # hub data, or rows dropped as too long
+    if problems := batchplan.rows_problems(len(train_set), plan):  # hub data, or rows dropped as too long
         raise ConfigError(problems)
     total = batchplan.total_steps(cfg.train, len(train_set), plan.global_batch)
-    if problems := checks.profile_problems(cfg.train, total) + config_lib.schedule_problems(cfg.train, total):
+    if problems := batchplan.profile_problems(cfg.train, total) + config_lib.schedule_problems(cfg.train, total):
         raise ConfigError(problems)
     t1 = time.perf_counter()
     # what loading downloads or writes is made once, by the first process, before the others read it;
@@ -176,7 +176,7 @@ def free_gib(cfg: Config, acc: Accelerator) -> float | None:
     if acc.device.type != "cuda":
         return None
     free = torch.cuda.mem_get_info(acc.device)[0] / memory.GIB + memory.CUDA_CONTEXT_GIB  # our context is in use already
-    if problems := dist.on_main(acc, lambda: checks.memory_problems(cfg, acc.num_processes, free)):
+    if problems := dist.on_main(acc, lambda: memory.memory_problems(cfg, acc.num_processes, free)):
         raise ConfigError(problems)
     return free
 
