@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from ddptune import batchplan, config as config_lib, data as data_lib, launch, rows as rows_lib, rundir
+from ddptune import batchplan, config as config_lib, data as data_lib, launch, rundir
 from ddptune import sources, tokenized
 from ddptune.batchplan import BatchPlan
 from ddptune.config import Config, ConfigError
@@ -48,7 +48,7 @@ def validate(cfg: Config, world_size: int, resume: bool = False, overwrite: bool
         problems += code_problems(cfg)
     local = not any(s.source.startswith("hub:") for split in ("train", "val") for s in data_lib.sources(cfg.data, split))
     if not problems and local and (tokenizer := local_tokenizer(cfg)) is not None:
-        problems += template_problems(cfg, tokenizer)
+        problems += data_lib.template_problems(cfg.data, tokenizer)
         if not problems:  # every row checked and tokenized, once: the run reads what this made
             n_train = len(tokenized.load(tokenized.prepare(cfg.data, tokenizer, progress=sys.stderr.isatty()))[0])
     if plan and n_train is not None and not problems:
@@ -62,7 +62,7 @@ def input_problems(cfg: Config, problems: list[str]) -> tuple[list[str], int | N
     """`problems` found so far, then the model source and tokenizer and the data paths, then (where
     nothing is wrong yet) the data's first rows and row counts: what a run and `ddptune data` check
     before tokenizing. Returns them with the number of training rows (None where they were not read)."""
-    problems = problems + sources.source_problems(cfg.model) + data_file_problems(cfg.data)
+    problems = problems + sources.source_problems(cfg.model) + data_lib.data_file_problems(cfg.data)
     if problems:
         return problems, None
     return data_lib.check(cfg.data)
@@ -159,21 +159,6 @@ def layer_names(src, cfg: Config) -> dict[str, str] | str | None:
             for n, m in net.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))}
 
 
-def data_file_problems(d: config_lib.DataConfig) -> list[str]:
-    """A data path that is there but is neither a regular file nor a datasets.save_to_disk folder: a
-    FIFO (reading it would wait for a writer), another folder, a symlink loop or one to nothing (a
-    path that is not there at all: data.check says so)."""
-    problems = []
-    for field, source in ((s.field, s.source) for split in ("train", "val") for s in data_lib.sources(d, split)):
-        path = Path(source)
-        if source and source != "demo" and not source.startswith("hub:") and os.path.lexists(source) \
-                and not path.is_file() and not (path.is_dir() and rows_lib.kind(source) == "arrow"):
-            problems.append(f"{field}: {source} {config_lib.not_a_file(path)} (give {rows_lib.FORMS})")
-    if (t := d.chat_template) is not None and config_lib.is_template_path(t) and not Path(t).is_file():
-        problems.append(f"data.chat_template: {t} {config_lib.not_a_file(Path(t))} (give the path of a .jinja file, or the template)")
-    return problems
-
-
 def local_tokenizer(cfg: Config):
     """The run's tokenizer where it can be read here (not a hub id, which the run fetches), else None."""
     m = cfg.model
@@ -183,25 +168,3 @@ def local_tokenizer(cfg: Config):
 
     with loading(m, "tokenizer"):
         return model_lib.load_tokenizer(m, cfg.data)
-
-
-def template_problems(cfg: Config, tokenizer) -> list[str]:
-    """Chat data: the tokenizer's chat template can give conversations a loss mask (chat.template_problem's
-    probe; every conversation's own mask is checked as it is tokenized); data.template=none takes
-    prompt_completion sources only; data.chat_template renders."""
-    from ddptune import chat
-
-    d = cfg.data
-    found = data_lib.local_formats(d)
-    if d.template == "none" and (other := next(((s, f) for s, f in found if f != "prompt_completion"), None)):
-        return [f"{other[0].field}: {other[0].source} holds {other[1]} rows, and data.template=none takes prompt_completion "
-                "rows only (a prompt and a completion: use data.template=chat for the others)"]
-    try:
-        if d.chat_template is not None:
-            chat.render(tokenizer, chat.PROBE[:1], True)
-        problem = chat.template_problem(tokenizer, d.loss_on, plain=d.template == "none") \
-            if any(f != "dialogue" for _, f in found) else None
-    except chat.TemplateProblem as e:
-        problem = str(e)
-    field = "data.template" if d.template == "none" else "data.chat_template" if d.chat_template is not None else "model.tokenizer"
-    return [f"{field}: {problem}"] if problem else []

@@ -47,7 +47,7 @@ def main(args) -> int:
     started = time.perf_counter()
     tokenizer = model_lib.load_tokenizer(cfg.model, cfg.data)
     loaded = time.perf_counter()
-    if problems := checks.template_problems(cfg, tokenizer):
+    if problems := data.template_problems(cfg.data, tokenizer):
         raise ConfigError(problems)
     prepared = tokenized.prepare(cfg.data, tokenizer, sys.stderr.isatty())
     seconds = time.perf_counter() - loaded
