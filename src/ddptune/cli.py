@@ -276,7 +276,7 @@ def _stopped(cfg, signum: int) -> int:
 def _start(cfg, args, nproc: int, started: float) -> int:
     """A valid config's run: validated, locked and started here, in --nproc's processes, or under
     an external launcher."""
-    from ddptune import checks, lock, memory, rundir
+    from ddptune import admission, lock, memory, rundir
 
     resume, args.overwrite = rundir.resume_mode(cfg, args.resume, args.overwrite)
     if launch.in_launched_process():
@@ -297,7 +297,7 @@ def _start(cfg, args, nproc: int, started: float) -> int:
     first = args.node_rank == 0  # node 0 holds rank 0, which writes: it alone checks and locks output_dir
     nproc_total = nproc * args.nnodes
     # once per node, here, before any process starts
-    checks.validate(cfg, nproc_total, resume=resume, overwrite=args.overwrite, output=first)
+    admission.validate(cfg, nproc_total, resume=resume, overwrite=args.overwrite, output=first)
     if args.gpu_memory is not None and (problems := memory.memory_problems(cfg, nproc_total, args.gpu_memory)):
         raise ConfigError(problems)  # on CUDA train.setup checks the GPU's own free memory
     if note := config_lib.kept_validation(cfg, args.overrides):  # a valid run that validates on another source

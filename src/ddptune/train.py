@@ -26,7 +26,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from ddptune import batches, batchplan, checkpoint, checks, comm, config as config_lib, data, dist, fallback, generation, graphs
+from ddptune import admission, batches, batchplan, checkpoint, comm, config as config_lib, data, dist, fallback, generation, graphs
 from ddptune import memory, metrics, model as model_lib, report, rundir, runlog, saving, speed as speed_lib, step as step_lib, tokenized
 from ddptune.batchplan import BatchPlan
 from ddptune.config import Config, ConfigError
@@ -100,14 +100,14 @@ def setup(cfg: Config, resume: bool = False, started: float | None = None) -> Ru
     if dist.validated_by_parent():  # `--nproc`: the parent validated before starting us
         plan = batchplan.batch_plan(cfg.train, world)
     else:  # the process that talks to the user validates; the others wait for its verdict
-        plan = dist.on_main(acc, lambda: checks.validate(cfg, world, resume))
+        plan = dist.on_main(acc, lambda: admission.validate(cfg, world, resume))
     free = free_gib(cfg, acc)
     out = Path(cfg.output_dir)
     if acc.is_main_process:
         rundir.mark(out)  # first: whatever happens next, this folder is a run that --overwrite may clear
         (out / "config.yaml").write_text(config_lib.dump(cfg))
     t0 = time.perf_counter()
-    with checks.loading(cfg.model, "tokenizer"):  # a hub that cannot be reached: one line, not a traceback
+    with model_lib.loading(cfg.model, "tokenizer"):  # a hub that cannot be reached: one line, not a traceback
         tokenizer = model_lib.load_tokenizer(cfg.model, cfg.data)
     # the first process of each machine finds the tokenized data (validation made it) or makes it, checking
     # every row (a refusal stops every process); every process then maps it and holds its index
@@ -124,7 +124,7 @@ def setup(cfg: Config, resume: bool = False, started: float | None = None) -> Ru
     # what loading downloads or writes is made once, by the first process, before the others read it;
     # otherwise every process loads at once
     once = acc.main_process_first() if model_lib.writes_once(cfg.model, cfg.train.method) else contextlib.nullcontext()
-    with once, checks.loading(cfg.model, "model"):
+    with once, model_lib.loading(cfg.model, "model"):
         base = model_lib.load_model(cfg.model, cfg.train.method, acc.device, cfg.train.precision, cfg.train.seed,
                                     sharded=cfg.train.strategy == "fsdp")
     shape = memory.shape_of(base.config)
