@@ -1,25 +1,55 @@
-"""Whether a training run may start: every problem of its config, data, model and output folder, found at once.
+"""Whether a training run may start, and how: decided once, before its processes train.
+
+`admit` is a run's one admission: --resume read against output_dir (rundir.resume_mode: start,
+continue, or start again over its own files), every problem found (`validate`) and, with
+--gpu-memory, whether the run fits; its `Admission` (resume, overwrite, batch plan) is what every
+process of the run uses. start.py calls it in the process that talks to the user, before any process
+starts, or, under an external launcher, in rank 0 while the others wait (train.setup, `dist.on_main`).
 
 `validate(cfg, world_size, resume)` collects every problem (values, the model source and tokenizer,
 the data files and their columns, the output folder and a resume's saved config (rundir), rows
 against the global batch (batchplan); then what needs the model's code: its layers against
 lora.target_modules (model), bitsandbytes for QLoRA) and raises them together as one `ConfigError`,
 or returns the batch plan. The first checks import neither torch nor transformers, so a refusal they
-find comes at once; the model's code is imported only when they all pass. The CLI calls it in the
-parent before `--nproc` starts any process; under an external launcher, rank 0 calls it and the
-others wait for its answer (`dist.on_main`).
+find comes at once; the model's code is imported only when they all pass.
 """
 from __future__ import annotations
 
 import importlib.util
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from ddptune import batchplan, config as config_lib, data as data_lib, rundir
+from ddptune import batchplan, config as config_lib, data as data_lib, memory, rundir
 from ddptune import sources, tokenized
 from ddptune.batchplan import BatchPlan
 from ddptune.config import Config, ConfigError
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What admitting a run decided, the same for every process."""
+    resume: bool      # continue from the newest checkpoint in output_dir
+    overwrite: bool   # delete the run's own files in output_dir first (--overwrite, or a run that never took a step)
+    plan: BatchPlan
+
+
+def admit(cfg: Config, resume: str | None, overwrite: bool, world_size: int, output: bool = True,
+          gpu_memory: float | None = None) -> Admission:
+    """The run's admission for `world_size` processes: --resume (`resume`: None, "yes" or "auto") and
+    --overwrite read against output_dir, every problem of the run (`output`: see validate), and with
+    `gpu_memory` whether it fits GPUs of that many GiB. One ConfigError lists what is wrong."""
+    resume_it, overwrite = rundir.resume_mode(cfg, resume, overwrite)
+    plan = validate(cfg, world_size, resume=resume_it, overwrite=overwrite, output=output)
+    if gpu_memory is not None and (problems := memory.memory_problems(cfg, world_size, gpu_memory)):
+        raise ConfigError(problems)  # on CUDA train.setup checks the GPU's own free memory
+    return Admission(resume_it, overwrite, plan)
+
+
+def validated(cfg: Config, resume: bool, world_size: int) -> Admission:
+    """train.run called from Python, not through start.py: `resume` as given, the run validated."""
+    return Admission(resume, False, validate(cfg, world_size, resume))
 
 
 def validate(cfg: Config, world_size: int, resume: bool = False, overwrite: bool = False,

@@ -30,24 +30,9 @@ from ddptune import admission, batches, batchplan, checkpoint, comm, config as c
 from ddptune import memory, metrics, model as model_lib, report, rundir, runlog, saving, speed as speed_lib, step as step_lib, tokenized
 from ddptune.batchplan import BatchPlan
 from ddptune.config import Config, ConfigError
+from ddptune.start import Diverged, Interrupted, NonFinite  # how a run stops (start.py gives each its exit code)
 
 GC_EVERY = 50  # optimizer steps between collections of Python's young generations (every process at once)
-
-
-class NonFinite(RuntimeError):
-    """The loss or gradient norm of a step is not a finite number, or the loss is exactly 0: training stops."""
-
-
-class Diverged(RuntimeError):
-    """The processes' trained weights differ at the end of a run: the replicas did not take the same steps."""
-
-
-class Interrupted(Exception):
-    """SIGINT or SIGTERM reached a process: the step was finished and checkpointed, then training stopped."""
-
-    def __init__(self, signum: int, message: str):
-        super().__init__(message)
-        self.signum = signum
 
 
 @dataclass
@@ -81,10 +66,12 @@ class Run:
 # setup
 
 
-def run(cfg: Config, resume: bool = False, started: float | None = None):
+def run(cfg: Config, resume: bool = False, started: float | None = None, admit=None):
     """Train as configured; every process calls this. Returns (summary, trained model). `started`: when
-    the user's command began (time.time() seconds), what its wall time counts from; default: now."""
-    r = setup(cfg, resume, started)
+    the user's command began (time.time() seconds), what its wall time counts from; default: now.
+    `admit`: how start.py admits the run on its launch path (called by rank 0 with the process count,
+    it decides `resume`); default: validated here, `resume` as given."""
+    r = setup(cfg, resume, started, admit)
     try:
         history, times = fit(r)
         return finish(r, history, times)
@@ -92,15 +79,14 @@ def run(cfg: Config, resume: bool = False, started: float | None = None):
         r.trackers.close()
 
 
-def setup(cfg: Config, resume: bool = False, started: float | None = None) -> Run:
+def setup(cfg: Config, resume: bool = False, started: float | None = None, admit=None) -> Run:
     now, started_at = time.perf_counter(), time.time() if started is None else started
     began = now - max(time.time() - started_at, 0.0)  # the command's start on this clock: imports, launching counted
     acc = dist.setup(cfg.train.precision, cfg.train.strategy, log_with=cfg.train.log_with, logging_dir=cfg.output_dir)
     world = acc.num_processes
-    if dist.validated_by_parent():  # `--nproc`: the parent validated before starting us
-        plan = batchplan.batch_plan(cfg.train, world)
-    else:  # the process that talks to the user validates; the others wait for its verdict
-        plan = dist.on_main(acc, lambda: admission.validate(cfg, world, resume))
+    # admitted once, as start.py's launch path says (by the process that talks to the user); the others take its answer
+    admitted = dist.on_main(acc, lambda: admit(world) if admit else admission.validated(cfg, resume, world))
+    resume, plan = admitted.resume, admitted.plan
     free = free_gib(cfg, acc)
     out = Path(cfg.output_dir)
     if acc.is_main_process:
