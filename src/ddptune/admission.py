@@ -40,11 +40,11 @@ def admit(cfg: Config, resume: str | None, overwrite: bool, world_size: int, out
     """The run's admission for `world_size` processes: --resume (`resume`: None, "yes" or "auto") and
     --overwrite read against output_dir, every problem of the run (`output`: see validate), and with
     `gpu_memory` whether it fits GPUs of that many GiB. One ConfigError lists what is wrong."""
-    resume_it, overwrite = rundir.resume_mode(cfg, resume, overwrite)
-    plan = validate(cfg, world_size, resume=resume_it, overwrite=overwrite, output=output)
+    resuming, overwrite = rundir.resume_mode(cfg, resume, overwrite)
+    plan = validate(cfg, world_size, resume=resuming, overwrite=overwrite, output=output)
     if gpu_memory is not None and (problems := memory.memory_problems(cfg, world_size, gpu_memory)):
         raise ConfigError(problems)  # on CUDA train.setup checks the GPU's own free memory
-    return Admission(resume_it, overwrite, plan)
+    return Admission(resuming, overwrite, plan)
 
 
 def validated(cfg: Config, resume: bool, world_size: int) -> Admission:

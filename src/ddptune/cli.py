@@ -1,4 +1,4 @@
-"""The `ddptune` command line: parse, then hand over to one command module.
+"""The `ddptune` command line: parse, then hand over to one command module (train: through start.py).
 
     ddptune train CONFIG.yaml [key=value ...] [--nproc N] [--resume]
     ddptune eval RUN_DIR|CONFIG.yaml [key=value ...] [--nproc N] [--base]
