@@ -108,14 +108,14 @@ def test_a_step_that_is_not_finite_stops_the_run_before_saving(tmp_path):
 
 
 def test_a_finished_run_is_not_resumed_over(tmp_path):
-    from ddptune import checks
+    from ddptune import admission
 
     out = tmp_path / "run"
     args = [f"output_dir={out}", "train.max_steps=2", "train.save_every=2", "data.val=null"]
     train.run(config.load(TINY, args))
     before = (out / "summary.json").read_text()
     with pytest.raises(ConfigError, match="is complete .* nothing to resume"):
-        checks.validate(config.load(TINY, args), 1, resume=True)
+        admission.validate(config.load(TINY, args), 1, resume=True)
     assert (out / "summary.json").read_text() == before
 
 

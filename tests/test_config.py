@@ -6,7 +6,7 @@ import importlib.util
 import pytest
 
 from conftest import ROOT, SHARED_DATA, ddptune
-from ddptune import batchplan, checks, config, configref, data
+from ddptune import admission, batchplan, config, configref, data
 from ddptune.config import ConfigError
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -31,7 +31,7 @@ def test_every_shipped_config_loads_and_validates(path, tmp_path):
         # hub data needs datasets and internet; validate everything else with local rows in its place
         cfg = config.load(path, [f"output_dir={tmp_path / 'out'}", "data.train=demo", "data.val=demo",
                                  "data.train_rows=null", "data.val_rows=null"])
-    plan = checks.validate(cfg, world_size=1)
+    plan = admission.validate(cfg, world_size=1)
     assert plan.global_batch >= 1
 
 

@@ -10,7 +10,7 @@ import warnings
 import pytest
 
 from conftest import ROOT, check, ddptune, metrics
-from ddptune import checks, config, model as model_lib
+from ddptune import admission, config, model as model_lib
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
 WARNING = re.compile(r"warn|pip install", re.IGNORECASE)
@@ -57,7 +57,7 @@ def test_a_tracker_that_is_not_installed_is_refused_with_its_fix(tmp_path):
         pytest.skip("wandb and mlflow are both installed")
     cfg = config.load(TINY, [f"output_dir={tmp_path / 'out'}", f"train.log_with={missing}"])
     with pytest.raises(config.ConfigError, match=f"train.log_with: {missing} is not installed \\(pip install {missing}\\)"):
-        checks.validate(cfg, world_size=1)
+        admission.validate(cfg, world_size=1)
 
 
 def test_an_adapter_over_a_base_without_config_json_saves_without_warnings(tmp_path):

@@ -75,13 +75,13 @@ def test_a_hung_process_ends_the_run_with_a_clear_error(tmp_path):
 
 
 def test_a_resume_may_set_a_new_timeout_but_not_a_new_learning_rate(tmp_path):
-    from ddptune import checks
+    from ddptune import rundir
 
     part = tmp_path / "part"
     (part / "checkpoints" / "step-000002").mkdir(parents=True)
     (part / "checkpoints" / "step-000002" / "state.json").write_text(json.dumps({"step": 2, "world_size": 1}))
     (part / "config.yaml").write_text(config.dump(config.load(TINY, [f"output_dir={part}"])))
-    resumed = lambda *o: checks.output_problems(config.load(TINY, [f"output_dir={part}", *o]), True, 1)  # noqa: E731
+    resumed = lambda *o: rundir.output_problems(config.load(TINY, [f"output_dir={part}", *o]), True, 1)  # noqa: E731
     assert resumed("train.timeout_minutes=60") == []
     assert resumed("train.lr=0.5") == ["train.lr: is 0.5 but the run being resumed used 0.01 (resume with the same config)"]
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 import multiproc
 from conftest import ROOT, checkpoints_kept, metrics
-from ddptune import batches, checks, config, data, dist, train
+from ddptune import admission, batches, config, data, dist, train
 from ddptune.config import ConfigError
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -132,7 +132,7 @@ def test_sharded_checkpoints_hold_data_only_and_resume_exactly(runs, tmp_path):
     (newer / "weights.shard-00001.safetensors").write_bytes(b"not safetensors")
     args = [f"output_dir={part}", "train.method=lora", *COMMON, "train.strategy=fsdp", "train.gradient_checkpointing=true"]
     with pytest.raises(ConfigError, match="holds the weights and optimizer states of 2 FSDP processes, one part each, not 1"):
-        checks.validate(config.load(TINY, args + ["train.effective_batch_size=8"]), 1, resume=True)
+        admission.validate(config.load(TINY, args + ["train.effective_batch_size=8"]), 1, resume=True)
     multiproc.run(train_all, 2, [(args, True)])
     assert [r["step"] for r in rows(part)] == [1, 2, 3, 4]
     assert [r["loss"] for r in rows(part)] == pytest.approx([r["loss"] for r in rows(full)], abs=1e-6)

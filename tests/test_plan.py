@@ -9,7 +9,7 @@ import json
 import pytest
 
 from conftest import ROOT, SHARED_DATA
-from ddptune import checks, cli, config, memory, plan
+from ddptune import cli, config, memory, plan
 
 CONFIG_8B = str(ROOT / "configs" / "samsum_qlora_llama31_8b.yaml")  # the tutorial's job
 
@@ -114,8 +114,8 @@ def test_train_refuses_a_run_that_will_not_fit_in_one_line_before_loading(tmp_pa
     assert not out.exists() or not any(out.iterdir())
     # the plan is an estimate: a user who knows better can still try
     cfg = config.load(CONFIG_8B, ["train.method=full"])
-    assert checks.memory_problems(cfg, 1, 80)
-    assert checks.memory_problems(config.load(CONFIG_8B,
+    assert memory.memory_problems(cfg, 1, 80)
+    assert memory.memory_problems(config.load(CONFIG_8B,
                                               ["train.method=full", "train.memory_check=false"]), 1, 80) == []
 
 
@@ -124,8 +124,8 @@ def test_fsdp_auto_checkpointing_is_not_refused():
     shape = memory.model_shape(config.load(CONFIG_8B, []))
     auto = config.load(CONFIG_8B, ["train.method=full", "train.strategy=fsdp", "train.gradient_checkpointing=auto"])
     assert memory.plan(auto, shape, gpus=2, gpu_gib=100)["options"][0]["fits"] is False
-    assert checks.memory_problems(auto, 2, 100) == []
-    assert checks.memory_problems(auto, 2, 60)  # with checkpointing on it still needs 80 GiB
+    assert memory.memory_problems(auto, 2, 100) == []
+    assert memory.memory_problems(auto, 2, 60)  # with checkpointing on it still needs 80 GiB
 
 
 def test_70b_qlora_on_two_48_gib_gpus_is_sent_to_fsdp_qlora(capsys):
@@ -154,7 +154,7 @@ def test_70b_qlora_on_two_48_gib_gpus_is_sent_to_fsdp_qlora(capsys):
         assert fsdp[term] == pytest.approx(ddp[term] / (4 if term == "gradients" else 2))
     assert fsdp["activations"] == ddp["activations"] and fsdp["load_gib"] == pytest.approx(p["load_gib"])
     assert 37 < p["load_gib"] < 39 < fsdp["total"] < 48  # the whole 4-bit base loads onto each GPU first
-    assert checks.memory_problems(config.load(CONFIG_8B, ["model.source=preset:llama-3.1-70b", "train.strategy=fsdp",
+    assert memory.memory_problems(config.load(CONFIG_8B, ["model.source=preset:llama-3.1-70b", "train.strategy=fsdp",
                                                           "train.gradient_checkpointing=true"]), 2, 48) == []
     assert cli.main(["plan", CONFIG_8B, "model.source=preset:llama-3.1-70b", "--gpus", "2", "--gpu-memory", "48"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == ("recommendation: FSDP (full shard) over 2 GPUs with gradient "
@@ -243,9 +243,9 @@ def test_fsdp_is_refused_when_the_whole_model_cannot_load_onto_one_gpu():
     cfg = config.load(CONFIG_8B, ["train.method=full", "train.strategy=fsdp"])
     load = memory.load_gib(memory.model_shape(cfg), "full")
     assert 30 < load < 31  # 8.03 B fp32 weights and the CUDA context
-    (problem,) = checks.memory_problems(cfg, 8, 24)
+    (problem,) = memory.memory_problems(cfg, 8, 24)
     assert problem.startswith("memory: train.strategy=fsdp: each process loads the whole model") and "30." in problem
-    assert checks.memory_problems(cfg, 2, memory.DEFAULT_GPU_GIB) == []
+    assert memory.memory_problems(cfg, 2, memory.DEFAULT_GPU_GIB) == []
 
 
 def test_a_verdict_inside_the_plans_error_is_called_close():

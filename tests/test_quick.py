@@ -86,20 +86,20 @@ def test_evaluate_names_the_rouge_scores_generation_writes():
 def test_a_safetensors_header_that_does_not_hold_is_damage(tmp_path, content):
     """The header check without the library: a file too short for its header, a header that is not a
     JSON object, a tensor whose bytes lie past the end of the file (what a torn copy is)."""
-    from ddptune import checks
+    from ddptune import trained
 
     path = tmp_path / "w.safetensors"
     path.write_bytes(content)
-    assert checks.safetensors_problem(path, "x").startswith(f"x: {path} is not a safetensors file")
+    assert trained.safetensors_problem(path, "x").startswith(f"x: {path} is not a safetensors file")
 
 
 def test_the_header_check_counts_what_safetensors_reads(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from ddptune import checks
+    from ddptune import trained
 
     path = tmp_path / "w.safetensors"
     save_file({"a": torch.zeros(3, 5), "b": torch.ones(2, dtype=torch.bfloat16), "c": torch.zeros(0)}, str(path),
               metadata={"format": "pt"})
-    assert checks.safetensors_count(path) == 3 and checks.safetensors_problem(path, "x") is None
+    assert trained.safetensors_count(path) == 3 and trained.safetensors_problem(path, "x") is None

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 import multiproc
 from conftest import ROOT, checkpoints_kept, metrics
-from ddptune import cli, config, launch, lock, rundir, train
+from ddptune import cli, config, launch, lock, rundir, start, train
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
 SHORT = ["train.max_steps=4", "data.val=null", "lora.dropout=0.0"]
@@ -90,7 +90,7 @@ def test_a_stop_as_the_run_ends_keeps_its_code_and_a_worker_whose_peer_left_on_a
         raise launch.Stopped(signal.SIGTERM)
 
     monkeypatch.setattr(launch, "stops_raise", stop_on_exit)
-    monkeypatch.setattr(cli, "_start", lambda *a: 1)
+    monkeypatch.setattr(start, "_start", lambda *a: 1)
     assert cli.main(_train(tmp_path / "a")) == 1
     monkeypatch.undo()
 
@@ -98,7 +98,7 @@ def test_a_stop_as_the_run_ends_keeps_its_code_and_a_worker_whose_peer_left_on_a
         launch.received = signal.SIGTERM
         raise RuntimeError("Connection closed by peer")
 
-    monkeypatch.setattr(cli, "_start", peer_left)
+    monkeypatch.setattr(start, "_start", peer_left)
     monkeypatch.setattr(launch, "received", None)
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")

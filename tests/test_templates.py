@@ -12,7 +12,7 @@ from tokenizers import processors
 from transformers import AutoTokenizer
 
 from conftest import ROOT
-from ddptune import chat, checks, cli, config, data, formats, generation, model as model_lib, tokenized, tokens
+from ddptune import admission, chat, cli, config, data, formats, generation, model as model_lib, tokenized, tokens
 from ddptune.config import ConfigError, DataConfig, ModelConfig
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -124,6 +124,6 @@ def test_a_chat_template_file_trains_predicts_and_is_exported_with_the_model(tmp
 def test_plain_text_refuses_rows_it_cannot_take_before_anything_starts(tmp_path):
     cfg = config.load(TINY, [f"output_dir={tmp_path / 'run'}", "data.template=none"])  # the demo holds dialogue rows
     with pytest.raises(ConfigError) as e:
-        checks.validate(cfg, 1)
+        admission.validate(cfg, 1)
     assert len(e.value.problems) == 1 and e.value.problems[0].startswith("data.train: demo holds dialogue rows")
     assert not (tmp_path / "run").exists()

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import multiproc
 from conftest import ROOT, check, checkpoints_kept, ddptune, metrics
-from ddptune import batches, checks, config, graphs, model as model_lib, speed as speed_lib, train
+from ddptune import admission, batches, config, graphs, model as model_lib, speed as speed_lib, train
 from ddptune.config import ConfigError
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -217,7 +217,7 @@ def test_resume_ends_with_the_weights_of_an_unbroken_run(tmp_path):
 
     # a changed config is refused
     with pytest.raises(ConfigError, match="train.lr: is 0.5 but the run being resumed used 0.01"):
-        checks.validate(config.load(TINY, [f"output_dir={part}", *args, "train.lr=0.5"]), 2, resume=True)
+        admission.validate(config.load(TINY, [f"output_dir={part}", *args, "train.lr=0.5"]), 2, resume=True)
 
     multiproc.run(train_tiny, 2, [f"output_dir={part}", *args], True)
     assert_ended_as(full, part, loss_tol=1e-6, weight_tol=0.0)  # the same processes: the very same weights
@@ -234,7 +234,7 @@ def test_resume_at_another_process_count_keeps_the_global_batch_and_the_losses(t
     part = died_after(full, tmp_path / "part", checkpoint_step=3, metric_lines=3)
     # another global batch at the new count is refused, naming the key
     with pytest.raises(ConfigError, match="set train.effective_batch_size=8"):
-        checks.validate(config.load(TINY, [f"output_dir={part}", *args[:-2]]), 1, resume=True)
+        admission.validate(config.load(TINY, [f"output_dir={part}", *args[:-2]]), 1, resume=True)
 
     multiproc.run(train_tiny, 1, [f"output_dir={part}", *args], True)
     assert_ended_as(full, part, loss_tol=1e-5, weight_tol=1e-5)
@@ -408,7 +408,7 @@ def test_compiled_layers_give_the_eager_losses_and_still_evaluate(tmp_path):
 def test_profile_window_that_does_not_fit_is_refused(tmp_path):
     cfg = config.load(TINY, [f"output_dir={tmp_path / 'run'}", "train.max_steps=3", "train.profile_steps=2"])
     with pytest.raises(ConfigError, match="train.profile_steps: 2 steps after the first 2 need train.max_steps >= 4"):
-        checks.validate(cfg, 1)
+        admission.validate(cfg, 1)
 
 
 def test_profiled_steps_come_once_the_run_is_steady_or_as_late_as_it_allows():

@@ -2,14 +2,15 @@
 
 global batch = samples per process x processes; padded batches run those samples as grad_accum
 forwards of micro_batch_size; packed ones concatenate them into forwards of at most
-tokens_per_forward tokens. Derived and checked once, for any process count.
+tokens_per_forward tokens. Derived and checked once, for any process count; once the data is counted,
+`rows_problems` and `profile_problems` check its rows and the run's steps against the plan.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from ddptune.config import ConfigError, TrainConfig
+from ddptune.config import PROFILE_AFTER, ConfigError, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -70,3 +71,22 @@ def batch_notes(t: TrainConfig) -> list[str]:
 def total_steps(t: TrainConfig, examples: int, global_batch: int) -> int:
     """A run's optimizer steps: train.max_steps, else train.epochs passes over its `examples` training examples."""
     return t.max_steps or max(1, math.floor(t.epochs * examples / global_batch))
+
+
+def rows_problems(n_rows: int, plan: BatchPlan) -> list[str]:
+    """Training rows against one global batch (hub data is counted only once loaded: train calls this too)."""
+    if n_rows < plan.world_size:  # no batch setting can help: each process takes a sample a step
+        return [f"--nproc: {plan.world_size} processes are more than the {n_rows} training rows (each process takes "
+                f"at least one sample a step: use at most {n_rows} processes, or more rows in data.train)"]
+    if n_rows < plan.global_batch:
+        return [f"data.train: {n_rows} rows are fewer than one global batch of {plan.global_batch} "
+                "(select more rows, or lower train.micro_batch_size, the accumulation or effective_batch_size)"]
+    return []
+
+
+def profile_problems(t: TrainConfig, total: int) -> list[str]:
+    """train.profile_steps after the first PROFILE_AFTER must fit the run's `total` steps (known once the data is)."""
+    if t.profile_steps and total < PROFILE_AFTER + t.profile_steps:
+        return [f"train.profile_steps: {t.profile_steps} steps after the first {PROFILE_AFTER} "
+                f"do not fit a run of {total} steps (profile fewer steps or train longer)"]
+    return []

@@ -1,4 +1,4 @@
-"""The `ddptune` command line: parse, then hand over to one command module.
+"""The `ddptune` command line: parse, then hand over to one command module (train: through start.py).
 
     ddptune train CONFIG.yaml [key=value ...] [--nproc N] [--resume]
     ddptune eval RUN_DIR|CONFIG.yaml [key=value ...] [--nproc N] [--base]
@@ -15,20 +15,16 @@ With --nproc the command re-runs itself in N processes through torchrun (a free 
 host); under `accelerate launch` or `torchrun` leave --nproc out: the launcher has set the group.
 A bad config fails here, before any process starts, with one line naming each field and its fix;
 torch and transformers are imported only once a command needs them, so a refusal is quick.
-A training run holds a lock on its output_dir until it ends (lock.py): a second run or --resume
-into the same folder is refused with one line. SIGINT or SIGTERM outside the training loop (which
-saves a step and stops) ends `train` through its lock's release, with a line saying what was saved.
+`train` starts through start.py on every launch path: its run is admitted once and holds a lock
+on its output_dir until it ends (lock.py), so a second run or --resume into the same folder is
+refused with one line.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
-import math
 import os
-import signal
 import sys
-from pathlib import Path
 
 from ddptune import config as config_lib, launch
 from ddptune.config import ConfigError
@@ -187,8 +183,10 @@ def _main(argv: list[str] | None, started: float) -> int:
     if extra:
         args.overrides += extra
     try:
-        if args.command == "train":
-            return _train(args, started)
+        if args.command == "train":  # started on every launch path by start.py; each process trains through _train_run
+            from ddptune import start
+
+            return start.train(args, started, _train_run)
         if args.command == "scale":  # what needs only the arguments and the config: answered before torch
             from ddptune import scaling
 
@@ -234,116 +232,9 @@ def _refuse(e: Exception) -> int:
     return 2
 
 
-def _train(args, started: float) -> int:
-    cfg = config_lib.load(args.config, args.overrides)
-    nproc = 1 if args.nproc is None else args.nproc
-    problems = config_lib.check_values(cfg)  # what needs nothing but the config: answered before torch is imported
-    if not launch.in_launched_process():
-        if nproc < 1:
-            problems.append(f"--nproc: must be at least 1 (got {nproc})")
-        problems += launch.launch_problems(args.nnodes, args.node_rank, args.master, args.max_restarts)
-    if args.gpu_memory is not None and not (math.isfinite(args.gpu_memory) and args.gpu_memory > 0):
-        problems.append(f"--gpu-memory: must be a positive number of GiB (got {args.gpu_memory})")
-    if problems:
-        raise ConfigError(problems)
-    # SIGINT or SIGTERM outside the training loop (which stops after a saved step): end through the
-    # lock's release and say what the run saved, instead of dying silently with the lock left behind
-    code = None
-    try:
-        with launch.stops_raise():
-            try:
-                code = _start(cfg, args, nproc, started)
-            except Exception:
-                # a worker whose peer left on the same stop: its collective fails before its own handler ran
-                if not (launch.in_launched_process() and launch.received is not None):
-                    raise
-                code = _stopped(cfg, launch.received)
-    except launch.Stopped as e:  # raised anywhere in the block, also while an error above is handled
-        if code is None:  # (one that comes as the block ends, after the run ended, leaves the run's outcome)
-            code = _stopped(cfg, e.signum)
-    return code
+def _train_run(cfg, **kwargs):
+    """train.run for start.py, which imports no command: train (torch, transformers) is imported once a
+    process trains, after its run was admitted, so that a refusal stays quick."""
+    from ddptune import train
 
-
-def _stopped(cfg, signum: int) -> int:
-    from ddptune import rundir
-
-    if launch.is_main_process():
-        print(f"ddptune: stopped by {signal.Signals(signum).name}; "
-              f"{rundir.saved_line(Path(cfg.output_dir))}", file=sys.stderr)
-    return 128 + signum
-
-
-def _start(cfg, args, nproc: int, started: float) -> int:
-    """A valid config's run: validated, locked and started here, in --nproc's processes, or under
-    an external launcher."""
-    from ddptune import checks, lock
-
-    resume, args.overwrite = checks.resume_mode(cfg, args.resume, args.overwrite)
-    if launch.in_launched_process():
-        if launch.validated_by_parent():  # a worker of --nproc: the parent validated and holds the lock
-            if launch.is_main_process():
-                lock.join(cfg.output_dir)  # the lock stays live while this worker writes, whatever befalls the parent
-            # restarted by torchrun (--max-restarts) after a worker failed: continue from the newest checkpoint
-            restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-            return _run(cfg, resume or (restarted and checks.has_checkpoint(cfg.output_dir)), started)
-        # under torchrun or accelerate launch: rank 0 locks output_dir, then validates (in train.setup)
-        with lock.acquire(cfg.output_dir) if launch.is_main_process() else contextlib.nullcontext():
-            if args.overwrite and launch.is_main_process():  # the others wait at validation meanwhile
-                if problems := checks.output_problems(cfg, resume, None, overwrite=True):
-                    raise ConfigError(problems)
-                checks.clear_run_folder(cfg.output_dir)
-            return _run(cfg, resume, started)
-    launches = not (args.nproc is None and args.nnodes == 1 and not args.max_restarts)
-    first = args.node_rank == 0  # node 0 holds rank 0, which writes: it alone checks and locks output_dir
-    nproc_total = nproc * args.nnodes
-    # once per node, here, before any process starts
-    checks.validate(cfg, nproc_total, resume=resume, overwrite=args.overwrite, output=first)
-    if args.gpu_memory is not None and (problems := checks.memory_problems(cfg, nproc_total, args.gpu_memory)):
-        raise ConfigError(problems)  # on CUDA train.setup checks the GPU's own free memory
-    if note := config_lib.kept_validation(cfg, args.overrides):  # a valid run that validates on another source
-        print(f"ddptune: note: {note}", file=sys.stderr)
-    # held until the run ends; a second run or --resume is refused
-    with lock.acquire(cfg.output_dir) if first else contextlib.nullcontext():
-        if args.overwrite and first:
-            checks.clear_run_folder(cfg.output_dir)
-        if first and (problems := checks.output_problems(cfg, resume, nproc_total)):  # a run that ended since
-            raise ConfigError(problems)
-        if not launches:
-            with _validated():
-                return _run(cfg, resume, started)
-        child = ["train", args.config, *args.overrides] + (["--resume"] if resume else [])
-        return launch.torchrun(nproc, ["ddptune", *child], nnodes=args.nnodes, node_rank=args.node_rank,
-                               master=args.master, max_restarts=args.max_restarts, output_dir=cfg.output_dir, started=started)
-
-
-@contextlib.contextmanager
-def _validated():
-    """train.run in this process skips the validation just done (as --nproc's children do)."""
-    saved = os.environ.get(launch.VALIDATED)
-    os.environ[launch.VALIDATED] = "1"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(launch.VALIDATED, None)
-        else:
-            os.environ[launch.VALIDATED] = saved
-
-
-def _run(cfg, resume: bool, started: float) -> int:
-    from ddptune import dist, train
-
-    try:
-        train.run(cfg, resume=resume, started=started)
-    except (train.NonFinite, dist.ShardingFailed, dist.ReplicasDiffer) as e:
-        if dist.is_main_process():
-            print(f"ddptune: {e}", file=sys.stderr)
-        return 1
-    except train.Interrupted as e:  # the step was finished and saved
-        if dist.is_main_process():
-            print(f"ddptune: {e}", file=sys.stderr)
-        return 128 + e.signum
-    except dist.Stalled as e:  # every process that saw it says so: the one that hung may be rank 0
-        print(f"ddptune: rank {os.environ.get('RANK', '0')}: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return train.run(cfg, **kwargs)

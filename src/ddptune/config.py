@@ -466,7 +466,7 @@ def parse_rows(spec: str | None) -> slice:
 
 
 # ---------------------------------------------------------------------------------------------
-# Values: every check that needs nothing but the config (checks.py reads the files it names).
+# Values: every check that needs nothing but the config (admission.py reads the files it names).
 
 
 def check_values(cfg: Config) -> list[str]:

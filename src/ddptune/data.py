@@ -5,7 +5,9 @@ in chunks (rows.py), its format named from its first rows and every row checked 
 dialogue row's prompt goes through the tokenizer's chat template when it has one (else a plain
 template); its loss covers the summary tokens only (labels -100 elsewhere), and an over-long example
 is cut inside the dialogue, so the summary always survives. Every other format is a conversation,
-masked and cut by chat.py. `tokenize` makes the examples of a list of rows in batched calls of the
+masked and cut by chat.py. Before a run, `check` and `data_file_problems` read the sources' paths
+and first rows, and `template_problems` asks whether the tokenizer's chat template can mask the data's
+conversations. `tokenize` makes the examples of a list of rows in batched calls of the
 tokenizer; tokenized.py does so for whole sources on every core and keeps what it made. Nothing here
 knows about processes; batches.py cuts the examples into steps and forwards.
 """
@@ -13,11 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from ddptune import chat, formats, rows as rows_lib, tokens as tokens_lib
-from ddptune.config import ConfigError, DataConfig, SourceConfig, parse_rows
+from ddptune.config import ConfigError, DataConfig, SourceConfig, is_template_path, not_a_file, parse_rows
 from ddptune.formats import KINDS
 from ddptune.tokens import IGNORE, MARGIN_TOKENS, first_ids, ids as _ids, longest_token  # noqa: F401 - data's names too
 
@@ -197,6 +200,21 @@ def read_rows(source: str) -> list:
     return [rows_lib.parse(item, n) for chunk in rows_lib.chunks(source, rows_lib.selection(source, None)) for n, item in chunk]
 
 
+def data_file_problems(d: DataConfig) -> list[str]:
+    """A data path that is there but is neither a regular file nor a datasets.save_to_disk folder: a
+    FIFO (reading it would wait for a writer), another folder, a symlink loop or one to nothing (a
+    path that is not there at all: data.check says so)."""
+    problems = []
+    for field, source in ((s.field, s.source) for split in ("train", "val") for s in sources(d, split)):
+        path = Path(source)
+        if source and source != "demo" and not source.startswith("hub:") and os.path.lexists(source) \
+                and not path.is_file() and not (path.is_dir() and rows_lib.kind(source) == "arrow"):
+            problems.append(f"{field}: {source} {not_a_file(path)} (give {rows_lib.FORMS})")
+    if (t := d.chat_template) is not None and is_template_path(t) and not Path(t).is_file():
+        problems.append(f"data.chat_template: {t} {not_a_file(Path(t))} (give the path of a .jinja file, or the template)")
+    return problems
+
+
 def check(d: DataConfig) -> tuple[list[str], int | None]:
     """(problems with the sources, their files, their first rows and their row slices; the number of
     training rows selected, None when unknown before loading: hub data). Reads a file's first rows
@@ -257,6 +275,25 @@ def trains_conversations(d: DataConfig) -> bool:
         return format_of(sources(d)[0].source, d) != "dialogue"
     except (OSError, ValueError, ImportError, IndexError):  # gone since, or hub data out of reach
         return False
+
+
+def template_problems(d: DataConfig, tokenizer) -> list[str]:
+    """Chat data: the tokenizer's chat template can give conversations a loss mask (chat.template_problem's
+    probe; every conversation's own mask is checked as it is tokenized); data.template=none takes
+    prompt_completion sources only; data.chat_template renders."""
+    found = local_formats(d)
+    if d.template == "none" and (other := next(((s, f) for s, f in found if f != "prompt_completion"), None)):
+        return [f"{other[0].field}: {other[0].source} holds {other[1]} rows, and data.template=none takes prompt_completion "
+                "rows only (a prompt and a completion: use data.template=chat for the others)"]
+    try:
+        if d.chat_template is not None:
+            chat.render(tokenizer, chat.PROBE[:1], True)
+        problem = chat.template_problem(tokenizer, d.loss_on, plain=d.template == "none") \
+            if any(f != "dialogue" for _, f in found) else None
+    except chat.TemplateProblem as e:
+        problem = str(e)
+    field = "data.template" if d.template == "none" else "data.chat_template" if d.chat_template is not None else "model.tokenizer"
+    return [f"{field}: {problem}"] if problem else []
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ddptune import batchplan, checks, config as config_lib, data, report, store as store_lib, tokenized
+from ddptune import admission, batchplan, config as config_lib, data, report, store as store_lib, tokenized
 from ddptune.config import ConfigError
 from ddptune.tokens import IGNORE
 
@@ -40,14 +40,14 @@ def main(args) -> int:
         problems += e.problems
     if args.nproc < 1:
         problems.append(f"--nproc: must be at least 1 (got {args.nproc})")
-    if problems := checks.input_problems(cfg, problems)[0]:
+    if problems := admission.input_problems(cfg, problems)[0]:
         raise ConfigError(problems)
     from ddptune import model as model_lib  # (torch and transformers: only once the checks above hold)
 
     started = time.perf_counter()
     tokenizer = model_lib.load_tokenizer(cfg.model, cfg.data)
     loaded = time.perf_counter()
-    if problems := checks.template_problems(cfg, tokenizer):
+    if problems := data.template_problems(cfg.data, tokenizer):
         raise ConfigError(problems)
     prepared = tokenized.prepare(cfg.data, tokenizer, sys.stderr.isatty())
     seconds = time.perf_counter() - loaded

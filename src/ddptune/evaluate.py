@@ -10,7 +10,7 @@ import json
 import time
 from pathlib import Path
 
-from ddptune import checks, config as config_lib, data, launch, report, rundir, sources
+from ddptune import config as config_lib, data, launch, report, rundir, sources, trained as trained_lib
 from ddptune.config import ConfigError
 
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")  # generation.ROUGE_KEYS (which needs torch to import)
@@ -38,7 +38,7 @@ def main(args) -> int:
     if trained and not rundir.trained_weights_dir(run_dir, cfg.train.method).is_dir():
         problems.append(f"eval: {rundir.trained_weights_dir(run_dir, cfg.train.method)} not found "
                         "(has the run finished? or pass --base for the zero-shot base model)")
-    problems += checks.trained_weights_problems(run_dir, cfg.train.method, "eval") if trained else []
+    problems += trained_lib.trained_weights_problems(run_dir, cfg.train.method, "eval") if trained else []
     out = Path(args.out) if args.out else (run_dir or Path(cfg.output_dir)) / ("eval" if trained else "eval-base")
 
     def checked_once(data_ok: bool = True, found: tuple = ()) -> list[str]:
@@ -46,7 +46,11 @@ def main(args) -> int:
         read once per job, not by every process."""
         found = [*found, *rundir.folder_problems("--out" if args.out else "eval", out)]
         found += data.check(cfg.data)[0] if data_ok else []
-        return found + (checks.model_problems(cfg) if not found else sources.source_problems(cfg.model))
+        if found:
+            return found + sources.source_problems(cfg.model)
+        from ddptune import model as model_lib
+
+        return model_lib.model_problems(cfg)
 
     if not launch.in_launched_process():  # here, before any process starts (--nproc's workers skip it: we did)
         problems = checked_once(not any(p.startswith("data.") for p in problems), tuple(problems))

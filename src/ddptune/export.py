@@ -33,7 +33,7 @@ import json
 import shutil
 from pathlib import Path
 
-from ddptune import chat, checkpoint, checks, data, rundir, sources
+from ddptune import chat, checkpoint, data, rundir, sources, trained
 from ddptune.config import Config, ConfigError
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}  # torch's names (torch is imported only to merge)
@@ -45,7 +45,7 @@ TURN_BY_TURN = ("--ollama: the chat template does not render a conversation turn
 def main(args) -> int:
     """`ddptune export RUN OUT [--merge] [--dtype auto|bf16|fp32] [--format gguf ...]`."""
     run_dir, out = Path(args.run), Path(args.out)
-    cfg = checks.trained_run(run_dir, "export")
+    cfg = trained.trained_run(run_dir, "export")
     full, gguf = cfg.train.method == "full", args.format == "gguf"
     tokenizer = _tokenizer(rundir.trained_weights_dir(run_dir, cfg.train.method)) if gguf else None
     if problems := _problems(args, cfg, run_dir, out, tokenizer):
@@ -93,7 +93,9 @@ def _problems(args, cfg: Config, run_dir: Path, out: Path, tokenizer) -> list[st
         except ImportError:
             problems.append("train.method: merging a qlora run needs bitsandbytes to dequantize its base (pip install bitsandbytes)")
     if (args.merge or gguf) and not full:
-        problems += checks.model_problems(cfg)
+        from ddptune import model as model_lib
+
+        problems += model_lib.model_problems(cfg)
     if gguf:
         problems += _gguf_problems(args, cfg, run_dir, tokenizer)
     return problems

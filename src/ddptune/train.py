@@ -28,29 +28,14 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from ddptune import batches, batchplan, checkpoint, checks, comm, config as config_lib, data, dist, fallback, generation, graphs
+from ddptune import admission, batches, batchplan, checkpoint, comm, config as config_lib, data, dist, fallback, generation, graphs
 from ddptune import memory, metrics, model as model_lib, report, rundir, runlog, saving, speed as speed_lib, step as step_lib, system
 from ddptune import tokenized
 from ddptune.batchplan import BatchPlan
 from ddptune.config import Config, ConfigError
+from ddptune.start import Diverged, Interrupted, NonFinite  # how a run stops (start.py gives each its exit code)
 
 GC_EVERY = 50  # optimizer steps between collections of Python's young generations (every process at once)
-
-
-class NonFinite(RuntimeError):
-    """The loss or gradient norm of a step is not a finite number, or the loss is exactly 0: training stops."""
-
-
-class Diverged(RuntimeError):
-    """The processes' trained weights differ at the end of a run: the replicas did not take the same steps."""
-
-
-class Interrupted(Exception):
-    """SIGINT or SIGTERM reached a process: the step was finished and checkpointed, then training stopped."""
-
-    def __init__(self, signum: int, message: str):
-        super().__init__(message)
-        self.signum = signum
 
 
 @dataclass
@@ -91,10 +76,12 @@ class Run:
 # setup
 
 
-def run(cfg: Config, resume: bool = False, started: float | None = None):
+def run(cfg: Config, resume: bool = False, started: float | None = None, admit=None):
     """Train as configured; every process calls this. Returns (summary, trained model). `started`: when
-    the user's command began (time.time() seconds), what its wall time counts from; default: now."""
-    r = setup(cfg, resume, started)
+    the user's command began (time.time() seconds), what its wall time counts from; default: now.
+    `admit`: how start.py admits the run on its launch path (called by rank 0 with the process count,
+    it decides `resume`); default: validated here, `resume` as given."""
+    r = setup(cfg, resume, started, admit)
     try:
         history, times = fit(r)
         return finish(r, history, times)
@@ -102,22 +89,21 @@ def run(cfg: Config, resume: bool = False, started: float | None = None):
         r.trackers.close()
 
 
-def setup(cfg: Config, resume: bool = False, started: float | None = None) -> Run:
+def setup(cfg: Config, resume: bool = False, started: float | None = None, admit=None) -> Run:
     now, started_at = time.perf_counter(), time.time() if started is None else started
     began = now - max(time.time() - started_at, 0.0)  # the command's start on this clock: imports, launching counted
     acc = dist.setup(cfg.train.precision, cfg.train.strategy, log_with=cfg.train.log_with, logging_dir=cfg.output_dir)
     world = acc.num_processes
-    if dist.validated_by_parent():  # `--nproc`: the parent validated before starting us
-        plan = batchplan.batch_plan(cfg.train, world)
-    else:  # the process that talks to the user validates; the others wait for its verdict
-        plan = dist.on_main(acc, lambda: checks.validate(cfg, world, resume))
+    # admitted once, as start.py's launch path says (by the process that talks to the user); the others take its answer
+    admitted = dist.on_main(acc, lambda: admit(world) if admit else admission.validated(cfg, resume, world))
+    resume, plan = admitted.resume, admitted.plan
     free = free_gib(cfg, acc)
     out = Path(cfg.output_dir)
     if acc.is_main_process:
         rundir.mark(out)  # first: whatever happens next, this folder is a run that --overwrite may clear
         (out / "config.yaml").write_text(config_lib.dump(cfg))
     t0 = time.perf_counter()
-    with checks.loading(cfg.model, "tokenizer"):  # a hub that cannot be reached: one line, not a traceback
+    with model_lib.loading(cfg.model, "tokenizer"):  # a hub that cannot be reached: one line, not a traceback
         tokenizer = model_lib.load_tokenizer(cfg.model, cfg.data)
     # the first process of each machine finds the tokenized data (validation made it) or makes it, checking
     # every row (a refusal stops every process); every process then maps it and holds its index
@@ -125,16 +111,16 @@ def setup(cfg: Config, resume: bool = False, started: float | None = None) -> Ru
     train_set, val_set = tokenized.load(prepared)
     acc.print("\n".join(f"ddptune: {line}" for line in [*([f"data: {data.selection(cfg.data)}"] if acc.is_main_process else []), *prepared.notes, f"data ready in {time.perf_counter() - t0:.1f}s; "
                                                            f"loading {cfg.model.source} ..."]))
-    if problems := checks.rows_problems(len(train_set), plan):  # hub data, or rows dropped as too long
+    if problems := batchplan.rows_problems(len(train_set), plan):  # hub data, or rows dropped as too long
         raise ConfigError(problems)
     total = batchplan.total_steps(cfg.train, len(train_set), plan.global_batch)
-    if problems := checks.profile_problems(cfg.train, total) + config_lib.schedule_problems(cfg.train, total):
+    if problems := batchplan.profile_problems(cfg.train, total) + config_lib.schedule_problems(cfg.train, total):
         raise ConfigError(problems)
     t1 = time.perf_counter()
     # what loading downloads or writes is made once, by the first process, before the others read it;
     # otherwise every process loads at once
     once = acc.main_process_first() if model_lib.writes_once(cfg.model, cfg.train.method) else contextlib.nullcontext()
-    with once, checks.loading(cfg.model, "model"):
+    with once, model_lib.loading(cfg.model, "model"):
         base = model_lib.load_model(cfg.model, cfg.train.method, acc.device, cfg.train.precision, cfg.train.seed,
                                     sharded=cfg.train.strategy == "fsdp")
     shape = memory.shape_of(base.config)
@@ -187,7 +173,7 @@ def free_gib(cfg: Config, acc: Accelerator) -> float | None:
         available = system.meminfo_gib("MemAvailable")
         return None if available is None else available / int(os.environ.get("LOCAL_WORLD_SIZE", acc.num_processes))
     free = torch.cuda.mem_get_info(acc.device)[0] / memory.GIB + memory.CUDA_CONTEXT_GIB  # our context is in use already
-    if problems := dist.on_main(acc, lambda: checks.memory_problems(cfg, acc.num_processes, free)):
+    if problems := dist.on_main(acc, lambda: memory.memory_problems(cfg, acc.num_processes, free)):
         raise ConfigError(problems)
     return free
 
