@@ -45,9 +45,9 @@ class Interrupted(Exception):
         self.signum = signum
 
 
-def train(args, started: float, run) -> int:
+def train(args, started: float, trainer) -> int:
     """`ddptune train ARGS` in this process, whichever way it was launched; the exit code. `started`:
-    when the command began (launch.command_started); `run`: train.run. Bad input raises ConfigError."""
+    when the command began (launch.command_started); `trainer`: train.run. Bad input raises ConfigError."""
     cfg = config_lib.load(args.config, args.overrides)
     nproc = 1 if args.nproc is None else args.nproc
     problems = config_lib.check_values(cfg)  # what needs nothing but the config: answered before torch is imported
@@ -65,7 +65,7 @@ def train(args, started: float, run) -> int:
     try:
         with launch.stops_raise():
             try:
-                code = _start(cfg, args, nproc, started, run)
+                code = _start(cfg, args, nproc, started, trainer)
             except Exception:
                 # a worker whose peer left on the same stop: its collective fails before its own handler ran
                 if not (launch.in_launched_process() and launch.received is not None):
@@ -77,16 +77,16 @@ def train(args, started: float, run) -> int:
     return code
 
 
-def _start(cfg: Config, args, nproc: int, started: float, run) -> int:
+def _start(cfg: Config, args, nproc: int, started: float, trainer) -> int:
     """A valid config's run, admitted once and started on this process's launch path."""
     if launch.in_launched_process():
         if launch.validated_by_parent():  # a worker of --nproc: the parent admitted the run and holds the lock
             if launch.is_main_process():
                 lock.join(cfg.output_dir)  # the lock stays live while this worker writes, whatever befalls the parent
-            return _trained(run, cfg, started, functools.partial(_admitted_by_parent, cfg, args.resume is not None))
+            return _trained(trainer, cfg, started, functools.partial(_admitted_by_parent, cfg, args.resume is not None))
         # under torchrun or accelerate launch: rank 0 locks output_dir, then admits the run (in train.setup)
         with lock.acquire(cfg.output_dir) if launch.is_main_process() else contextlib.nullcontext():
-            return _trained(run, cfg, started, functools.partial(_admitted_here, cfg, args.resume, args.overwrite))
+            return _trained(trainer, cfg, started, functools.partial(_admitted_here, cfg, args.resume, args.overwrite))
     launches = not (args.nproc is None and args.nnodes == 1 and not args.max_restarts)
     first = args.node_rank == 0  # node 0 holds rank 0, which writes: it alone checks and locks output_dir
     world = nproc * args.nnodes
@@ -101,10 +101,10 @@ def _start(cfg: Config, args, nproc: int, started: float, run) -> int:
         if first and (problems := rundir.output_problems(cfg, admitted.resume, world)):  # a run that ended since
             raise ConfigError(problems)
         if not launches:
-            return _trained(run, cfg, started, lambda _world: admitted)
+            return _trained(trainer, cfg, started, lambda _world: admitted)
         child = ["train", args.config, *args.overrides] + (["--resume"] if admitted.resume else [])
         return launch.torchrun(nproc, ["ddptune", *child], nnodes=args.nnodes, node_rank=args.node_rank,
-                               master=args.master, max_restarts=args.max_restarts, run=cfg.output_dir, started=started)
+                               master=args.master, max_restarts=args.max_restarts, output_dir=cfg.output_dir, started=started)
 
 
 def _admitted_by_parent(cfg: Config, resume: bool, world_size: int) -> Admission:
@@ -124,12 +124,12 @@ def _admitted_here(cfg: Config, resume: str | None, overwrite: bool, world_size:
     return admitted
 
 
-def _trained(run, cfg: Config, started: float, admit) -> int:
-    """This process's share of the run (`run`: train.run, admitted through `admit`), its end as the exit code."""
+def _trained(trainer, cfg: Config, started: float, admit) -> int:
+    """This process's share of the run (`trainer`: train.run, admitted through `admit`), its end as the exit code."""
     from ddptune import dist  # (torch: this process trains)
 
     try:
-        run(cfg, started=started, admit=admit)
+        trainer(cfg, started=started, admit=admit)
     except (NonFinite, dist.ShardingFailed, dist.ReplicasDiffer) as e:
         if dist.is_main_process():
             print(f"ddptune: {e}", file=sys.stderr)
