@@ -198,3 +198,59 @@ def test_a_json_list_is_read_a_row_at_a_time(tmp_path):
         for size in (1, 2, 4096):
             with pytest.raises(ValueError):
                 list(rows_lib._json_items(str(small), 0, size))
+
+
+@pytest.mark.parametrize("parts", [1, 3])
+def test_the_graphs_survey_is_every_steps_rows_as_numbers_without_their_tokens(tmp_path, byte_tok, parts):
+    """What CUDA graphs are prepared from (every packed row's tokens, samples and loss targets, and
+    the shapes recorded) equals what the steps' rows of examples hold, read from the store's index
+    alone: the rows themselves, held for every step, cost memory in proportion to the tokens."""
+    from ddptune import batches, graphs
+
+    train, _ = tokenized.load(tokenized.prepare(DataConfig(train=jsonl(tmp_path / "rows.jsonl", many_rows(600)),
+                                                           max_length=512), byte_tok))
+    stream = batches.Stream(train, [float(n) for n in train.lengths], train.targets, 16, parts, 0, True, 4, 1024, 512)
+    steps = range(0, 36)
+    rows = [[g for g in mine] for s in steps for mine in stream.share(s).forwards]
+    numbers = [[(batches.tokens_of(g), len(g), batches.target_tokens(g)) for g in mine] for mine in rows]
+    assert [mine for s in steps for mine in stream.row_sizes(s)] == numbers
+    assert sum(map(len, numbers)) > len(numbers)  # some shares pack into several rows
+    tracemalloc.start()
+    surveyed = graphs.survey(stream, 0, 36)
+    held, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert [(t, n, targets) for t, n, targets, _ in surveyed] == [x for mine in numbers for x in mine]
+    s, p, i = surveyed[-1][3]
+    assert stream.share(s).forwards[p][i] == rows[-1][-1]
+    tokens = sum(t for t, _, _, _ in surveyed)
+    assert held < tokens  # under a byte a token; the rows' Python lists take about 70
+    padded = stream.with_lengths(batches.pad_lengths([t for t, _, _, _ in surveyed], 2, batches.GRAPH_PAD))
+    for g in (g for mine in rows for g in mine):
+        n = padded.padded_length(batches.tokens_of(g))
+        assert batches.packed_shape(g, n, 512) == batches.row_shape(batches.tokens_of(g), len(g), batches.target_tokens(g), n, 512)
+
+
+def test_the_graphs_layout_from_numbers_is_the_layout_from_the_rows(tmp_path, byte_tok):
+    """graphs.Layout, made from the survey, picks what the rows of every step held in memory gave:
+    the padded lengths, the row each length is compiled on, the target counts, every step shape of
+    this process with its first step's rows, and the real and padded tokens."""
+    from ddptune import batches, graphs
+
+    train, _ = tokenized.load(tokenized.prepare(DataConfig(train=jsonl(tmp_path / "rows.jsonl", many_rows(600)),
+                                                           max_length=512), byte_tok))
+    stream = batches.Stream(train, [float(n) for n in train.lengths], train.targets, 16, 3, 0, True, 4, 1024, 512)
+    first, last, process = 5, 40, 1
+    rows = [g for s in range(first, last) for forwards in stream.share(s).forwards for g in forwards]
+    padded = stream.with_lengths(batches.pad_lengths([batches.tokens_of(g) for g in rows], 2, batches.GRAPH_PAD))
+    shapes = {}
+    for k in range(first, last):
+        mine = padded.share(k).forwards[process]
+        shapes.setdefault(padded.shape(mine), mine)
+    lay = graphs.Layout.of(stream, first, last, 2, True, process)
+    assert lay.stream == padded and len(padded.graph_lengths) == 2
+    assert lay.by_length == {padded.padded_length(batches.tokens_of(g)): g for g in rows}
+    assert lay.target_rows == sorted({batches.padded_targets(g) for g in rows})
+    assert lay.shapes == shapes and len(shapes) > 1
+    assert (lay.tokens, lay.padded) == (sum(map(batches.tokens_of, rows)),
+                                        sum(padded.padded_length(batches.tokens_of(g)) for g in rows))
+    assert graphs.Layout.of(stream, first, last, 2, False, process).shapes == {}  # layer graphs record no step

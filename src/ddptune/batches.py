@@ -187,18 +187,23 @@ def collate(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
 def pack(examples: list[dict], tokens_per_forward: int) -> list[list[dict]]:
     """Group examples into forward passes of at most `tokens_per_forward` tokens (first fit,
     longest first); each group becomes one packed row."""
-    groups: list[list[dict]] = []
+    return [[examples[k] for k in row] for row in pack_lengths([len(e["input_ids"]) for e in examples], tokens_per_forward)]
+
+
+def pack_lengths(lengths: Sequence[int], tokens_per_forward: int) -> list[list[int]]:
+    """pack's rows as positions in `lengths`: first fit, longest first (ties in order)."""
+    rows: list[list[int]] = []
     room: list[int] = []
-    for e in sorted(examples, key=lambda e: -len(e["input_ids"])):
-        n = len(e["input_ids"])
+    for k in sorted(range(len(lengths)), key=lambda k: -lengths[k]):
+        n = lengths[k]
         j = next((j for j, r in enumerate(room) if r >= n), None)
         if j is None:
-            groups.append([])
+            rows.append([])
             room.append(tokens_per_forward)
-            j = len(groups) - 1
-        groups[j].append(e)
+            j = len(rows) - 1
+        rows[j].append(k)
         room[j] -= n
-    return groups
+    return rows
 
 
 def collate_packed(examples: list[dict], pad_to: int = 0, max_length: int = 0) -> dict:
@@ -240,10 +245,14 @@ def collate_packed(examples: list[dict], pad_to: int = 0, max_length: int = 0) -
 def packed_shape(examples: list[dict], pad_to: int, max_length: int) -> tuple[int, int, int]:
     """The shapes `collate_packed(examples, pad_to, max_length)` gives, without building it: the row's
     tokens, its boundary entries and its target rows (what a recorded CUDA graph is recorded for)."""
-    tokens = sum(len(e["input_ids"]) for e in examples)
+    return row_shape(tokens_of(examples), len(examples), target_tokens(examples), pad_to, max_length)
+
+
+def row_shape(tokens: int, samples: int, targets: int, pad_to: int, max_length: int) -> tuple[int, int, int]:
+    """packed_shape of a row of `samples` samples, `tokens` tokens and `targets` loss targets."""
     pad = -tokens % pad_to
-    bounds = 1 + len(examples) + -(-pad // max_length)
-    return tokens + pad, bounds + -bounds % 64, padded_targets(examples)
+    bounds = 1 + samples + -(-pad // max_length)
+    return tokens + pad, bounds + -bounds % 64, -(-targets // TARGET_PAD) * TARGET_PAD
 
 
 def pad_lengths(rows: list[int], k: int, unit: int) -> list[int]:
@@ -332,6 +341,22 @@ class Stream:
             computed = [sum(len(g) * max(len(e["input_ids"]) for e in g) for g in rows) for rows in forwards]
         costs = [float(sum(self.costs[idx[j]] for j in g)) for g in groups]
         return Share(forwards, int(sum(self.targets[i] for i in idx)), tokens, computed, costs)
+
+    def row_sizes(self, step: int) -> list[list[tuple[int, int, int]]]:
+        """What share(step).forwards holds, as numbers: each process's packed rows as (tokens, samples,
+        loss targets), from the examples' lengths and targets without reading their tokens (packed,
+        not lockstep: where CUDA graphs are recorded)."""
+        if not self.packing or self.lockstep:
+            raise ValueError("row_sizes needs packed rows and no lockstep")
+        idx = self.samples(step)
+        lengths = getattr(self.examples, "lengths", None)
+        out = []
+        for group in balance([self.costs[i] for i in idx], self.parts):
+            mine = [idx[j] for j in group]
+            sizes = [int(lengths[i]) if lengths is not None else len(self.examples[i]["input_ids"]) for i in mine]
+            out.append([(sum(sizes[k] for k in row), len(row), int(sum(self.targets[mine[k]] for k in row)))
+                        for row in pack_lengths(sizes, self.tokens_per_forward)])
+        return out
 
     def layout(self, examples: list[dict]) -> list[list[dict]]:
         """The examples of each forward pass: packed rows of at most tokens_per_forward tokens, or

@@ -14,7 +14,9 @@ and the whole step falls back to compiled layers launched one by one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from accelerate.utils import AutocastKwargs
@@ -71,31 +73,66 @@ def _end_failed_recording(graph: torch.cuda.CUDAGraph, side: torch.cuda.Stream, 
 
 def prepare(parts: step_lib.Parts, loss_model, stream: Stream, first: int, last: int, speed, process: int, pad_id: int,
             side, clock: dist.StepClock) -> tuple[Stream, "StepGraphs | None", str, str | None]:
-    """For the run's steps [first, last): the stream with its padded lengths (those that leave the
-    least padding over every packed row of those steps, of every process: each records them all),
-    gradients allocated once outside the graphs' memory (every replay writes them), every layer
-    compiled at every length, and with the whole step recorded every step shape this process will
-    meet; what was done, in words; and why recording failed (None: it did not)."""
-    rows = [g for s in range(first, last) for forwards in stream.share(s).forwards for g in forwards]
-    stream = stream.with_lengths(batches.pad_lengths([batches.tokens_of(g) for g in rows], speed.lengths, batches.GRAPH_PAD))
+    """For the run's steps [first, last): the stream with its padded lengths, gradients allocated once
+    outside the graphs' memory (every replay writes them), every layer compiled at every length, and
+    with the whole step recorded every step shape this process will meet (`Layout`); what was done,
+    in words; and why recording failed (None: it did not)."""
+    lay = Layout.of(stream, first, last, speed.lengths, speed.graphs == "step", process)
     for p in parts.params:
         p.grad = torch.zeros_like(p)
-    warm_layers(parts, loss_model, stream, rows, pad_id)
-    shapes = {}  # shape of this process's step -> its rows in one step of that shape
-    for k in range(first, last) if speed.graphs == "step" else []:
-        mine = stream.share(k).forwards[process]
-        shapes.setdefault(stream.shape(mine), mine)
+    warm_layers(parts, loss_model, lay.stream, lay.by_length, lay.target_rows, pad_id)
     engine, recorded, failed = None, "compiled and recorded", None
     try:
-        engine = StepGraphs(parts, stream, shapes, pad_id, side, clock) if shapes else None  # none: no step left
+        engine = StepGraphs(parts, lay.stream, lay.shapes, pad_id, side, clock) if lay.shapes else None  # none: no step left
         recorded = f"{len(engine.graphs)} step shapes recorded whole" if engine else recorded
     except Unrecordable as e:  # the layers are compiled and warm at every length: they are launched one by one
         failed = str(e)
         recorded = f"compiled; {e}: the layers are launched one by one instead"
-    tokens = sum(map(batches.tokens_of, rows))
-    padded = sum(stream.padded_length(batches.tokens_of(g)) for g in rows)
-    return stream, engine, (f"packed rows padded to {', '.join(map(str, stream.graph_lengths))} tokens "
-                            f"({1 - tokens / max(padded, 1):.0%} of the computed tokens are padding), {recorded}"), failed
+    return lay.stream, engine, (f"packed rows padded to {', '.join(map(str, lay.stream.graph_lengths))} tokens "
+                                f"({1 - lay.tokens / max(lay.padded, 1):.0%} of the computed tokens are padding), {recorded}"), failed
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the graphs of steps [first, last) are prepared with: the stream with its padded lengths
+    (those that leave the least padding over every packed row of those steps, of every process: each
+    records them all), one row of each length to compile the layers on (the last of that length),
+    every padded target count, each step shape this process will meet with its first step's rows,
+    and the rows' real and padded tokens. The steps are surveyed as numbers (`survey`); only the
+    rows warmed on and recorded are read."""
+    stream: Stream
+    by_length: dict[int, list[dict]]
+    target_rows: list[int]
+    shapes: dict[tuple, list[list[dict]]]
+    tokens: int
+    padded: int
+
+    @classmethod
+    def of(cls, stream: Stream, first: int, last: int, lengths: int, whole_step: bool, process: int) -> "Layout":
+        rows = survey(stream, first, last)
+        stream = stream.with_lengths(batches.pad_lengths([t for t, _, _, _ in rows], lengths, batches.GRAPH_PAD))
+        forwards = functools.lru_cache(maxsize=None)(lambda step: stream.share(step).forwards)
+        last_of = {stream.padded_length(t): where for t, _, _, where in rows}
+        steps = {}  # this process's rows' shapes in each step
+        for t, n, targets, (step, proc, _) in rows if whole_step else []:
+            if proc == process:
+                steps.setdefault(step, []).append(batches.row_shape(t, n, targets, stream.padded_length(t), stream.max_length))
+        first_of = {}
+        for step, shape in steps.items():
+            first_of.setdefault(tuple(shape), step)
+        return cls(stream, {n: forwards(s)[p][i] for n, (s, p, i) in last_of.items()},
+                   sorted({-(-targets // batches.TARGET_PAD) * batches.TARGET_PAD for _, _, targets, _ in rows}),
+                   {shape: forwards(step)[process] for shape, step in first_of.items()},
+                   sum(t for t, _, _, _ in rows), sum(stream.padded_length(t) for t, _, _, _ in rows))
+
+
+def survey(stream: Stream, first: int, last: int) -> list[tuple[int, int, int, tuple[int, int, int]]]:
+    """Every packed row of the steps [first, last), of every process, in order, as numbers: (tokens,
+    samples, loss targets, (step, process, row)). Read from the examples' lengths (Stream.row_sizes):
+    a million-row run's steps as rows of examples would hold their tokens as Python lists (1.46 GiB
+    a process for 100,000 rows measured), and reading them took most of the walk's time."""
+    return [(t, n, targets, (s, p, i)) for s in range(first, last) for p, mine in enumerate(stream.row_sizes(s))
+            for i, (t, n, targets) in enumerate(mine)]
 
 
 @contextmanager
@@ -111,12 +148,13 @@ def on_stream(stream):
     torch.cuda.current_stream(stream.device).wait_stream(stream)
 
 
-def warm_layers(parts: step_lib.Parts, loss_model, stream: Stream, rows: list[list[dict]], pad_id: int) -> None:
+def warm_layers(parts: step_lib.Parts, loss_model, stream: Stream, by_length: dict[int, list[dict]],
+                target_rows: list[int], pad_id: int) -> None:
     """Compile (and with layer graphs record) the layers at every padded length, twice each (a new
-    shape's first call warms up, the second records), each with one packed row of the run; then the
-    output head (not in a graph) forward and backward at each padded target count of the run."""
+    shape's first call warms up, the second records), each with one packed row of the run of that
+    length (`by_length`); then the output head (not in a graph) forward and backward at each padded
+    target count of the run (`target_rows`)."""
     acc = parts.accelerator
-    by_length = {stream.padded_length(batches.tokens_of(g)): g for g in rows}
     parts.model.train()  # a model from from_pretrained is in eval mode, and dynamo guards on it
     devices = [acc.device] if acc.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), acc.no_sync(parts.model):
@@ -128,7 +166,7 @@ def warm_layers(parts: step_lib.Parts, loss_model, stream: Stream, rows: list[li
                     loss = parts.model(**batch, num_items=1)
                 acc.backward(loss * 0)
         head = loss_model.head.weight
-        for n in sorted({batches.padded_targets(g) for g in rows}):  # the head's matrix products at each count
+        for n in target_rows:  # the head's matrix products at each count
             hidden = torch.zeros(n, head.shape[1], device=head.device, dtype=head.dtype, requires_grad=True)
             with parts.autocast():
                 loss = loss_model.head_loss(hidden, torch.zeros(n, dtype=torch.long, device=head.device))
