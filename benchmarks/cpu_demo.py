@@ -29,9 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-if str(Path(__file__).resolve().parent) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-import provenance  # noqa: E402
+from ddptune import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 KEEP = ("load_time_s", "train_time_s", "eval_time_s", "wall_time_s", "median_step_time_s", "final_loss", "val_loss",

@@ -35,9 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-if str(Path(__file__).resolve().parent) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-import provenance  # noqa: E402
+from ddptune import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM = "You are a careful assistant who summarizes conversations."

@@ -28,9 +28,7 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
-if str(Path(__file__).resolve().parent) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-import provenance  # noqa: E402
+from ddptune import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

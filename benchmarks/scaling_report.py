@@ -48,9 +48,7 @@ import statistics
 import sys
 from pathlib import Path
 
-if str(Path(__file__).resolve().parent) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-import provenance  # noqa: E402
+from ddptune import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 KEEP = ("nproc", "per_process", "batch", "global_batch", "steps", "samples_measured", "step_s", "median_step_s",

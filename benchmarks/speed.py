@@ -56,9 +56,7 @@ import tempfile
 import time
 from pathlib import Path
 
-if str(Path(__file__).resolve().parent) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-import provenance  # noqa: E402
+from ddptune import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "samsum_qlora_llama31_8b.yaml"

@@ -1,5 +1,8 @@
-"""What every raw file in benchmarks/results records about how it was made: the commit, the date, the exact
-command line and the device. A module the benchmark scripts import, not a benchmark of its own."""
+"""Where a figure came from: the commit, the date, the exact command line and the device of a raw file.
+
+The benchmark scripts (benchmarks/) write these into every raw file under benchmarks/results; the
+command is written as typed from a source checkout's root.
+"""
 from __future__ import annotations
 
 import os
@@ -10,7 +13,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # a source checkout's root (src/ddptune/..)
 
 
 def commit(tree: Path = ROOT) -> str | None:
