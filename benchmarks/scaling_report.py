@@ -21,8 +21,8 @@ but every finished run left its ranks.jsonl: `--ranks N1.jsonl N2.jsonl --mode s
 --warmup 3` rebuilds the rows from them, over the same sample window and with the same accounting as
 `ddptune scale` (tokens a second from the per-process token counts).
 
-Each file records the measurement's commit (--commit: `ddptune scale` records none), date, command and device,
-and under `report` this script's own command line, commit, date and machine.
+Each file records the measurement's commit (what `ddptune scale` recorded, or --commit where its checkout carried
+no history), date, command and device, and under `report` this script's own command line, commit, date and machine.
 
 `runs` (the runs' folders, each NAME=RUN_DIR[:PLAN.json], and the file to write):
 
@@ -144,7 +144,7 @@ def from_scale(args) -> list[dict]:
         out = {"device": args.device, "date": args.date, "mode": mode, "model": args.model, "command": manifest["command"],
                "sample_window": manifest["sample_window"][mode], "steps": {str(r["nproc"]): r["steps"] for r in repeats[0]},
                "interconnect": first["interconnect"], "peak_busbw_GBps": first["bandwidth"].get("peak_busbw_GBps"),
-               "versions": manifest["versions"], "rows": repeats[0],
+               "versions": manifest["versions"], "rows": repeats[0], "scale_commit": manifest.get("commit"),
                "predicted": [x for x in first["predictions"]["measured"] if x["mode"] == mode]}
         if len(scales) > 1:
             out["repeats"] = [{"file": Path(f).name, "date": s["manifest"]["date"], "rows": rows}
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", required=True)
     p.add_argument("--date", required=True)
     p.add_argument("--note", default=None)
-    p.add_argument("--commit", help="the commit the measurement ran at (`ddptune scale` records none)")
+    p.add_argument("--commit", help="the commit the measurement ran at, where ddptune scale could not say (no git history)")
     args = p.parse_args(argv)
     report = provenance.record(None, __file__, argv)
     if bool(args.scale) == bool(args.ranks):
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         outs = from_scale(args)
     for out in outs:
-        out.update(commit=args.commit, report=report)
+        out.update(commit=args.commit or out.pop("scale_commit", None), report=report)
         print(write(out, args))
     return 0
 

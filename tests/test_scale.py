@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import subprocess
 import types
 
 import pytest
@@ -84,6 +85,8 @@ def test_scale_both_modes_on_the_same_samples(both_modes, capsys):
     # the host's CPU during each run, read from /proc/stat: busy (the runs themselves at least) and stolen
     assert all(0 < r["host_cpu_busy"] <= 1 and 0 <= r["host_cpu_steal"] <= 1 for r in result["rows"])
     assert "--nproc 1,2" in manifest["command"] and manifest["date"]
+    assert manifest["commit"].split("-")[0] == subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=7", "HEAD"],
+                                                               capture_output=True, text=True).stdout.strip()
     # every run is the config as a user runs it (no speed keys set), and its speed choices were made for the
     # job the config describes (configs/tiny.yaml: an epoch of 400 rows), not for its window: the job's steps
     # at each run's global batch

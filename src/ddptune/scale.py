@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from ddptune import admission, comm, config as config_lib, dist, launch, metrics, report, rundir, scaling, system
+from ddptune import admission, comm, config as config_lib, dist, launch, metrics, provenance, report, rundir, scaling, system
 from ddptune.config import ConfigError
 from ddptune.scaling import MODES, SAME_PER_DEVICE
 
@@ -147,7 +147,8 @@ def write(args, cfg, out: Path, rows: list[dict], runs: dict, windows: dict, ban
     command = ["ddptune", "scale", args.config, *args.overrides, "--nproc", args.nproc, "--mode", args.mode,
                "--steps", str(measured), "--warmup", str(warmup), "--out", str(out), "--bandwidth-sizes", args.bandwidth_sizes]
     manifest = {
-        "command": shlex.join(command), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "modes": modes,
+        "command": shlex.join(command), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "commit": provenance.commit(), "modes": modes,
         "config": args.config, "overrides": list(args.overrides), "seed": cfg.train.seed,
         "sample_window": {m: list(w) for m, w in windows.items()},
         "threads_per_process": threads,  # what every run's processes were given
