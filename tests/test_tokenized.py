@@ -4,6 +4,7 @@ refused by its number with nothing kept, a damaged store made again, one prepara
 and a process that holds the index of its examples, not their tokens."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tracemalloc
@@ -232,25 +233,35 @@ def test_the_graphs_survey_is_every_steps_rows_as_numbers_without_their_tokens(t
 
 def test_the_graphs_layout_from_numbers_is_the_layout_from_the_rows(tmp_path, byte_tok):
     """graphs.Layout, made from the survey, picks what the rows of every step held in memory gave:
-    the padded lengths, the row each length is compiled on, the target counts, every step shape of
-    this process with its first step's rows, and the real and padded tokens."""
+    the job's padded lengths (over its steps from 0, whatever part of it the run takes), and for the
+    run's steps the row each length is compiled on, the target counts, every step shape of this
+    process with its first step's rows, and the real and padded tokens. A window of the job pads as
+    the whole job does."""
     from ddptune import batches, graphs
 
     train, _ = tokenized.load(tokenized.prepare(DataConfig(train=jsonl(tmp_path / "rows.jsonl", many_rows(600)),
                                                            max_length=512), byte_tok))
     stream = batches.Stream(train, [float(n) for n in train.lengths], train.targets, 16, 3, 0, True, 4, 1024, 512)
-    first, last, process = 5, 40, 1
-    rows = [g for s in range(first, last) for forwards in stream.share(s).forwards for g in forwards]
-    padded = stream.with_lengths(batches.pad_lengths([batches.tokens_of(g) for g in rows], 2, batches.GRAPH_PAD))
+    first, last, horizon, process = 5, 40, 36, 1
+    rows_of = lambda a, b: [g for s in range(a, b) for forwards in stream.share(s).forwards for g in forwards]  # noqa: E731
+    rows = rows_of(first, last)
+    padded = stream.with_lengths(batches.pad_lengths([batches.tokens_of(g) for g in rows_of(0, last)], 2, batches.GRAPH_PAD))
     shapes = {}
     for k in range(first, last):
         mine = padded.share(k).forwards[process]
         shapes.setdefault(padded.shape(mine), mine)
-    lay = graphs.Layout.of(stream, first, last, 2, True, process)
+    lay = graphs.Layout.of(stream, first, last, 2, True, process, horizon)
     assert lay.stream == padded and len(padded.graph_lengths) == 2
     assert lay.by_length == {padded.padded_length(batches.tokens_of(g)): g for g in rows}
     assert lay.target_rows == sorted({batches.padded_targets(g) for g in rows})
     assert lay.shapes == shapes and len(shapes) > 1
     assert (lay.tokens, lay.padded) == (sum(map(batches.tokens_of, rows)),
                                         sum(padded.padded_length(batches.tokens_of(g)) for g in rows))
-    assert graphs.Layout.of(stream, first, last, 2, False, process).shapes == {}  # layer graphs record no step
+    assert graphs.Layout.of(stream, first, last, 2, False, process, horizon).shapes == {}  # layer graphs record no step
+    one_row = dataclasses.replace(stream, tokens_per_forward=8192)  # a share a step: rows of every length
+    window = graphs.Layout.of(one_row, 0, 2, 2, True, process, 60)
+    whole = graphs.Layout.of(one_row, 0, 60, 2, True, process, 60)
+    assert window.stream.graph_lengths == whole.stream.graph_lengths
+    assert window.tokens < whole.tokens and len(window.shapes) <= 2
+    alone = graphs.Layout.of(one_row, 0, 2, 2, True, process, 2)  # as if the window were the job: other lengths
+    assert alone.stream.graph_lengths != whole.stream.graph_lengths

@@ -1,8 +1,8 @@
 """CUDA graphs: the padded lengths, the compile-and-record warm-up, and whole steps recorded.
 
 Graphs replay fixed shapes, so every packed row is padded to one of a few lengths chosen before the
-first step (`lengths`): those that leave the least padding over the rows this run will see. Before
-the first step every layer is compiled (and, for layer graphs, recorded) at every length
+first step (`lengths`): those that leave the least padding over the rows of the job (a window of it
+pads alike). Before the first step every layer is compiled (and, for layer graphs, recorded) at every length
 (`warm_layers`), so no step pays for a new shape. With the whole step recorded (`StepGraphs`), each
 step shape this process will meet is recorded too: the forwards and backwards (step.forward_backward,
 DDP's all-reduce inside the last), and one graph for all shapes of step.clip_and_update. Nothing of
@@ -71,13 +71,13 @@ def _end_failed_recording(graph: torch.cuda.CUDAGraph, side: torch.cuda.Stream, 
     generator.graphsafe_set_state(generator.clone_state())
 
 
-def prepare(parts: step_lib.Parts, loss_model, stream: Stream, first: int, last: int, speed, process: int, pad_id: int,
-            side, clock: dist.StepClock) -> tuple[Stream, "StepGraphs | None", str, str | None]:
-    """For the run's steps [first, last): the stream with its padded lengths, gradients allocated once
-    outside the graphs' memory (every replay writes them), every layer compiled at every length, and
-    with the whole step recorded every step shape this process will meet (`Layout`); what was done,
-    in words; and why recording failed (None: it did not)."""
-    lay = Layout.of(stream, first, last, speed.lengths, speed.graphs == "step", process)
+def prepare(parts: step_lib.Parts, loss_model, stream: Stream, first: int, last: int, horizon: int, speed, process: int,
+            pad_id: int, side, clock: dist.StepClock) -> tuple[Stream, "StepGraphs | None", str, str | None]:
+    """For the run's steps [first, last) of a job of `horizon` steps: the stream with the job's padded
+    lengths, gradients allocated once outside the graphs' memory (every replay writes them), every
+    layer compiled at every length the run meets, and with the whole step recorded every step shape
+    this process will meet (`Layout`); what was done, in words; and why recording failed (None: it did not)."""
+    lay = Layout.of(stream, first, last, speed.lengths, speed.graphs == "step", process, horizon)
     for p in parts.params:
         p.grad = torch.zeros_like(p)
     warm_layers(parts, loss_model, lay.stream, lay.by_length, lay.target_rows, pad_id)
@@ -94,9 +94,10 @@ def prepare(parts: step_lib.Parts, loss_model, stream: Stream, first: int, last:
 
 @dataclass(frozen=True)
 class Layout:
-    """What the graphs of steps [first, last) are prepared with: the stream with its padded lengths
-    (those that leave the least padding over every packed row of those steps, of every process: each
-    records them all), one row of each length to compile the layers on (the last of that length),
+    """What the graphs of steps [first, last) are prepared with: the stream with the job's padded
+    lengths (those that leave the least padding over every packed row of the job's steps, [0, horizon),
+    of every process: a window of the job and the whole job pad alike, and each process records them
+    all), one row of each length those steps meet to compile the layers on (the last of that length),
     every padded target count, each step shape this process will meet with its first step's rows,
     and the rows' real and padded tokens. The steps are surveyed as numbers (`survey`); only the
     rows warmed on and recorded are read."""
@@ -108,9 +109,11 @@ class Layout:
     padded: int
 
     @classmethod
-    def of(cls, stream: Stream, first: int, last: int, lengths: int, whole_step: bool, process: int) -> "Layout":
-        rows = survey(stream, first, last)
-        stream = stream.with_lengths(batches.pad_lengths([t for t, _, _, _ in rows], lengths, batches.GRAPH_PAD))
+    def of(cls, stream: Stream, first: int, last: int, lengths: int, whole_step: bool, process: int,
+           horizon: int = 0) -> "Layout":
+        job = survey(stream, 0, max(last, horizon))
+        stream = stream.with_lengths(batches.pad_lengths([t for t, _, _, _ in job], lengths, batches.GRAPH_PAD))
+        rows = [row for row in job if first <= row[3][0] < last]
         forwards = functools.lru_cache(maxsize=None)(lambda step: stream.share(step).forwards)
         last_of = {stream.padded_length(t): where for t, _, _, where in rows}
         steps = {}  # this process's rows' shapes in each step

@@ -196,7 +196,8 @@ def prepare_graphs(r: Run) -> None:
     acc, level, t0 = r.accelerator, r.level, time.perf_counter()
     try:
         with graphs.on_stream(r.side):
-            stream, engine, note, failed = graphs.prepare(level.parts, r.loss_model, level.stream, r.start, r.total_steps,
+            horizon = speed_lib.horizon(r.cfg.train, len(r.train_set), r.plan.global_batch)  # the job's steps: its padded lengths
+            stream, engine, note, failed = graphs.prepare(level.parts, r.loss_model, level.stream, r.start, r.total_steps, horizon,
                                                           level.speed, acc.process_index, r.tokenizer.pad_token_id, r.side, r.clock)
     except RuntimeError as e:  # compiling (or recording a layer) failed
         why = f"compiling the layers for CUDA graphs failed ({dist.first_line(e)})"
