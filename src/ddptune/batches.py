@@ -166,7 +166,12 @@ def pad_targets(index: torch.Tensor, targets: torch.Tensor, unit: int) -> tuple[
 
 def padded_targets(examples: list[dict]) -> int:
     """How many target rows `collate_packed(examples, pad_to=...)` gives the loss."""
-    return -(-target_tokens(examples) // TARGET_PAD) * TARGET_PAD
+    return target_rows(target_tokens(examples))
+
+
+def target_rows(targets: int) -> int:
+    """The target rows of a padded packed row with `targets` loss targets: rounded up to TARGET_PAD."""
+    return -(-targets // TARGET_PAD) * TARGET_PAD
 
 
 def collate(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
@@ -252,7 +257,7 @@ def row_shape(tokens: int, samples: int, targets: int, pad_to: int, max_length: 
     """packed_shape of a row of `samples` samples, `tokens` tokens and `targets` loss targets."""
     pad = -tokens % pad_to
     bounds = 1 + samples + -(-pad // max_length)
-    return tokens + pad, bounds + -bounds % 64, -(-targets // TARGET_PAD) * TARGET_PAD
+    return tokens + pad, bounds + -bounds % 64, target_rows(targets)
 
 
 def pad_lengths(rows: list[int], k: int, unit: int) -> list[int]:

@@ -110,7 +110,7 @@ class Layout:
 
     @classmethod
     def of(cls, stream: Stream, first: int, last: int, lengths: int, whole_step: bool, process: int,
-           horizon: int = 0) -> "Layout":
+           horizon: int) -> "Layout":
         job = survey(stream, 0, max(last, horizon))
         stream = stream.with_lengths(batches.pad_lengths([t for t, _, _, _ in job], lengths, batches.GRAPH_PAD))
         rows = [row for row in job if first <= row[3][0] < last]
@@ -124,7 +124,7 @@ class Layout:
         for step, shape in steps.items():
             first_of.setdefault(tuple(shape), step)
         return cls(stream, {n: forwards(s)[p][i] for n, (s, p, i) in last_of.items()},
-                   sorted({-(-targets // batches.TARGET_PAD) * batches.TARGET_PAD for _, _, targets, _ in rows}),
+                   sorted({batches.target_rows(targets) for _, _, targets, _ in rows}),
                    {shape: forwards(step)[process] for shape, step in first_of.items()},
                    sum(t for t, _, _, _ in rows), sum(stream.padded_length(t) for t, _, _, _ in rows))
 

@@ -254,7 +254,7 @@ def padded(work: Work, lengths: int) -> tuple[float, int, int]:
         return 1.0, max(tokens), targets
     sizes = batches.pad_lengths(tokens, lengths, batches.GRAPH_PAD)
     total = sum(min(s for s in sizes if s >= n) for n in tokens)
-    return total / max(sum(tokens), 1), max(sizes), -(-targets // batches.TARGET_PAD) * batches.TARGET_PAD
+    return total / max(sum(tokens), 1), max(sizes), batches.target_rows(targets)
 
 
 def memory_gib(cfg: Config, shape: memory.Shape, world: int, o: Option, work: Work, compiled: bool, cpu: bool = False) -> float:
