@@ -36,8 +36,8 @@ are joined with commas: `--run plain=env:DDPTUNE_SPEED=graphs=off,env:DDPTUNE_SP
 
 `recipe` runs the tutorial's recipe alone, the way the comparison above runs it: HF Trainer + Accelerate +
 PEFT (QLoRA through bitsandbytes), gradient checkpointing, dynamic padding (DataCollatorForSeq2Seq), no
-packing; it does not import ddptune. It writes one JSON summary (rank 0) with every optimizer step's time
-and tokens:
+packing; none of ddptune's training code runs (only ddptune.provenance, which names the commit). It
+writes one JSON summary (rank 0) with every optimizer step's time and tokens:
 
     accelerate launch --num_processes N benchmarks/speed.py recipe --model-dir DIR --data samsum.json --out ref.json
     python benchmarks/speed.py recipe --method lora ...   # CPU smoke test (fp32)
