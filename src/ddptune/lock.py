@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ddptune.config import ConfigError
 
-NAME = ".ddptune.lock"  # in output_dir; rundir.py does not count it as a file of the run
+NAME = ".ddptune.lock"  # in output_dir; rundir.py counts neither it nor its helper files (NAME.*) as files of the run
 STALE_GUARD_S = 30.0  # a takeover guard older than this was left by a process that died taking over
 YOUNG_S = 10.0  # an unreadable lock younger than this is still being written by its owner
 

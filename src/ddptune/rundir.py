@@ -28,7 +28,6 @@ RUN_ENTRIES = (
     "trace-rank*.json", "checkpoints", "adapter", "model", "eval", "eval-base", "cache", "tensorboard",
     ".adapter.tmp-*", ".model.tmp-*", ".adapter.old", ".model.old", ".summary.json.tmp-*",
 )
-LOCK = ".ddptune.lock"  # the lock a live run holds (lock.py), with its helper files beside it
 # what a run folder made before the marker existed held, besides a config.yaml: one of these
 _OLD_RUN_SIGNS = ("metrics.jsonl", "checkpoints", "summary.json", "adapter", "model")
 # what a run writes before its first step: a folder holding only these trained nothing
@@ -45,7 +44,7 @@ def entries(folder: Path) -> list[Path]:
     """What `folder` holds, besides a run's lock (and its helper files)."""
     if not folder.is_dir():
         return []
-    return sorted(p for p in folder.iterdir() if not p.name.startswith(LOCK))
+    return sorted(p for p in folder.iterdir() if not p.name.startswith(lock.NAME))  # its helper files too
 
 
 def is_own(path: Path) -> bool:
