@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ddptune.tokens import IGNORE
@@ -28,10 +30,13 @@ def step_samples(n_rows: int, global_batch: int, step: int, seed: int) -> list[i
     per epoch, and a step at the end of an epoch runs on into the next. So step k of global batch
     2B covers exactly steps 2k and 2k+1 of batch B: runs that differ only in their batch see the
     same samples in the same order (what a scaling study compares). Deterministic: resume needs no state."""
-    out = []
-    for pos in range(step * global_batch, (step + 1) * global_batch):
+    out: list[int] = []
+    pos, end = step * global_batch, (step + 1) * global_batch
+    while pos < end:  # a slice of each epoch's order the step reaches (mostly one)
         epoch, i = divmod(pos, n_rows)
-        out.append(int(_permutation(n_rows, seed, epoch)[i]))
+        take = min(end - pos, n_rows - i)
+        out += _permutation(n_rows, seed, epoch)[i:i + take].tolist()
+        pos += take
     return out
 
 
@@ -108,21 +113,27 @@ def balance(costs: list[float], parts: int, equal_sizes: bool = False) -> list[l
     cap = n // parts if equal_sizes else n
     groups: list[list[int]] = [[] for _ in range(parts)]
     load = [0.0] * parts
+    open_ = [(0.0, j) for j in range(parts)]  # a heap of (load, group) of the groups not yet full
     for i in sorted(range(n), key=lambda i: (-costs[i], i)):
-        j = min((j for j in range(parts) if len(groups[j]) < cap), key=lambda j: (load[j], j))
+        _, j = heapq.heappop(open_)
         groups[j].append(i)
         load[j] += costs[i]
+        if len(groups[j]) < cap:
+            heapq.heappush(open_, (load[j], j))
+    ranked: dict[int, tuple[list, list]] = {}  # each group's (sorted (cost, item), costs), while it is unchanged
     for _ in range(4 * n):  # improve the costliest group: move one item out, or swap one pair
         hi = max(range(parts), key=lambda j: (load[j], -j))
         best = None  # (new max of the two groups, group, item out of hi, item into hi or None)
         for lo in range(parts):
             gap = load[hi] - load[lo]
-            if lo == hi or gap <= 0:
-                continue
-            options = sorted((costs[b], b) for b in groups[lo])
+            if lo == hi or gap <= 0 or (best is not None and (load[hi] + load[lo]) / 2 > best[0] * (1 + 1e-12)):
+                continue  # no pair with this group lowers the costliest below the best found (half their sum)
+            if lo not in ranked:
+                options = sorted((costs[b], b) for b in groups[lo])
+                ranked[lo] = options, [v for v, _ in options]
+            options, values = ranked[lo]
             if not equal_sizes and len(groups[hi]) > 1:
-                options.insert(0, (0.0, None))  # a move: nothing comes back
-            values = [v for v, _ in options]
+                options, values = [(0.0, None), *options], [0.0, *values]  # a move: nothing comes back
             for a in groups[hi]:  # the best partner brings back about costs[a] - gap / 2
                 k = bisect.bisect_left(values, costs[a] - gap / 2)
                 for v, b in options[max(k - 1, 0):k + 1]:
@@ -140,6 +151,8 @@ def balance(costs: list[float], parts: int, equal_sizes: bool = False) -> list[l
             groups[hi].append(b)
         load[hi] -= d
         load[lo] += d
+        ranked.pop(hi, None)
+        ranked.pop(lo, None)
     return [sorted(g) for g in groups]
 
 
@@ -265,11 +278,15 @@ def pad_lengths(rows: list[int], k: int, unit: int) -> list[int]:
     and padding each row to the shortest that fits leaves the least padding in all (ascending). The
     longest row's rounded length is always one; the others come from an exact search over the rounded
     row lengths (best[j][i]: least padding of the rows up to candidate i with j lengths, i the top)."""
-    cands = sorted({-(-n // unit) * unit for n in rows})
-    groups = [[n for n in rows if -(-n // unit) * unit == c] for c in cands]
+    rows = np.asarray(rows, dtype=np.int64)
+    cands, which = np.unique(-(-rows // unit) * unit, return_inverse=True)
+    count, total = np.zeros(len(cands) + 1, dtype=np.int64), np.zeros(len(cands) + 1, dtype=np.int64)
+    np.add.at(count, which + 1, 1)
+    np.add.at(total, which + 1, rows)
+    cands, count, total = cands.tolist(), np.cumsum(count).tolist(), np.cumsum(total).tolist()  # [i + 1]: up to candidate i
 
     def padding(lo: int, hi: int) -> int:  # rows of candidates lo+1..hi, all padded to candidate hi
-        return sum(cands[hi] * len(g) - sum(g) for g in groups[lo + 1:hi + 1])
+        return cands[hi] * (count[hi + 1] - count[lo + 1]) - (total[hi + 1] - total[lo + 1])
 
     best = [{i: (padding(-1, i), [cands[i]]) for i in range(len(cands))}]
     for _ in range(1, min(k, len(cands))):
