@@ -220,12 +220,13 @@ def test_the_graphs_survey_is_every_steps_rows_as_numbers_without_their_tokens(t
     surveyed = graphs.survey(stream, 0, 36)
     held, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    assert [(t, n, targets) for t, n, targets, _ in surveyed] == [x for mine in numbers for x in mine]
-    s, p, i = surveyed[-1][3]
+    assert [tuple(r) for r in surveyed[:, :3].tolist()] == [x for mine in numbers for x in mine]
+    assert [[s, p] for s in steps for p, mine in enumerate(stream.row_sizes(s)) for _ in mine] == surveyed[:, 3:5].tolist()
+    s, p, i = surveyed[-1, 3:].tolist()
     assert stream.share(s).forwards[p][i] == rows[-1][-1]
-    tokens = sum(t for t, _, _, _ in surveyed)
+    tokens = int(surveyed[:, 0].sum())
     assert held < tokens  # under a byte a token; the rows' Python lists take about 70
-    padded = stream.with_lengths(batches.pad_lengths([t for t, _, _, _ in surveyed], 2, batches.GRAPH_PAD))
+    padded = stream.with_lengths(batches.pad_lengths(surveyed[:, 0], 2, batches.GRAPH_PAD))
     for g in (g for mine in rows for g in mine):
         n = padded.padded_length(batches.tokens_of(g))
         assert batches.packed_shape(g, n, 512) == batches.row_shape(batches.tokens_of(g), len(g), batches.target_tokens(g), n, 512)

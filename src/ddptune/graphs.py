@@ -13,11 +13,13 @@ and the whole step falls back to compiled layers launched one by one.
 """
 from __future__ import annotations
 
+import array
 import dataclasses
 import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from accelerate.utils import AutocastKwargs
 
@@ -112,30 +114,41 @@ class Layout:
     def of(cls, stream: Stream, first: int, last: int, lengths: int, whole_step: bool, process: int,
            horizon: int) -> "Layout":
         job = survey(stream, 0, max(last, horizon))
-        stream = stream.with_lengths(batches.pad_lengths([t for t, _, _, _ in job], lengths, batches.GRAPH_PAD))
-        rows = [row for row in job if first <= row[3][0] < last]
+        stream = stream.with_lengths(batches.pad_lengths(job[:, 0], lengths, batches.GRAPH_PAD))
+        rows = job[(job[:, 3] >= first) & (job[:, 3] < last)]
+        tokens, samples, targets, steps, procs, _ = rows.T
+        sizes = np.asarray(stream.graph_lengths)
+        padded = sizes[np.searchsorted(sizes, tokens)]  # each row's: the shortest length that holds it
+        lengths_met, at = np.unique(padded[::-1], return_index=True)  # each length's last row
         forwards = functools.lru_cache(maxsize=None)(lambda step: stream.share(step).forwards)
-        last_of = {stream.padded_length(t): where for t, _, _, where in rows}
-        steps = {}  # this process's rows' shapes in each step
-        for t, n, targets, (step, proc, _) in rows if whole_step else []:
-            if proc == process:
-                steps.setdefault(step, []).append(batches.row_shape(t, n, targets, stream.padded_length(t), stream.max_length))
-        first_of = {}
-        for step, shape in steps.items():
-            first_of.setdefault(tuple(shape), step)
-        return cls(stream, {n: forwards(s)[p][i] for n, (s, p, i) in last_of.items()},
-                   sorted({batches.target_rows(targets) for _, _, targets, _ in rows}),
+        by_length = {n: forwards(s)[p][i] for n, (s, p, i) in zip(lengths_met.tolist(), rows[len(rows) - 1 - at, 3:].tolist())}
+        first_of = {}  # each step shape this process meets: its first step
+        if whole_step:
+            mine = procs == process
+            shape = zip(*(a.tolist() for a in batches.row_shape(tokens[mine], samples[mine], targets[mine], padded[mine],
+                                                                 stream.max_length)))
+            per_step: dict[int, list] = {}
+            for step, row in zip(steps[mine].tolist(), shape):
+                per_step.setdefault(step, []).append(row)
+            for step, rows_shape in per_step.items():
+                first_of.setdefault(tuple(rows_shape), step)
+        return cls(stream, by_length, np.unique(batches.target_rows(targets)).tolist(),
                    {shape: forwards(step)[process] for shape, step in first_of.items()},
-                   sum(t for t, _, _, _ in rows), sum(stream.padded_length(t) for t, _, _, _ in rows))
+                   int(tokens.sum(dtype=np.int64)), int(padded.sum(dtype=np.int64)))
 
 
-def survey(stream: Stream, first: int, last: int) -> list[tuple[int, int, int, tuple[int, int, int]]]:
-    """Every packed row of the steps [first, last), of every process, in order, as numbers: (tokens,
-    samples, loss targets, (step, process, row)). Read from the examples' lengths (Stream.row_sizes):
-    a million-row run's steps as rows of examples would hold their tokens as Python lists (1.46 GiB
-    a process for 100,000 rows measured), and reading them took most of the walk's time."""
-    return [(t, n, targets, (s, p, i)) for s in range(first, last) for p, mine in enumerate(stream.row_sizes(s))
-            for i, (t, n, targets) in enumerate(mine)]
+def survey(stream: Stream, first: int, last: int) -> np.ndarray:
+    """Every packed row of the steps [first, last), of every process, in order, as numbers: an array
+    of a line per row, (tokens, samples, loss targets, step, process, its place in the process's
+    rows), 24 bytes a row. Read from the examples' lengths (Stream.row_sizes): a million-row run's
+    steps as rows of examples would hold their tokens as Python lists (1.46 GiB a process for
+    100,000 rows measured), and reading them took most of the walk's time."""
+    out = array.array("i")
+    for s in range(first, last):
+        for p, mine in enumerate(stream.row_sizes(s)):
+            for i, (t, n, targets) in enumerate(mine):
+                out.extend((t, n, targets, s, p, i))
+    return np.frombuffer(out, dtype=np.int32).reshape(-1, 6)
 
 
 @contextmanager
