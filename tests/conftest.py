@@ -5,6 +5,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,20 @@ def answer_ids(tok, text: str) -> list[int]:
         end = [tok.convert_tokens_to_ids("<|im_end|>")] + ids("\n")
     assert len(end) >= 1 and None not in end and tok.unk_token_id not in end
     return ids(text) + end
+
+
+def field(line: str) -> str:
+    """The field a line of ddptune's names first, the code a refusal or a warning is known by: its text
+    before the first ': ', after 'ddptune: ', 'warning: ' and 'invalid config: ' (the rest is the fix, in words)."""
+    text = line.strip()
+    for prefix in ("ddptune: ", "warning: ", "invalid config: "):
+        text = text.removeprefix(prefix)
+    return text.split(": ", 1)[0]
+
+
+def words(line: str) -> set[str]:
+    """The values a line names (paths, numbers, names, flags), split at spaces and the punctuation around them."""
+    return set(re.split(r"[\s,;()]+|:(?=\s)", line)) - {""}
 
 
 def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

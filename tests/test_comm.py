@@ -1,6 +1,7 @@
 """Interconnect parsing, cost-model arithmetic and a real gloo all-reduce benchmark."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -151,8 +152,11 @@ def test_measure_bandwidth_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"])  # 2(n-1)/n == 1 for n = 2
 
 
-def test_measure_bandwidth_failure_is_clear(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_measure_bandwidth_failure_is_clear(monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture) -> None:
     monkeypatch.setenv("PYTHONPATH", SRC)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    with pytest.raises(RuntimeError, match="failed"):  # iters=0: no timings -> the child fails
+    with pytest.raises(RuntimeError) as e:  # iters=0: no timings to take the median of -> the child fails
         comm.measure_bandwidth(1, sizes=["1MB"], iters=0)
+    assert re.search(r"\(exit code (\d+), no result file\)", str(e.value)).group(1) == "1", str(e.value)
+    # the child failed for that reason (the median of no timings), not for any other that exits non-zero
+    assert "statistics.StatisticsError" in capfd.readouterr().err
