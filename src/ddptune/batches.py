@@ -110,11 +110,14 @@ def balance(costs: list[float], parts: int, equal_sizes: bool = False) -> list[l
     n = len(costs)
     if n < parts or (equal_sizes and n % parts):
         raise ValueError(f"cannot split {n} items into {parts} {'equal ' if equal_sizes else ''}non-empty groups")
+    order = sorted(range(n), key=lambda i: (-costs[i], i))
+    if n == parts and costs[order[-1]] > 0:  # an item each, costliest first: nothing to improve
+        return [[i] for i in order]
     cap = n // parts if equal_sizes else n
     groups: list[list[int]] = [[] for _ in range(parts)]
     load = [0.0] * parts
     open_ = [(0.0, j) for j in range(parts)]  # a heap of (load, group) of the groups not yet full
-    for i in sorted(range(n), key=lambda i: (-costs[i], i)):
+    for i in order:
         _, j = heapq.heappop(open_)
         groups[j].append(i)
         load[j] += costs[i]
