@@ -22,15 +22,17 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import set_seed
+from transformers import PreTrainedTokenizerBase
 
 from ddptune import admission, batches, batchplan, checkpoint, comm, config as config_lib, data, dist, fallback, generation, graphs
 from ddptune import memory, metrics, model as model_lib, report, rundir, runlog, saving, speed as speed_lib, step as step_lib, system
-from ddptune import tokenized
+from ddptune import store, tokenized
 from ddptune.batchplan import BatchPlan
 from ddptune.config import Config, ConfigError
 from ddptune.start import Diverged, Interrupted, NonFinite  # how a run stops (start.py gives each its exit code)
@@ -45,21 +47,21 @@ class Run:
     plan: BatchPlan
     accelerator: Accelerator
     out: Path
-    tokenizer: Any
-    train_set: Any       # store.Examples: read a step's examples when the step is built
-    val_set: Any
-    model: Any            # what is saved, checkpointed and evaluated (a PEFT model, or the full model)
-    loss_model: Any       # model_lib.CausalLMLoss around `model`
-    optimizer: Any        # accelerate's wrapper (checkpoints hold its state)
-    scheduler: Any
+    tokenizer: PreTrainedTokenizerBase
+    train_set: store.Examples  # a step's examples are read when the step is built
+    val_set: store.Examples    # empty without data.val
+    model: torch.nn.Module     # what is saved, checkpointed and evaluated (a PEFT model, or the full model)
+    loss_model: model_lib.CausalLMLoss  # around `model`
+    optimizer: AcceleratedOptimizer     # accelerate's wrapper (checkpoints hold its state)
+    scheduler: AcceleratedScheduler
     level: fallback.Level  # what runs a step: speed choices, the step's parts, the recorded step, the stream
     clock: dist.StepClock
     flops: metrics.FlopModel
     start: int            # optimizer steps already done (resume)
     total_steps: int
     times: dict = field(default_factory=dict)  # started (perf_counter), started_at (time.time), startup_s, load_s, eval_s
-    side: Any = None      # the CUDA stream a recorded step runs on (DDP is built on it)
-    trackers: Any = None
+    side: torch.cuda.Stream | None = None  # the CUDA stream a recorded step runs on (DDP is built on it)
+    trackers: runlog.Trackers | None = None
 
     def outline(self) -> runlog.Outline:
         """What the run is, as its opening lines and summary.json say it."""
