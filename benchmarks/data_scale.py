@@ -14,7 +14,9 @@ Each tree (this checkout, and --before's, an older commit's worktree, for row co
 - hold: at each --nproc, that many processes joined over gloo do with the data what a training
   process does before its first step (this checkout: tokenized.load, the step stream and its first
   step; the older one: data.load), after one of them prepared it; each reports its anonymous (not
-  file-backed) memory taken by that, from /proc, and its peak resident memory;
+  file-backed) memory taken by that, from /proc, and its peak resident memory; this checkout's then
+  make what CUDA graphs are prepared from for an epoch (graphs.Layout: every step surveyed, 2 lengths),
+  and report its seconds and the anonymous memory held with it;
 - train: `ddptune train --nproc N` at the largest --nproc on CPU processes, preset:smollm2-135m
   (random weights in SmolLM2's shape and vocabulary), one optimizer step of one sample a process, from
   an empty cache and then again: seconds from launch to the first step's line in metrics.jsonl, the
@@ -141,7 +143,7 @@ def hold_worker(args) -> None:
     gc.collect()
     before = anon_bytes()
     try:
-        from ddptune import dist, tokenized
+        from ddptune import dist, graphs, tokenized
     except ImportError:  # an older tree: its main process tokenizes into a cache the others read
         from ddptune import data
 
@@ -152,16 +154,22 @@ def hold_worker(args) -> None:
         train, _ = data.load(d, tok, cache)
         costs = [flops.sample(len(e["input_ids"]), batches.target_tokens([e])) for e in train]
         targets = [batches.target_tokens([e]) for e in train]
+        graphs = None
     else:
         train, _ = tokenized.load(dist.on_node(acc, lambda: tokenized.prepare(d, tok)))
         costs, targets = flops.sample(train.lengths, train.targets), train.targets
     stream = batches.Stream(train, costs, targets, 8 * acc.num_processes, acc.num_processes, 0, True, 8, 4096, 512)
     stream.share(0)
     gc.collect()
-    held = anon_bytes() - before
+    held, row = anon_bytes() - before, {"rank": acc.process_index, "examples": len(train)}
+    if graphs:  # this checkout: what CUDA graphs are prepared from, for an epoch (Layout, 2 lengths)
+        t, epoch = time.perf_counter(), -(-len(train) // stream.global_batch)
+        layout = graphs.Layout.of(stream, 0, epoch, 2, True, acc.process_index, epoch)
+        row.update(layout_s=round(time.perf_counter() - t, 2), layout_steps=epoch, layout_lengths=list(layout.stream.graph_lengths))
+        gc.collect()
+        row["with_layout_anon_gib"] = round((anon_bytes() - before) / 2**30, 4)
     Path(args.hold_out, f"rank{acc.process_index}.json").write_text(json.dumps(
-        {"rank": acc.process_index, "examples": len(train), "data_anon_gib": round(held / 2**30, 4),
-         "peak_rss_gib": round(status(os.getpid())["VmHWM"] / 2**30, 4)}))
+        {**row, "data_anon_gib": round(held / 2**30, 4), "peak_rss_gib": round(status(os.getpid())["VmHWM"] / 2**30, 4)}))
     acc.wait_for_everyone()
 
 
@@ -176,7 +184,8 @@ def hold(tree: Path, args, data: Path, cache: Path, nproc: int, work: Path) -> d
     ranks = sorted((json.loads(p.read_text()) for p in out.glob("rank*.json")), key=lambda r: r["rank"])
     return {"nproc": nproc, "examples": ranks[0]["examples"], "data_anon_gib": [r["data_anon_gib"] for r in ranks],
             "data_anon_total_gib": round(sum(r["data_anon_gib"] for r in ranks), 3),
-            "peak_rss_gib": [r["peak_rss_gib"] for r in ranks]}
+            "peak_rss_gib": [r["peak_rss_gib"] for r in ranks],
+            **{k: [r[k] for r in ranks] for k in ("layout_s", "with_layout_anon_gib") if k in ranks[0]}}
 
 
 def free_port() -> int:
