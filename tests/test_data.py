@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import SHARED_DATA, answer_ids, peak_allocated
+from conftest import SHARED_DATA, answer_ids, field, peak_allocated, words
 from ddptune import batches, data, metrics, model as model_lib
 from ddptune.config import DataConfig, ModelConfig
 
@@ -229,7 +229,8 @@ def test_packed_forward_equals_separate_forwards(pad_to):
 
 def test_check_reports_missing_rows(tmp_path):
     problems, n = data.check(DataConfig(train="demo", train_rows="5000:6000"))
-    assert any("select nothing" in p for p in problems) and n == 0
+    (line,) = problems  # the slice given, the 600 rows the demo holds, the source
+    assert field(line) == "data.train" and {"'5000:6000'", "600", "demo"} <= words(line) and n == 0, problems
     assert data.check(DataConfig(train="demo", train_rows="0:100")) == ([], 100)
 
 

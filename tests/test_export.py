@@ -12,7 +12,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import conftest
-from conftest import ROOT
+from conftest import ROOT, field, words
 from ddptune import cli, config, model as model_lib, train
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -194,15 +194,19 @@ def test_bad_input_is_refused_with_one_line_and_nothing_overwritten(lora_run, tm
     (full / "keep.txt").write_text("mine")
     assert cli.main(["export", str(lora_run), str(full), "--merge"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "OUT:" in err and "already holds files" in err
+    assert err.count("\n") == 0 and field(err) == "OUT" and str(full) in words(err), err  # the folder that holds files
     assert [p.name for p in full.iterdir()] == ["keep.txt"] and (full / "keep.txt").read_text() == "mine"
     assert cli.main(["export", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 2
-    assert "is not a folder" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    err = capsys.readouterr().err.strip()  # the run folder that is not there, and no file in it
+    assert field(err) == "export" and str(tmp_path / "nowhere") in words(err) and "config.yaml" not in words(err), err
+    assert not (tmp_path / "x").exists()
     unfinished = tmp_path / "unfinished"
     unfinished.mkdir()
     (unfinished / "config.yaml").write_text((lora_run / "config.yaml").read_text())
     assert cli.main(["export", str(unfinished), str(tmp_path / "y")]) == 2
-    assert "adapter not found (has the run finished?" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip()  # the run's adapter folder, the one missing
+    assert err.count("\n") == 0 and field(err) == "export" and str(unfinished / "adapter") in words(err), err
+    assert not (tmp_path / "y").exists()
     assert cli.main(["export", str(lora_run), str(tmp_path / "z"), "--dtype", "fp16"]) == 2
     capsys.readouterr()
     # an adapter is copied as trained: a dtype for it would be silently ignored

@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import ROOT, gguf_parsed_once
+from conftest import ROOT, field, gguf_parsed_once, words
 from ddptune import chat, cli, data, gguf_export, model as model_lib
 from test_export import export, logits, train_run
 
@@ -269,19 +269,22 @@ def test_bad_gguf_exports_are_refused_with_one_line_and_nothing_written(tiny_run
     (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     text = (other / "config.yaml").read_text().replace("source: preset:tiny", f"source: {folder}")
     (other / "config.yaml").write_text(text)
-    assert "supported: llama" in refused([other, out, "--format", "gguf"], capsys, out)
-    assert "--outtype" in refused([tiny_run, out, "--outtype", "q8_0"], capsys, out)
-    assert "--dtype" in refused([tiny_run, out, "--format", "gguf", "--dtype", "bf16"], capsys, out)
-    assert "--ollama" in refused([tiny_run, out, "--format", "gguf", "--ollama", "tiny"], capsys, out)  # no chat template
+    line = refused([other, out, "--format", "gguf"], capsys, out)  # the base's type, and the one GGUF takes
+    assert field(line) == "model" and {"gpt2", "llama"} <= words(line), line
+    line = refused([tiny_run, out, "--outtype", "q8_0"], capsys, out)
+    assert field(line) == "--outtype, --quantize, --ollama" and "gguf" in words(line), line
+    assert field(refused([tiny_run, out, "--format", "gguf", "--dtype", "bf16"], capsys, out)) == "--dtype"
+    assert field(refused([tiny_run, out, "--format", "gguf", "--ollama", "tiny"], capsys, out)) == "--ollama"  # no chat template
     with monkeypatch.context() as mp:
         mp.setenv("PATH", str(tmp_path / "no-tools"))  # neither llama-quantize nor ollama
         line = refused([tiny_run, out, "--format", "gguf", "--quantize", "q4_k_m"], capsys, out)
-    assert "llama-quantize" in line and "ollama" in line
+    assert field(line) == "--quantize" and {"q4_k_m", "llama-quantize", "ollama"} <= words(line), line
     full = tmp_path / "full"
     full.mkdir()
     (full / "keep.txt").write_text("mine")
     assert cli.main(["export", str(tiny_run), str(full), "--format", "gguf"]) == 2
-    assert [p.name for p in full.iterdir()] == ["keep.txt"] and "already holds files" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip()  # the folder that holds files
+    assert [p.name for p in full.iterdir()] == ["keep.txt"] and field(err) == "OUT" and str(full) in words(err), err
 
 
 def test_a_full_disk_is_refused_before_writing_and_a_write_that_fails_leaves_nothing(tiny_run, tmp_path, capsys):

@@ -10,7 +10,7 @@ import re
 import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import ROOT, field, words
 
 
 def test_bad_input_found_inside_torchrun_workers_is_one_line_also_at_the_end(tmp_path):
@@ -26,8 +26,10 @@ def test_bad_input_found_inside_torchrun_workers_is_one_line_also_at_the_end(tmp
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     ours = [l for l in re.split(r"[\r\n]", proc.stderr) if l.startswith("ddptune:")]
     assert proc.returncode != 0, proc.stderr[-3000:]
-    assert len(ours) == 1 and ours[0].startswith("ddptune: invalid config: --resume: ") and \
-        "written by 1 processes with 4 samples per optimizer step" in ours[0], proc.stderr[-3000:]
+    assert len(ours) == 1 and ours[0].startswith("ddptune: invalid config: ") and field(ours[0]) == "--resume", proc.stderr[-3000:]
+    # the checkpoint; its 1 process and 4 samples a step, the 2 processes now; the key to set, or --nproc 1
+    assert {str(out / "checkpoints" / "step-000002"), "train.effective_batch_size=4"} <= words(ours[0]), ours[0]
+    assert [w for w in re.split(r"[\s,;()]+", ours[0]) if w.isdigit()] == ["1", "4", "2", "1"], ours[0]
     assert not re.search(r'File ".*[/\\]ddptune[/\\]', proc.stderr), proc.stderr  # torchrun's frames only
     assert "exitcode  : 2" in proc.stderr  # each worker's own exit code, in torchrun's table
     tail = proc.stderr.strip().splitlines()[-3:]  # the root cause closes torchrun's report

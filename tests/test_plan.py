@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import re
 
 import pytest
 
-from conftest import ROOT, SHARED_DATA
+from conftest import ROOT, SHARED_DATA, field, words
 from ddptune import cli, config, memory, plan
 
 CONFIG_8B = str(ROOT / "configs" / "samsum_qlora_llama31_8b.yaml")  # the tutorial's job
@@ -109,8 +110,10 @@ def test_train_refuses_a_run_that_will_not_fit_in_one_line_before_loading(tmp_pa
                      f"output_dir={out}", "--gpu-memory", "80"])  # an 80 GiB GPU: the 8B full fine-tune needs FSDP
     err = capsys.readouterr().err.strip()
     assert code == 2
-    assert len(err.splitlines()) == 1 and "memory:" in err and "FSDP (full shard) over 2 GPUs" in err
-    assert "train.memory_check=false tries anyway" in err
+    assert len(err.splitlines()) == 1 and field(err) == "memory", err
+    # the method, the model and the 80 GiB given; the way out: FSDP over 2 GPUs (from 1), or the override that tries anyway
+    assert {"full", "preset:llama-3.1-8b", "80.0", "FSDP", "train.memory_check=false"} <= words(err), err
+    assert re.findall(r"\b(\d+) GPUs?\b", err) == ["1", "2"], err
     assert not out.exists() or not any(out.iterdir())
     # the plan is an estimate: a user who knows better can still try
     cfg = config.load(CONFIG_8B, ["train.method=full"])
