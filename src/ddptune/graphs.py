@@ -121,7 +121,8 @@ class Layout:
         padded = sizes[np.searchsorted(sizes, tokens)]  # each row's: the shortest length that holds it
         lengths_met, at = np.unique(padded[::-1], return_index=True)  # each length's last row
         forwards = functools.lru_cache(maxsize=None)(lambda step: stream.share(step).forwards)
-        by_length = {n: forwards(s)[p][i] for n, (s, p, i) in zip(lengths_met.tolist(), rows[len(rows) - 1 - at, 3:].tolist())}
+        where = rows[len(rows) - 1 - at, 3:].tolist()  # (step, process, row) of each
+        by_length = {n: forwards(s)[p][i] for n, (s, p, i) in zip(lengths_met.tolist(), where)}
         first_of = {}  # each step shape this process meets: its first step
         if whole_step:
             mine = procs == process
