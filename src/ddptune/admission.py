@@ -116,7 +116,7 @@ def code_problems(cfg: Config) -> list[str]:
             problems += e.problems
     from ddptune import model as model_lib
 
-    return problems + model_lib.model_problems(cfg)
+    return problems + model_lib.model_problems(cfg.model, cfg.lora, cfg.train.method)
 
 
 def local_tokenizer(cfg: Config):

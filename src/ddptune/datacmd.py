@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ddptune import admission, batchplan, config as config_lib, data, report, store as store_lib, tokenized
-from ddptune.config import ConfigError
+from ddptune.config import ConfigError, TrainConfig
 from ddptune.tokens import IGNORE
 
 DRAWS = [("name", "source"), ("examples", "examples"), ("weight", "weight"), ("share", "share"), ("epoch", "samples an epoch"),
@@ -65,7 +65,7 @@ def main(args) -> int:
     print(f"data: {data.selection(cfg.data)}")
     print(report.markdown_table(table, COLUMNS), end="")
     print("".join(f"{line}\n" for line in prepared.notes), end="")
-    print(draws_line(cfg, plan), report.markdown_table(draws_table(cfg, plan, mix_rows), DRAWS), sep="\n", end="")
+    print(draws_line(cfg.train, plan), report.markdown_table(draws_table(cfg.train, plan, mix_rows), DRAWS), sep="\n", end="")
     for split, name, examples, i in shown:
         example = examples[i]
         print(f"\n--- {split} {name}, row {examples.rows[i]} ({len(example['input_ids'])} tokens"
@@ -78,7 +78,7 @@ def main(args) -> int:
     return 0
 
 
-def draws_table(cfg, plan: batchplan.BatchPlan, found: list[tuple[data.Source, int]]) -> list[dict]:
+def draws_table(t: TrainConfig, plan: batchplan.BatchPlan, found: list[tuple[data.Source, int]]) -> list[dict]:
     """Each training source's draws: its examples, weight and share, and the samples it gives an epoch of the
     mixture (data.mixture: its examples, with one source) and the whole run (batches.Stream's stream)."""
     from ddptune import batches  # (torch: only once the checks have passed)
@@ -87,17 +87,16 @@ def draws_table(cfg, plan: batchplan.BatchPlan, found: list[tuple[data.Source, i
     if not sum(sizes):  # every row dropped: the table above says so
         return []
     mix = data.draws([s for s, _ in found], sizes) if len(found) > 1 else ((sizes[0], sizes[0]),)
-    samples = batchplan.total_steps(cfg.train, sum(sizes), plan.global_batch) * plan.global_batch
-    run = batches.mixture_draws(mix, samples, cfg.train.seed) if len(found) > 1 else [samples]
+    samples = batchplan.total_steps(t, sum(sizes), plan.global_batch) * plan.global_batch
+    run = batches.mixture_draws(mix, samples, t.seed) if len(found) > 1 else [samples]
     period = sum(n for _, n in mix)
     return [{"name": s.name, "examples": rows, "weight": s.weight, "share": f"{n / period:.1%}", "epoch": n,
              "epoch_passes": round(n / rows, 2), "run": k, "run_passes": round(k / rows, 2)}
             for (s, _), (rows, n), k in zip(found, mix, run)]
 
 
-def draws_line(cfg, plan: batchplan.BatchPlan) -> str:
+def draws_line(t: TrainConfig, plan: batchplan.BatchPlan) -> str:
     """What the draws table counts: the run's steps and samples, and the epoch of its sources."""
-    t = cfg.train
     length = f"train.max_steps={t.max_steps}" if t.max_steps else f"train.epochs={t.epochs:g}"
     return (f"samples drawn ({length}, {plan.global_batch} a step over {plan.world_size} process(es); an epoch draws as "
             "many samples as the sources hold examples, each source's share set by its weight):")

@@ -50,7 +50,7 @@ def main(args) -> int:
             return found + sources.source_problems(cfg.model)
         from ddptune import model as model_lib
 
-        return model_lib.model_problems(cfg)
+        return model_lib.model_problems(cfg.model, cfg.lora, cfg.train.method)
 
     if not launch.in_launched_process():  # here, before any process starts (--nproc's workers skip it: we did)
         problems = checked_once(not any(p.startswith("data.") for p in problems), tuple(problems))
@@ -83,7 +83,8 @@ def evaluate(cfg, run_dir: Path | None, trained: bool, out: Path, checked_once) 
             net = model_lib.load_model(cfg.model, t.method, accelerator.device, t.precision, t.seed)
     accelerator.print(f"ddptune: loaded in {time.perf_counter() - t0:.1f}s")
     label = f"fine-tuned ({model_lib.trained_weights_dir(run_dir, t.method)})" if trained else "zero-shot"
-    generation.evaluate(net, tokenizer, generation.eval_rows(cfg), cfg, accelerator, out, label)
+    generation.evaluate(net, tokenizer, generation.eval_rows(cfg.data, cfg.eval.max_samples), cfg.eval, cfg.data, cfg.model.source,
+                        accelerator, out, label)
     accelerator.wait_for_everyone()
     return 0
 

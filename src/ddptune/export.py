@@ -95,7 +95,7 @@ def _problems(args, cfg: Config, run_dir: Path, out: Path, tokenizer) -> list[st
     if (args.merge or gguf) and not full:
         from ddptune import model as model_lib
 
-        problems += model_lib.model_problems(cfg)
+        problems += model_lib.model_problems(cfg.model, cfg.lora, cfg.train.method)
     if gguf:
         problems += _gguf_problems(args, cfg, run_dir, tokenizer)
     return problems

@@ -23,8 +23,8 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from ddptune import chat, config as config_lib, data, formats, report
-from ddptune.config import Config, ConfigError
+from ddptune import chat, data, formats, report
+from ddptune.config import ConfigError, DataConfig, EvalConfig
 
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 
@@ -57,7 +57,7 @@ def rouge(predictions: list[str], references: list[str]) -> dict[str, float]:
 # Generation
 
 
-def prompt_ids(rows: list[dict], tokenizer, d: config_lib.DataConfig) -> list[list[int]]:
+def prompt_ids(rows: list[dict], tokenizer, d: DataConfig) -> list[list[int]]:
     """What each row's generation starts from: a dialogue's prompt as training built it, or a
     conversation's turns up to its last user turn (before its last assistant turn, when it has one)
     with the generation prompt, in the pieces training tokenized them in (chat.prompt_ids)."""
@@ -80,7 +80,7 @@ def reference(row: dict) -> str:
     return formats.context_and_answer(row["messages"])[1] if "messages" in row else row["summary"]
 
 
-def stop_ids(tokenizer, d: config_lib.DataConfig) -> list[int]:
+def stop_ids(tokenizer, d: DataConfig) -> list[int]:
     """End-of-sequence ids: the tokenizer's eos and the chat template's end-of-turn token."""
     ids = {tokenizer.eos_token_id}
     end = data.prompt_pieces(tokenizer, d.instruction, d.system_prompt)[2]
@@ -129,7 +129,7 @@ def generate(model, tokenizer, prompts: list[list[int]], batch: list[int], confi
     return [tokenizer.decode(seq[width:], skip_special_tokens=True).strip() for seq in out]
 
 
-def generate_all(net, tokenizer, prompts: list[list[int]], cfg: Config, accelerator: Accelerator,
+def generate_all(net, tokenizer, prompts: list[list[int]], e: EvalConfig, d: DataConfig, accelerator: Accelerator,
                  desc: str = "generate", sampling: Sampling | None = None) -> tuple[list[str] | None, float]:
     """Greedy (or `sampling`) texts for every prompt, the work shared out over the processes (every process
     calls this): on rank 0 the texts in prompt order, None on the others; and the generation seconds.
@@ -137,11 +137,11 @@ def generate_all(net, tokenizer, prompts: list[list[int]], cfg: Config, accelera
     from its place among the batches: the same texts from any process count."""
     was_training = net.training
     net.eval()
-    batches = fixed_batches(prompts, cfg.eval.batch_size)
+    batches = fixed_batches(prompts, e.batch_size)
     world, rank = accelerator.num_processes, accelerator.process_index
     calls = math.ceil(len(batches) / world)  # the same on every process
     places = [min(j * world + rank, len(batches) - 1) for j in range(calls)]
-    config = settings(cfg.eval.max_new_tokens, stop_ids(tokenizer, cfg.data), tokenizer.pad_token_id, sampling)
+    config = settings(e.max_new_tokens, stop_ids(tokenizer, d), tokenizer.pad_token_id, sampling)
     accelerator.wait_for_everyone()
     t0 = time.perf_counter()
     done = []
@@ -164,11 +164,13 @@ def generate_all(net, tokenizer, prompts: list[list[int]], cfg: Config, accelera
     return [preds[i] for i in range(len(prompts))], gen_s
 
 
-def evaluate(model, tokenizer, rows: list[dict], cfg: Config, accelerator: Accelerator, out_dir: Path, label: str) -> dict:
-    """Generate for `rows` on every process, score on rank 0, write predictions and metrics there."""
+def evaluate(model, tokenizer, rows: list[dict], e: EvalConfig, d: DataConfig, source: str, accelerator: Accelerator,
+             out_dir: Path, label: str) -> dict:
+    """Generate for `rows` on every process, score on rank 0, write predictions and metrics there (`source`:
+    the model's, as its metrics name it)."""
     net = accelerator.unwrap_model(model)
     world = accelerator.num_processes
-    predictions, gen_s = generate_all(net, tokenizer, prompt_ids(rows, tokenizer, cfg.data), cfg, accelerator,
+    predictions, gen_s = generate_all(net, tokenizer, prompt_ids(rows, tokenizer, d), e, d, accelerator,
                                       f"generate ({label.split(' (')[0]})")
     if not accelerator.is_main_process:
         return {}
@@ -179,9 +181,9 @@ def evaluate(model, tokenizer, rows: list[dict], cfg: Config, accelerator: Accel
     result = {
         "label": label, **scores, "n": len(rows), "world_size": world, **({"sources": per_source} if per_source else {}),
         "generation_time_s": gen_s, "samples_per_s": len(rows) / gen_s if gen_s else None,
-        "max_new_tokens": cfg.eval.max_new_tokens, "batch_size": cfg.eval.batch_size,
+        "max_new_tokens": e.max_new_tokens, "batch_size": e.batch_size,
         "mean_prediction_words": sum(len(p.split()) for p in predictions) / max(len(predictions), 1),
-        "model": cfg.model.source,
+        "model": source,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     asked = lambda row: {"messages": formats.context_and_answer(row["messages"])[0]} if "messages" in row else {"dialogue": row["dialogue"]}  # noqa: E731
@@ -200,8 +202,7 @@ def evaluate(model, tokenizer, rows: list[dict], cfg: Config, accelerator: Accel
     return result
 
 
-def eval_rows(cfg: Config) -> list[dict]:
+def eval_rows(d: DataConfig, max_samples: int | None) -> list[dict]:
     """The validation rows of every data.val source, in order (the first eval.max_samples)."""
-    rows = [dict(r, source=s.name) for s in data.sources(cfg.data, "val")
-            for r in data.load_split(s.source, s.rows, cfg.data, s.field)]
-    return rows[: cfg.eval.max_samples] if cfg.eval.max_samples else rows
+    rows = [dict(r, source=s.name) for s in data.sources(d, "val") for r in data.load_split(s.source, s.rows, d, s.field)]
+    return rows[:max_samples] if max_samples else rows

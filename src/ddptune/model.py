@@ -27,7 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaC
 from ddptune import chat, launch, sources
 from ddptune.attention import register_attention
 from ddptune.checkpoint import atomic_dir, make_plain
-from ddptune.config import Config, ConfigError, DataConfig, LoraConfig, ModelConfig
+from ddptune.config import ConfigError, DataConfig, LoraConfig, ModelConfig
 from ddptune.rundir import trained_weights_dir  # noqa: F401 - model.trained_weights_dir, for its callers
 from ddptune.sources import PRESETS, cache_root, resolve_source  # noqa: F401 - model.resolve_source, for its callers
 
@@ -361,15 +361,15 @@ def add_adapters(model, method: str, lora: LoraConfig, gradient_checkpointing: b
         return get_peft_model(model, peft_cfg)
 
 
-def model_problems(cfg: Config) -> list[str]:
+def model_problems(m: ModelConfig, lo: LoraConfig, method: str) -> list[str]:
     """The model source can be used, and every lora.target_modules and lora.modules_to_save name matches one of
     its layers (read from its config on the meta device: no weights are loaded). Hub models are not fetched here."""
-    if problems := sources.source_problems(cfg.model):
+    if problems := sources.source_problems(m):
         return problems
-    src, lo = sources.resolve_source(cfg.model), cfg.lora
+    src = sources.resolve_source(m)
     listed = [("target_modules", n) for n in lo.target_modules if lo.target_modules != ["all-linear"]]
     listed += [("modules_to_save", n) for n in lo.modules_to_save]
-    layers = None if cfg.train.method == "full" or not listed else layer_names(src, cfg)
+    layers = None if method == "full" or not listed else layer_names(src, m.trust_remote_code)
     if isinstance(layers, str):
         return [layers]
     problems = []
@@ -378,15 +378,15 @@ def model_problems(cfg: Config) -> list[str]:
         if not found:
             hint = " (all-linear works only alone: [all-linear])" if target == "all-linear" else ""
             leaves = sorted({n.rsplit(".", 1)[-1] for n in layers})
-            problems.append(f"lora.{key}: {target!r} matches no layer of {cfg.model.source}{hint} "
+            problems.append(f"lora.{key}: {target!r} matches no layer of {m.source}{hint} "
                             f"(its layers: {', '.join(leaves)})")
-        elif key == "modules_to_save" and cfg.train.method == "qlora" and "linear" in found:
+        elif key == "modules_to_save" and method == "qlora" and "linear" in found:
             problems.append(f"lora.modules_to_save: {target!r} is a 4-bit layer under qlora, which cannot be trained whole "
                             "(save the embeddings or output head only, e.g. [lm_head], or adapt it through lora.target_modules)")
     return problems
 
 
-def layer_names(src, cfg: Config) -> dict[str, str] | str | None:
+def layer_names(src, trust_remote_code: bool) -> dict[str, str] | str | None:
     """The layers LoRA can adapt or train whole, by name: "linear", "embedding" or "head" (the output head, which
     QLoRA leaves unquantized), from the model's config alone; a problem line when that config cannot be read;
     None for hub models (not fetched to validate)."""
@@ -394,11 +394,11 @@ def layer_names(src, cfg: Config) -> dict[str, str] | str | None:
         if src.kind == "preset":
             arch = preset_config(src.path, "sdpa")
         elif src.kind in ("local", "gguf"):
-            arch = AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file, trust_remote_code=cfg.model.trust_remote_code)
+            arch = AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file, trust_remote_code=trust_remote_code)
         else:
             return None
         with torch.device("meta"):
-            net = AutoModelForCausalLM.from_config(arch, trust_remote_code=cfg.model.trust_remote_code)
+            net = AutoModelForCausalLM.from_config(arch, trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - a broken config.json or GGUF header, an unknown architecture
         reason = " ".join(str(e).split())[:200]
         return f"model.source: the model's config cannot be read ({type(e).__name__}: {reason})"

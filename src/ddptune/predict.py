@@ -64,7 +64,7 @@ def checked(args) -> tuple:
         else:  # the model's code (torch, transformers) is imported only when all else holds
             from ddptune import model as model_lib
 
-            problems += model_lib.model_problems(cfg)
+            problems += model_lib.model_problems(cfg.model, cfg.lora, cfg.train.method)
     if problems:
         raise ConfigError(problems)
     return cfg, source, out, overrides
@@ -127,7 +127,7 @@ def predict(cfg, run_dir: Path, rows: list[dict], asked: list[dict], out: Path |
     accelerator = dist.setup(t.precision)
     if not dist.validated_by_parent() and dist.in_launched_process():  # under torchrun or accelerate launch
         # rank 0 checks the model once; every process then fails with the same line (no traceback per rank)
-        if problems := dist.on_main(accelerator, lambda: model_lib.model_problems(cfg)):
+        if problems := dist.on_main(accelerator, lambda: model_lib.model_problems(cfg.model, cfg.lora, cfg.train.method)):
             raise ConfigError(problems)
     tokenizer = model_lib.load_tokenizer(cfg.model, cfg.data)
     with accelerator.main_process_first():
@@ -137,7 +137,7 @@ def predict(cfg, run_dir: Path, rows: list[dict], asked: list[dict], out: Path |
         prompts = generation.prompt_ids(asked, tokenizer, cfg.data)
     except ConfigError as e:
         raise ConfigError([f"--input: {e.problems[0]}"]) from None
-    texts, gen_s = generation.generate_all(net, tokenizer, prompts, cfg, accelerator, sampling=sampling)
+    texts, gen_s = generation.generate_all(net, tokenizer, prompts, cfg.eval, cfg.data, accelerator, sampling=sampling)
     if accelerator.is_main_process:
         lines = "".join(json.dumps({**r, "prediction": p}, ensure_ascii=False) + "\n" for r, p in zip(rows, texts))
         if out is None:

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from ddptune import batchplan, config as config_lib, dist, metrics, model as model_lib
 from ddptune.batchplan import BatchPlan
-from ddptune.config import Config, TrainConfig
+from ddptune.config import ModelConfig, TrainConfig
 from ddptune.speed import Speed
 
 
@@ -43,17 +43,17 @@ class Measured:
     grad_buckets: int | None         # the gradient all-reduces of the last step (DDP's buckets); None: one process, or FSDP
 
 
-def opening_lines(outline: Outline, cfg: Config, accelerator: Accelerator, model: torch.nn.Module) -> list[str]:
+def opening_lines(outline: Outline, m: ModelConfig, t: TrainConfig, accelerator: Accelerator, model: torch.nn.Module) -> list[str]:
     """What the start of a run prints: the model and what trains, the speed choices and their reasons,
     the processes, the batch plan and its notes, and the steps the data makes."""
     acc, plan = accelerator, outline.plan
     trainable, total = model_lib.count_params(model)
-    lines = [f"{cfg.model.source} | {cfg.train.method} | {trainable:,} of {total:,} parameters trained", *outline.speed.lines(),
+    lines = [f"{m.source} | {t.method} | {trainable:,} of {total:,} parameters trained", *outline.speed.lines(),
              f"{acc.num_processes} process(es) on {acc.device.type} ({acc.distributed_type.value}, mixed precision "
-             f"{acc.mixed_precision}){', ' + cfg.model.attn_implementation + ' attention' if cfg.train.packing else ''}"
+             f"{acc.mixed_precision}){', ' + m.attn_implementation + ' attention' if t.packing else ''}"
              + (f", {torch.get_num_threads()} CPU thread(s) each ({dist.threads_why})" if acc.device.type == "cpu" else ""),
              plan.describe() + ("; each step's samples split into shares of equal cost" if acc.num_processes > 1 else ""),
-             *(f"note: {note}" for note in batchplan.batch_notes(cfg.train)),
+             *(f"note: {note}" for note in batchplan.batch_notes(t)),
              f"{outline.train_rows} training examples, {outline.train_rows / plan.global_batch:.1f} steps per epoch, "
              f"{outline.steps} steps" + (f", resuming after step {outline.start}" if outline.start else "")]
     return [f"ddptune: {line}" for line in lines]
@@ -104,17 +104,15 @@ class Trackers:
     experiment `ddptune`, the run named after output_dir. Closed also after an error (not with
     accelerator.end_training, which would also destroy the process group)."""
 
-    def __init__(self, accelerator, cfg, out: Path):
-        self.accelerator, self.on = accelerator, cfg.train.log_with != "none"
+    def __init__(self, accelerator, log_with: str, settings: dict, out: Path):
+        """`settings`: the resolved config, flattened (config.flatten)."""
+        self.accelerator, self.on = accelerator, log_with != "none"
         if not self.on:
             return
-        flat = {}
-        for key, value in config_lib.flatten(config_lib.to_dict(cfg)).items():
-            # hyperparameters must be numbers, strings or booleans (TensorBoard's add_hparams)
-            flat[key] = value if isinstance(value, (int, float, str, bool)) else str(value)
+        # hyperparameters must be numbers, strings or booleans (TensorBoard's add_hparams)
+        flat = {key: value if isinstance(value, (int, float, str, bool)) else str(value) for key, value in settings.items()}
         name = out.resolve().name
         init = {"wandb": {"name": name}, "mlflow": {"run_name": name}}
-        log_with = cfg.train.log_with
         accelerator.init_trackers("tensorboard" if log_with == "tensorboard" else "ddptune", config=flat, init_kwargs=init)
 
     def log(self, row: dict) -> None:

@@ -20,8 +20,8 @@ from accelerate.optimizer import AcceleratedOptimizer
 from torch.optim.lr_scheduler import LRScheduler
 from transformers import PreTrainedTokenizerBase
 
-from ddptune import checkpoint, config as config_lib, dist, model as model_lib, rundir, sources
-from ddptune.config import Config, ConfigError
+from ddptune import checkpoint, dist, model as model_lib, rundir, sources
+from ddptune.config import ConfigError, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -111,21 +111,21 @@ class SaveTimes:
         return f"ddptune: a checkpoint (step {step}) took {seconds:.2f} s to save{spare}"
 
 
-def save_final(accelerator: Accelerator, final: Path, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, cfg: Config,
-               *, sharded: bool) -> None:
-    """The adapter (PEFT format) or full model into `final`, with tokenizer and resolved config, renamed
-    into place. Sharded (FSDP), the trained weights are first gathered whole onto rank 0: one plain file set."""
+def save_final(accelerator: Accelerator, final: Path, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, m: ModelConfig,
+               method: str, config_yaml: str, *, sharded: bool) -> None:
+    """The adapter (PEFT format) or full model into `final`, with tokenizer and the run's resolved config
+    (`config_yaml`, as ddptune.yaml), renamed into place. Sharded (FSDP), the trained weights are first gathered whole onto rank 0: one plain file set."""
     state = None
     if sharded:
-        state = dist.gathered_state_dict(model, trainable_only=cfg.train.method != "full")
+        state = dist.gathered_state_dict(model, trainable_only=method != "full")
     if accelerator.is_main_process:
         checkpoint.remove_leftovers(final)  # what a save killed before left beside it (for full fine-tuning, a model's size)
         tmp = checkpoint.atomic_dir(final)
         model_lib.save_trained(model, tmp, state)
         if (tmp / "README.md").is_file():  # peft's model card (an adapter's)
-            name_the_base(tmp / "README.md", cfg.model, cfg.train.method)
+            name_the_base(tmp / "README.md", m, method)
         tokenizer.save_pretrained(tmp)
-        (tmp / "ddptune.yaml").write_text(config_lib.dump(cfg))
+        (tmp / "ddptune.yaml").write_text(config_yaml)
         checkpoint.commit(tmp, final)
     accelerator.wait_for_everyone()
 
@@ -138,7 +138,7 @@ def remove_checkpoints(out: Path) -> None:
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
 
 
-def name_the_base(card_path: Path, m: config_lib.ModelConfig, method: str) -> None:
+def name_the_base(card_path: Path, m: ModelConfig, method: str) -> None:
     """peft's model card takes its `base_model` (front matter the hub reads as the base's id, and
     the tag `base_model:adapter:...`) from the folder the base was loaded from: for a GGUF source
     its conversion in the cache, for a preset nothing. Both are set to the hub id where the source

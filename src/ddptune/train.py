@@ -142,8 +142,8 @@ def setup(cfg: Config, resume: bool = False, started: float | None = None, admit
         r.start = saving.resume_from(acc, r.checkpoints(), total)
     if chosen.graphs != "off":
         prepare_graphs(r)
-    acc.print("\n".join(runlog.opening_lines(r.outline(), cfg, acc, r.model)))
-    r.trackers = runlog.Trackers(acc, cfg, out)
+    acc.print("\n".join(runlog.opening_lines(r.outline(), cfg.model, cfg.train, acc, r.model)))
+    r.trackers = runlog.Trackers(acc, cfg.train.log_with, config_lib.flatten(config_lib.to_dict(cfg)), out)
     return r
 
 
@@ -223,11 +223,8 @@ def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
     # torch's default: rank 0 may validate, download and tokenize for long while the others wait).
     dist.set_timeout(cfg.train.timeout_minutes)
     if cfg.eval.enabled and cfg.eval.zero_shot and cfg.train.method != "full" and not r.start:
-        t0 = time.perf_counter()
         with r.model.disable_adapter():  # the base model, before any step
-            generation.evaluate(r.model, r.tokenizer, generation.eval_rows(cfg), cfg, r.accelerator, r.out / "eval-base",
-                                "zero-shot")
-        r.times["eval_s"] += time.perf_counter() - t0
+            scored(r, r.out / "eval-base", "zero-shot")
     loop = Loop(r)
     r.level.parts.model.train()
     gc.disable()  # Python's collector would pause each process at its own moment: collect on all at once instead
@@ -390,6 +387,15 @@ def read_step(r: Run, p: dict, peak: float | None) -> tuple[dict, tuple[dict, di
 # finish
 
 
+def scored(r: Run, folder: Path, label: str) -> dict:
+    """ROUGE of the model as it stands on the validation rows (generation.evaluate); its time counts as evaluation."""
+    t0, cfg = time.perf_counter(), r.cfg
+    scores = generation.evaluate(r.model, r.tokenizer, generation.eval_rows(cfg.data, cfg.eval.max_samples), cfg.eval,
+                                 cfg.data, cfg.model.source, r.accelerator, folder, label)
+    r.times["eval_s"] += time.perf_counter() - t0
+    return scores
+
+
 def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
     """Check the replicas agree, write the figures, save, evaluate."""
     cfg, acc, out = r.cfg, r.accelerator, r.out
@@ -419,13 +425,11 @@ def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
         measured = runlog.Measured(runlog.step_rows(out) or history, ranks, val_loss, peaks, fingerprints, buckets)
         summary = runlog.summary(r.outline(), measured, cfg.train, acc, r.model, r.times, final)
         report.write_json(out / "summary.json", summary)  # first: a kill in the saves below keeps the figures
-    saving.save_final(acc, final, r.model, r.tokenizer, cfg, sharded=sharded)
+    saving.save_final(acc, final, r.model, r.tokenizer, cfg.model, cfg.train.method, config_lib.dump(cfg), sharded=sharded)
     if acc.is_main_process:
         saving.remove_checkpoints(out)
     if cfg.eval.enabled:
-        t0 = time.perf_counter()
-        scores = generation.evaluate(r.model, r.tokenizer, generation.eval_rows(cfg), cfg, acc, out / "eval", "fine-tuned")
-        r.times["eval_s"] += time.perf_counter() - t0
+        scores = scored(r, out / "eval", "fine-tuned")
         if acc.is_main_process:
             summary["rouge"] = {k: scores[k] for k in generation.ROUGE_KEYS}
     if acc.is_main_process:
