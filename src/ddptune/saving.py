@@ -111,8 +111,8 @@ class SaveTimes:
         return f"ddptune: a checkpoint (step {step}) took {seconds:.2f} s to save{spare}"
 
 
-def save_final(accelerator: Accelerator, final: Path, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, m: ModelConfig,
-               method: str, config_yaml: str, *, sharded: bool) -> None:
+def save_final(accelerator: Accelerator, final: Path, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
+               m: ModelConfig, method: str, config_yaml: str, *, sharded: bool) -> None:
     """The adapter (PEFT format) or full model into `final`, with tokenizer and the run's resolved config
     (`config_yaml`, as ddptune.yaml), renamed into place. Sharded (FSDP), the trained weights are first gathered whole onto rank 0: one plain file set."""
     state = None

@@ -111,8 +111,9 @@ def setup(cfg: Config, resume: bool = False, started: float | None = None, admit
     # every row (a refusal stops every process); every process then maps it and holds its index
     prepared = dist.on_node(acc, lambda: tokenized.prepare(cfg.data, tokenizer, progress=sys.stderr.isatty()))
     train_set, val_set = tokenized.load(prepared)
-    acc.print("\n".join(f"ddptune: {line}" for line in [*([f"data: {data.selection(cfg.data)}"] if acc.is_main_process else []), *prepared.notes, f"data ready in {time.perf_counter() - t0:.1f}s; "
-                                                           f"loading {cfg.model.source} ..."]))
+    said = [f"data: {data.selection(cfg.data)}"] if acc.is_main_process else []  # acc.print prints the main process's
+    said += [*prepared.notes, f"data ready in {time.perf_counter() - t0:.1f}s; loading {cfg.model.source} ..."]
+    acc.print("\n".join(f"ddptune: {line}" for line in said))
     if problems := batchplan.rows_problems(len(train_set), plan):  # hub data, or rows dropped as too long
         raise ConfigError(problems)
     total = batchplan.total_steps(cfg.train, len(train_set), plan.global_batch)
