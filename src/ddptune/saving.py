@@ -114,7 +114,8 @@ class SaveTimes:
 def save_final(accelerator: Accelerator, final: Path, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
                m: ModelConfig, method: str, config_yaml: str, *, sharded: bool) -> None:
     """The adapter (PEFT format) or full model into `final`, with tokenizer and the run's resolved config
-    (`config_yaml`, as ddptune.yaml), renamed into place. Sharded (FSDP), the trained weights are first gathered whole onto rank 0: one plain file set."""
+    (`config_yaml`, as ddptune.yaml), renamed into place. Sharded (FSDP), the trained weights are first
+    gathered whole onto rank 0: one plain file set."""
     state = None
     if sharded:
         state = dist.gathered_state_dict(model, trainable_only=method != "full")
