@@ -140,6 +140,34 @@ def test_the_wall_time_counts_from_the_command_start_and_its_parts_add_up(tmp_pa
     assert sum(split.values()) == pytest.approx(summary["wall_time_s"], rel=1e-9)
     assert min(split.values()) >= 0 and split["train_s"] == pytest.approx(summary["train_time_s"])
     assert split["startup_s"] >= before - summary["started_at"]  # the imports before cli.main at least
+    # what made the figures: this checkout's commit and the package's version, on this machine
+    from ddptune import provenance
+
+    assert summary["ddptune"] == {"version": provenance.version(), "commit": provenance.commit()}
+    assert summary["ddptune"]["commit"] and summary["device"] == provenance.device()
+
+
+def test_a_commit_is_named_for_a_source_checkout_only(tmp_path):
+    """provenance.commit: a carried COMMIT file's; git's short hash for a checkout holding src/ddptune,
+    marked -dirty once a tracked file changes; none for a folder that is not one (an installed package
+    inside somebody else's repository)."""
+    import subprocess
+
+    from ddptune import provenance
+
+    git = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True, text=True)  # noqa: E731
+    git("init", "-q")
+    (tmp_path / "README.md").write_text("x\n")
+    git("add", "README.md")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
+    assert provenance.commit(tmp_path) is None
+    (tmp_path / "src" / "ddptune").mkdir(parents=True)
+    head = git("rev-parse", "--short=7", "HEAD").stdout.strip()
+    assert provenance.commit(tmp_path) == head and len(head) == 7
+    (tmp_path / "README.md").write_text("y\n")
+    assert provenance.commit(tmp_path) == head + "-dirty"
+    (tmp_path / "COMMIT").write_text("abc1234\n")
+    assert provenance.commit(tmp_path) == "abc1234"
 
 
 def test_a_process_knows_when_it_began(tmp_path):

@@ -1,7 +1,8 @@
 """Where a figure came from: the commit, the date, the exact command line and the device of a raw file.
 
 The benchmark scripts (benchmarks/) write these into every raw file under benchmarks/results; the
-command is written as typed from a source checkout's root.
+command is written as typed from a source checkout's root. Every run's summary.json holds the version,
+the commit (from a source checkout) and the device.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ def commit(tree: Path = ROOT) -> str | None:
     short hash, ending in `-dirty` where tracked files differ from it; None where neither says."""
     if (tree / "COMMIT").is_file():
         return (tree / "COMMIT").read_text().strip()
+    if not (tree / "src" / "ddptune").is_dir():  # an installed package: the git repository around it is another's
+        return None
     head = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True)
     if head.returncode:
         return None
@@ -53,6 +56,16 @@ def device() -> str:
     except (OSError, StopIteration):
         pass
     return f"{accel}; {model}, {len(os.sched_getaffinity(0))} cores"
+
+
+def version() -> str | None:
+    """The installed ddptune's version (its package metadata); None where it runs from a bare src/."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("ddptune")
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def record(commit_given: str | None = None, script: str | None = None, argv: list[str] | None = None) -> dict:

@@ -15,7 +15,7 @@ import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from ddptune import batchplan, config as config_lib, dist, metrics, model as model_lib
+from ddptune import batchplan, config as config_lib, dist, metrics, model as model_lib, provenance
 from ddptune.batchplan import BatchPlan
 from ddptune.config import ModelConfig, TrainConfig
 from ddptune.speed import Speed
@@ -186,6 +186,7 @@ def summary(outline: Outline, measured: Measured, train: TrainConfig, accelerato
         "cuda_graphs": speed.graphs, "padded_lengths": list(outline.padded_lengths), "base_4bit": model_lib.holds_4bit(model),
         "trainable_params": trainable, "total_params": total,
         "output": str(final), "replica_fingerprints": measured.fingerprints,
+        "ddptune": {"version": provenance.version(), "commit": provenance.commit()}, "device": provenance.device(),
     }
 
 
