@@ -266,3 +266,31 @@ def test_the_graphs_layout_from_numbers_is_the_layout_from_the_rows(tmp_path, by
     assert window.tokens < whole.tokens and len(window.shapes) <= 2
     alone = graphs.Layout.of(one_row, 0, 2, 2, True, process, 2)  # as if the window were the job: other lengths
     assert alone.stream.graph_lengths != whole.stream.graph_lengths
+
+
+def _layouts(prepared, first: int, last: int, horizon: int) -> tuple:
+    """One process of two: its graphs.Layout with the steps surveyed by both (dist.gather), and the
+    Layout it makes surveying every step alone, each as numbers and row lengths."""
+    from accelerate import Accelerator
+
+    from ddptune import batches, dist, graphs
+
+    acc = Accelerator(cpu=True)
+    train, _ = tokenized.load(prepared)
+    stream = batches.Stream(train, [float(n) for n in train.lengths], train.targets, 16, 2, 0, True, 4, 1024, 512)
+    seen = lambda lay: (lay.stream.graph_lengths, {n: [len(e["input_ids"]) for e in g] for n, g in lay.by_length.items()},  # noqa: E731
+                        lay.target_rows, {k: [[len(e["input_ids"]) for e in g] for g in v] for k, v in lay.shapes.items()},
+                        lay.tokens, lay.padded)
+    shared = graphs.Layout.of(stream, first, last, 2, True, acc.process_index, horizon, dist.gather)
+    return seen(shared), seen(graphs.Layout.of(stream, first, last, 2, True, acc.process_index, horizon))
+
+
+def test_two_processes_survey_the_job_in_halves_and_get_the_layout_one_process_gets(tmp_path, byte_tok):
+    """Each process surveys every other step of the job and the halves are gathered: the padded
+    lengths, the rows compiled on, the target counts, each process's own step shapes and the tokens
+    are those that one process surveying every step finds."""
+    prepared = tokenized.prepare(DataConfig(train=jsonl(tmp_path / "rows.jsonl", many_rows(600)), max_length=512), byte_tok)
+    for first, last, horizon in ((0, 37, 37), (5, 20, 37)):  # the whole job (an odd step count), and a window of it
+        (shared0, alone0), (shared1, alone1) = multiproc.run(_layouts, 2, prepared, first, last, horizon)
+        assert shared0 == alone0 and shared1 == alone1
+        assert len(shared0[0]) == 2 and len(shared0[3]) > 1 and shared0[3] != shared1[3]  # each process its own shapes

@@ -79,7 +79,7 @@ def prepare(parts: step_lib.Parts, loss_model, stream: Stream, first: int, last:
     lengths, gradients allocated once outside the graphs' memory (every replay writes them), every
     layer compiled at every length the run meets, and with the whole step recorded every step shape
     this process will meet (`Layout`); what was done, in words; and why recording failed (None: it did not)."""
-    lay = Layout.of(stream, first, last, speed.lengths, speed.graphs == "step", process, horizon)
+    lay = Layout.of(stream, first, last, speed.lengths, speed.graphs == "step", process, horizon, dist.gather)
     for p in parts.params:
         p.grad = torch.zeros_like(p)
     warm_layers(parts, loss_model, lay.stream, lay.by_length, lay.target_rows, pad_id)
@@ -101,8 +101,9 @@ class Layout:
     of every process: a window of the job and the whole job pad alike, and each process records them
     all), one row of each length those steps meet to compile the layers on (the last of that length),
     every padded target count, each step shape this process will meet with its first step's rows,
-    and the rows' real and padded tokens. The steps are surveyed as numbers (`survey`); only the
-    rows warmed on and recorded are read."""
+    and the rows' real and padded tokens. The steps are surveyed as numbers (`survey`), each process
+    its share of them where `gather` is given (every process's value, in rank order: a collective that
+    every process of the run calls); only the rows warmed on and recorded are read."""
     stream: Stream
     by_length: dict[int, list[dict]]
     target_rows: list[int]
@@ -112,8 +113,12 @@ class Layout:
 
     @classmethod
     def of(cls, stream: Stream, first: int, last: int, lengths: int, whole_step: bool, process: int,
-           horizon: int) -> "Layout":
-        job = survey(stream, 0, max(last, horizon))
+           horizon: int, gather=None) -> "Layout":
+        part, parts = (process, stream.parts) if gather else (0, 1)
+        job = survey(stream, 0, max(last, horizon), part, parts)
+        if gather:  # each process surveyed every parts-th step: all of them, in step order
+            job = np.concatenate(gather(job))
+            job = job[np.argsort(job[:, 3], kind="stable")]
         stream = stream.with_lengths(batches.pad_lengths(job[:, 0], lengths, batches.GRAPH_PAD))
         rows = job[(job[:, 3] >= first) & (job[:, 3] < last)]
         tokens, samples, targets, steps, procs, _ = rows.T
@@ -138,14 +143,14 @@ class Layout:
                    int(tokens.sum(dtype=np.int64)), int(padded.sum(dtype=np.int64)))
 
 
-def survey(stream: Stream, first: int, last: int) -> np.ndarray:
-    """Every packed row of the steps [first, last), of every process, in order, as numbers: an array
-    of a line per row, (tokens, samples, loss targets, step, process, its place in the process's
-    rows), 24 bytes a row. Read from the examples' lengths (Stream.row_sizes): a million-row run's
+def survey(stream: Stream, first: int, last: int, part: int = 0, parts: int = 1) -> np.ndarray:
+    """Every packed row of the steps [first, last) (a share of the work: every `parts`-th of them, from
+    first + part), of every process, in order, as numbers: an array of a line per row, (tokens,
+    samples, loss targets, step, process, its place in the process's rows), 24 bytes a row. Read from the examples' lengths (Stream.row_sizes): a million-row run's
     steps as rows of examples would hold their tokens as Python lists (1.46 GiB a process for
     100,000 rows measured), and reading them took most of the walk's time."""
     out = array.array("i")
-    for s in range(first, last):
+    for s in range(first + part, last, parts):
         for p, mine in enumerate(stream.row_sizes(s)):
             for i, (t, n, targets) in enumerate(mine):
                 out.extend((t, n, targets, s, p, i))
