@@ -15,8 +15,9 @@ Each tree (this checkout, and --before's, an older commit's worktree, for row co
   process does before its first step (this checkout: tokenized.load, the step stream and its first
   step; the older one: data.load), after one of them prepared it; each reports its anonymous (not
   file-backed) memory taken by that, from /proc, and its peak resident memory; this checkout's then
-  make what CUDA graphs are prepared from for an epoch (graphs.Layout: every step surveyed, 2 lengths),
-  and report its seconds and the anonymous memory held with it;
+  make what CUDA graphs are prepared from for an epoch (graphs.Layout: every step surveyed, shared out
+  over the processes where the tree does so, 2 lengths), and report its seconds and the anonymous
+  memory held with it;
 - train: `ddptune train --nproc N` at the largest --nproc on CPU processes, preset:smollm2-135m
   (random weights in SmolLM2's shape and vocabulary), one optimizer step of one sample a process, from
   an empty cache and then again: seconds from launch to the first step's line in metrics.jsonl, the
@@ -27,6 +28,7 @@ Each tree (this checkout, and --before's, an older commit's worktree, for row co
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -164,7 +166,8 @@ def hold_worker(args) -> None:
     held, row = anon_bytes() - before, {"rank": acc.process_index, "examples": len(train)}
     if graphs:  # this checkout: what CUDA graphs are prepared from, for an epoch (Layout, 2 lengths)
         t, epoch = time.perf_counter(), -(-len(train) // stream.global_batch)
-        layout = graphs.Layout.of(stream, 0, epoch, 2, True, acc.process_index, epoch)
+        shared = {"gather": dist.gather} if "gather" in inspect.signature(graphs.Layout.of).parameters else {}  # as training
+        layout = graphs.Layout.of(stream, 0, epoch, 2, True, acc.process_index, epoch, **shared)
         row.update(layout_s=round(time.perf_counter() - t, 2), layout_steps=epoch, layout_lengths=list(layout.stream.graph_lengths))
         gc.collect()
         row["with_layout_anon_gib"] = round((anon_bytes() - before) / 2**30, 4)
