@@ -146,9 +146,10 @@ class Layout:
 def survey(stream: Stream, first: int, last: int, part: int = 0, parts: int = 1) -> np.ndarray:
     """Every packed row of the steps [first, last) (a share of the work: every `parts`-th of them, from
     first + part), of every process, in order, as numbers: an array of a line per row, (tokens,
-    samples, loss targets, step, process, its place in the process's rows), 24 bytes a row. Read from the examples' lengths (Stream.row_sizes): a million-row run's
-    steps as rows of examples would hold their tokens as Python lists (1.46 GiB a process for
-    100,000 rows measured), and reading them took most of the walk's time."""
+    samples, loss targets, step, process, its place in the process's rows), 24 bytes a row. Read
+    from the examples' lengths (Stream.row_sizes): a million-row run's steps as rows of examples
+    would hold their tokens as Python lists (1.46 GiB a process for 100,000 rows measured), and
+    reading them took most of the walk's time."""
     out = array.array("i")
     for s in range(first + part, last, parts):
         for p, mine in enumerate(stream.row_sizes(s)):
