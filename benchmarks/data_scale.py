@@ -21,7 +21,10 @@ Each tree (this checkout, and --before's, an older commit's worktree, for row co
 - train: `ddptune train --nproc N` at the largest --nproc on CPU processes, preset:smollm2-135m
   (random weights in SmolLM2's shape and vocabulary), one optimizer step of one sample a process, from
   an empty cache and then again: seconds from launch to the first step's line in metrics.jsonl, the
-  step's own time (its step_time_s) and their difference, launch to the start of the loop;
+  step's own time (its step_time_s) and their difference, launch to the start of the loop, with the
+  run's own split of that time (summary.json's start-up and loading); then the same launch on the
+  file's first 4,000 rows, its store made (the second of two runs): what the launch costs whatever
+  the data;
 - the anchor, in this process: Hugging Face datasets' `Dataset.from_json`, then `map(batched=True,
   num_proc=cores)` with the tokenizer's batched `apply_chat_template(tokenize=True)`: rows/s of each.
 """
@@ -44,6 +47,7 @@ from ddptune import provenance
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM = "You are a careful assistant who summarizes conversations."
 INSTRUCTION = "Summarize the following dialogue."
+SMALL = 4000  # rows of the small launch beside each train run
 
 
 def make_rows(samsum: Path, n: int, path: Path, kind: str = "chat") -> None:
@@ -224,11 +228,13 @@ def train(tree: Path, args, data: Path, cache: Path, nproc: int, work: Path) -> 
     if proc.returncode:
         raise SystemExit(f"{tree}: ddptune train --nproc {nproc}: exit {proc.returncode}\n{err[-3000:]}")
     step = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["step_time_s"]
+    split = json.loads((out / "summary.json").read_text())["wall_split"]  # the run's own: start-up, then loading
     workers = sorted((v for v in peak.values() if v["VmHWM"]), key=lambda v: -v["VmHWM"])[:nproc]
     gib = lambda b: round(b / 2**30, 3)  # noqa: E731
     return {"nproc": nproc, "launch_to_first_step_s": round(first_step, 2) if first_step else None,
             "first_step_s": round(step, 2), "launch_to_loop_s": round(first_step - step, 2) if first_step else None,
             "wall_s": round(time.perf_counter() - started, 2),
+            "run_startup_s": round(split["startup_s"], 2), "run_load_s": round(split["load_s"], 2),
             "launcher_peak_rss_gib": gib(launcher),
             "worker_peak_rss_gib": [gib(v["VmHWM"]) for v in workers],
             "worker_peak_anon_gib": [gib(v["RssAnon"]) for v in workers],
@@ -247,6 +253,10 @@ def one_tree(tree: Path, args, data: Path, rows: int, work: Path) -> dict:
         cold = work / f"cache-{tree.name}-{data.stem}-train"
         row["train_cold"] = train(tree, args, data, cold, args.train_nproc or max(args.nproc), work)
         row["train_warm"] = train(tree, args, data, cold, args.train_nproc or max(args.nproc), work)
+        small = work / f"{data.stem}-first{SMALL}.jsonl"  # the same launch on a few rows: what does not scale with them
+        with open(data) as f, open(small, "w") as g:
+            g.writelines(line for _, line in zip(range(SMALL), f))
+        row["train_small_warm"] = [train(tree, args, small, cold, args.train_nproc or max(args.nproc), work) for _ in range(2)][1]
     print(json.dumps(row), flush=True)
     return row
 
