@@ -116,6 +116,21 @@ def _prepare_with_rank_1_changed(change: str):
     return prepared.module[1].weight.tolist(), prepared.module[0].weight.tolist()
 
 
+def _wrapped_parameters():
+    """One process: the names of the parameters DDP's wrapper holds, and of those it leaves alone."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    model[0].requires_grad_(False)
+    prepared, _ = dist.prepare(dist.setup(), model, torch.optim.SGD(model[1].parameters(), lr=0.1))
+    return sorted(n for n, _ in prepared.named_parameters() if n.removeprefix("module.") not in prepared.parameters_to_ignore), \
+        sorted(prepared.parameters_to_ignore)
+
+
+def test_one_process_ddp_leaves_the_frozen_weights_alone_as_several_do():
+    held, left = multiproc.run(_wrapped_parameters, 1)[0]
+    assert left == ["0.bias", "0.weight"]
+    assert held == ["module.1.bias", "module.1.weight"]
+
+
 def test_ddp_sends_what_trains_and_refuses_replicas_whose_frozen_weights_differ():
     # the trained weight is rank 0's on every process after the wrapper
     (w0, f0), (w1, f1) = multiproc.run(_prepare_with_rank_1_changed, 2, "trained")
