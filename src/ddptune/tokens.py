@@ -8,7 +8,7 @@ MARGIN_TOKENS = 64  # first_ids/last_ids tokenize this many longest tokens' wort
 
 
 def ids(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+    return many_ids(tokenizer, [text])[0] if text else []
 
 
 def many_ids(tokenizer, texts: list[str]) -> list[list[int]]:
