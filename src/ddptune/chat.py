@@ -154,10 +154,8 @@ def in_user_turns(tokenizer, parts: list[tuple[str, bool]], messages: list[dict]
     segments = _segments(parts, messages)
     if segments is None:
         return None
-    limit = tokens.bound(tokenizer, max_length + 1)  # the texts no longer than this: tokenized whole, in one call
-    whole = iter(tokens.many_ids(tokenizer, [text for text, _, turn in segments if turn is None or len(text) <= limit]))
-    got = [next(whole) if turn is None else next(whole)[:max_length + 1] if len(text) <= limit
-           else tokens.first_ids(tokenizer, text, max_length + 1) for text, _, turn in segments]
+    got = tokens.firsts(tokenizer, [text for text, _, _ in segments],
+                        [None if turn is None else max_length + 1 for _, _, turn in segments])
     excess = sum(map(len, got)) - max_length
     order = sorted((k for k, (_, _, turn) in enumerate(segments) if turn is not None),
                    key=lambda k: (segments[k][2], -len(got[k]), k))  # turns before the last first, longest first

@@ -339,10 +339,10 @@ def tokenize_dialogues(tokenizer, pieces: tuple[str, str, str], rows: list[dict]
     before, after, end = pieces
     pre, post, tail = _ids(tokenizer, before), _ids(tokenizer, after), _ids(tokenizer, end)
     half = max_length // 2
-    summaries = firsts(tokenizer, [r["summary"] for r in rows], [half + 1] * len(rows))
+    summaries = tokens_lib.firsts(tokenizer, [r["summary"] for r in rows], [half + 1] * len(rows))
     targets = [(s[:half] + tail)[:half] for s in summaries]
     rooms = [max_length - len(pre) - len(post) - len(t) for t in targets]
-    dialogues = firsts(tokenizer, [r["dialogue"] for r in rows], [room + 1 for room in rooms])
+    dialogues = tokens_lib.firsts(tokenizer, [r["dialogue"] for r in rows], [room + 1 for room in rooms])
     out = []
     for s, target, room, dia in zip(summaries, targets, rooms, dialogues):
         prompt = pre + dia[:max(room, 0)] + post
@@ -351,14 +351,6 @@ def tokenize_dialogues(tokenizer, pieces: tuple[str, str, str], rows: list[dict]
             example["cut"] = "dialogue"
         out.append(example)
     return out
-
-
-def firsts(tokenizer, texts: list[str], ns: list[int]) -> list[list[int]]:
-    """`first_ids(tokenizer, text, n)` of each text: those short enough tokenized whole in one call."""
-    whole = [k for k, (text, n) in enumerate(zip(texts, ns))
-             if n > 0 and (len(text) <= tokens_lib.bound(tokenizer, n) or not getattr(tokenizer, "is_fast", False))]
-    got = dict(zip(whole, tokens_lib.many_ids(tokenizer, [texts[k] for k in whole])))
-    return [got[k][:n] if k in got else first_ids(tokenizer, text, n) for k, (text, n) in enumerate(zip(texts, ns))]
 
 
 def tokenize(rows: list[dict], tokenizer, d: DataConfig, where: list[str] | None = None) -> list:

@@ -22,6 +22,15 @@ def many_ids(tokenizer, texts: list[str]) -> list[list[int]]:
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
+def firsts(tokenizer, texts: list[str], ns: list[int | None]) -> list[list[int]]:
+    """`first_ids(tokenizer, text, n)` of each text (n None: `ids`, all of it): those short enough
+    tokenized whole in one call."""
+    whole = [k for k, (text, n) in enumerate(zip(texts, ns))
+             if n is None or n > 0 and (len(text) <= bound(tokenizer, n) or not getattr(tokenizer, "is_fast", False))]
+    got = dict(zip(whole, many_ids(tokenizer, [texts[k] for k in whole])))
+    return [got[k][:n] if k in got else first_ids(tokenizer, text, n) for k, (text, n) in enumerate(zip(texts, ns))]
+
+
 def bound(tokenizer, n: int) -> int:
     """Characters beyond which first_ids and last_ids tokenize only part of a text for n tokens."""
     return n * longest_token(tokenizer) + 2 * MARGIN_TOKENS * longest_token(tokenizer)
