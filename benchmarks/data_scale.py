@@ -250,13 +250,14 @@ def one_tree(tree: Path, args, data: Path, rows: int, work: Path) -> dict:
         row["prepare_again"] = prepare(tree, args, data, cache)
     if not args.prepare_only:
         row["hold"] = [hold(tree, args, data, cache, n, work) for n in args.nproc]
-        cold = work / f"cache-{tree.name}-{data.stem}-train"
-        row["train_cold"] = train(tree, args, data, cold, args.train_nproc or max(args.nproc), work)
-        row["train_warm"] = train(tree, args, data, cold, args.train_nproc or max(args.nproc), work)
+        cold, nproc = work / f"cache-{tree.name}-{data.stem}-train", args.train_nproc or max(args.nproc)
+        row["train_cold"] = train(tree, args, data, cold, nproc, work)
+        row["train_warm"] = train(tree, args, data, cold, nproc, work)
         small = work / f"{data.stem}-first{SMALL}.jsonl"  # the same launch on a few rows: what does not scale with them
         with open(data) as f, open(small, "w") as g:
             g.writelines(line for _, line in zip(range(SMALL), f))
-        row["train_small_warm"] = [train(tree, args, small, cold, args.train_nproc or max(args.nproc), work) for _ in range(2)][1]
+        train(tree, args, small, cold, nproc, work)  # makes the few rows' store
+        row["train_small_warm"] = train(tree, args, small, cold, nproc, work)
     print(json.dumps(row), flush=True)
     return row
 
