@@ -25,6 +25,10 @@ Each tree (this checkout, and --before's, an older commit's worktree, for row co
   run's own split of that time (summary.json's start-up and loading); then the same launch on the
   file's first 4,000 rows, its store made (the second of two runs): what the launch costs whatever
   the data;
+- cores (--cores K,...): the tokenizing work alone, in this process's checkout (tokenized.work on
+  the first --cores-rows rows, in the chunks preparation hands its workers), done whole by each of K
+  forked processes at once: rows/s over all K, what K cores give this work without a row read, sent
+  or written;
 - the anchor, in this process: Hugging Face datasets' `Dataset.from_json`, then `map(batched=True,
   num_proc=cores)` with the tokenizer's batched `apply_chat_template(tokenize=True)`: rows/s of each.
 """
@@ -71,9 +75,7 @@ def env_of(tree: Path, cache: Path) -> dict:
 
 def prepare(tree: Path, args, data: Path, cache: Path) -> dict:
     """`ddptune data` on the file: wall seconds, the tokenizer's load, rows/s of the rest."""
-    cmd = [sys.executable, "-m", "ddptune", "data", str(ROOT / "configs" / "demo.yaml"), "model.source=preset:smollm2-135m",
-           f"model.tokenizer={args.tokenizer}", f"data.train={data}", "data.train_rows=null", "data.val=null",
-           "data.max_length=512", "eval.enabled=false"]
+    cmd = [sys.executable, "-m", "ddptune", "data", str(ROOT / "configs" / "demo.yaml"), *overrides(data, args)]
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=tree, env=env_of(tree, cache), capture_output=True, text=True)
     wall = time.perf_counter() - started
@@ -92,6 +94,51 @@ def store_bytes(cache: Path) -> dict:
     metas = [json.loads(p.read_text()) for p in (cache / "tokens").glob("*/meta.json")]
     tokens, size = sum(m["tokens"] for m in metas), sum(sum(m["bytes"].values()) for m in metas)
     return {"store_tokens": tokens, "store_bytes": size, "bytes_per_token": round(size / max(tokens, 1), 3)}
+
+
+def overrides(data: Path, args) -> list[str]:
+    return ["model.source=preset:smollm2-135m", f"model.tokenizer={args.tokenizer}", f"data.train={data}",
+            "data.train_rows=null", "data.val=null", "data.max_length=512", "eval.enabled=false"]
+
+
+def cores(args, data: Path) -> list[dict]:
+    """tokenized.work on the file's first --cores-rows rows, whole, in each of K forked processes at
+    once (the tokenizer's own threads off, as in preparation's workers)."""
+    import multiprocessing
+
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from transformers import AutoTokenizer
+
+    from ddptune import config, data as data_lib, rows as rows_lib, tokenized
+
+    tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    d = config.load(ROOT / "configs" / "demo.yaml", overrides(data, args)).data
+    job = tokenized.Job("data.train", str(data), data_lib.format_of(str(data), d), d)
+    chunks = list(rows_lib.chunks(str(data), range(min(args.cores_rows, rows_lib.count(str(data))))))
+    n = sum(map(len, chunks))
+    tokenized.work(job, tok, chunks[0])
+    context, out = multiprocessing.get_context("fork"), []
+    for k in (int(c) for c in args.cores.split(",")):
+        go = context.Barrier(k + 1)
+        procs = [context.Process(target=_all_chunks, args=(go, job, tok, chunks)) for _ in range(k)]
+        for proc in procs:
+            proc.start()
+        go.wait()
+        started = time.perf_counter()
+        for proc in procs:
+            proc.join()
+        wall = time.perf_counter() - started
+        out.append({"processes": k, "rows_each": n, "wall_s": round(wall, 2), "rows_per_s": round(k * n / wall)})
+        print(json.dumps({"cores": out[-1]}), flush=True)
+    return out
+
+
+def _all_chunks(go, job, tok, chunks) -> None:
+    from ddptune import tokenized
+
+    go.wait()
+    for chunk in chunks:
+        tokenized.work(job, tok, chunk)
 
 
 def anchor(args, data: Path) -> dict:
@@ -206,9 +253,7 @@ def free_port() -> int:
 def train(tree: Path, args, data: Path, cache: Path, nproc: int, work: Path) -> dict:
     """One optimizer step at `nproc` CPU processes: launch to the first step, memory of each process."""
     out = work / f"run-{nproc}-{time.monotonic_ns()}"
-    cmd = [sys.executable, "-m", "ddptune", "train", str(ROOT / "configs" / "demo.yaml"), "model.source=preset:smollm2-135m",
-           f"model.tokenizer={args.tokenizer}", f"data.train={data}", "data.train_rows=null", "data.val=null",
-           "data.max_length=512", "eval.enabled=false", "train.max_steps=1", f"train.effective_batch_size={nproc}",
+    cmd = [sys.executable, "-m", "ddptune", "train", str(ROOT / "configs" / "demo.yaml"), *overrides(data, args), "train.max_steps=1", f"train.effective_batch_size={nproc}",
            "train.micro_batch_size=1", f"output_dir={out}", "--nproc", str(nproc)]
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=tree, env=env_of(tree, cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -275,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samsum", type=Path, default=ROOT.parent / "shared" / "data" / "samsum_validation.json")
     p.add_argument("--skip-anchor", action="store_true")
     p.add_argument("--prepare-only", action="store_true", help="measure preparation alone (no hold, no train)")
+    p.add_argument("--cores", help="process counts K for the tokenizing work alone, e.g. 1,2,4,8,16 (chat rows)")
+    p.add_argument("--cores-rows", type=int, default=20000, help="rows each of the K processes tokenizes")
     p.add_argument("--kinds", default="chat", help="chat and/or dialogue rows, e.g. chat,dialogue")
     p.add_argument("--train-nproc", type=int, help="processes of the train runs (default: the largest --nproc)")
     p.add_argument("--commit", help="this checkout's commit, where its git history is not the one it was made from")
@@ -294,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
             make_rows(args.samsum, rows, data, kind)
             trees = [ROOT] + ([args.before.resolve()] if args.before and rows <= args.before_rows else [])
             results += [one_tree(tree, args, data, rows, work) for tree in trees]
+            if args.cores and kind == "chat":
+                results.append({"cores": cores(args, data), "rows": rows})
             if not args.skip_anchor and kind == "chat":
                 results.append({"anchor": "datasets", "rows": rows, **anchor(args, data)})
                 print(json.dumps(results[-1]), flush=True)
