@@ -10,7 +10,9 @@ Each tree (this checkout, and --before's, an older commit's worktree, for row co
 --before-rows) runs with its own src/ on PYTHONPATH and its own empty DDPTUNE_CACHE:
 - prepare: `ddptune data` on the file (every row checked and tokenized as its training does): the
   rows/s it reports (its time after the tokenizer's load), and its wall time; for this checkout the
-  store's bytes a token, then the same command again (the store found made);
+  store's bytes a token, then the same command again (the store found made); with
+  --before-no-threads, the older tree's command again into an empty cache with the tokenizer's own
+  threads off (TOKENIZERS_PARALLELISM=false), as they are in this checkout's workers;
 - hold: at each --nproc, that many processes joined over gloo do with the data what a training
   process does before its first step (this checkout: tokenized.load, the step stream and its first
   step; the older one: data.load), after one of them prepared it; each reports its anonymous (not
@@ -73,11 +75,13 @@ def env_of(tree: Path, cache: Path) -> dict:
                 CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
 
 
-def prepare(tree: Path, args, data: Path, cache: Path) -> dict:
-    """`ddptune data` on the file: wall seconds, the tokenizer's load, rows/s of the rest."""
+def prepare(tree: Path, args, data: Path, cache: Path, threads: bool = True) -> dict:
+    """`ddptune data` on the file: wall seconds, the tokenizer's load, rows/s of the rest (`threads`
+    false: the tokenizer's own threads off, TOKENIZERS_PARALLELISM=false)."""
     cmd = [sys.executable, "-m", "ddptune", "data", str(ROOT / "configs" / "demo.yaml"), *overrides(data, args)]
     started = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=tree, env=env_of(tree, cache), capture_output=True, text=True)
+    env = env_of(tree, cache) if threads else dict(env_of(tree, cache), TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - started
     if proc.returncode:
         raise SystemExit(f"{tree}: ddptune data: exit {proc.returncode}\n{proc.stderr[-3000:]}")
@@ -290,6 +294,8 @@ def one_tree(tree: Path, args, data: Path, rows: int, work: Path) -> dict:
     cache = work / f"cache-{tree.name}-{data.stem}"
     row = {"tree": str(tree), "commit": provenance.commit(tree) if tree != ROOT else args.commit, "rows": rows, "kind": data.stem.split("-")[0],
            "prepare": prepare(tree, args, data, cache)}
+    if tree != ROOT and args.before_no_threads:
+        row["prepare_no_threads"] = prepare(tree, args, data, work / f"cache-{tree.name}-{data.stem}-no-threads", False)
     if tree == ROOT:
         row["store"] = store_bytes(cache)
         row["prepare_again"] = prepare(tree, args, data, cache)
@@ -314,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="100000,1000000")
     p.add_argument("--before", type=Path, help="an older checkout (a git worktree) to measure beside this one")
     p.add_argument("--before-rows", type=int, default=100000)
+    p.add_argument("--before-no-threads", action="store_true",
+                   help="prepare again in the --before tree with the tokenizer's own threads off")
     p.add_argument("--nproc", default="1,2,8")
     p.add_argument("--hold", help=argparse.SUPPRESS)  # a hold worker's data file (hold_worker)
     p.add_argument("--hold-out", help=argparse.SUPPRESS)
