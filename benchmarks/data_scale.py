@@ -30,7 +30,7 @@ Each tree (this checkout, and --before's, an older commit's worktree, for row co
 - cores (--cores K,...): the tokenizing work alone, in this process's checkout (tokenized.work on
   the first --cores-rows rows, in the chunks preparation hands its workers), done whole by each of K
   forked processes at once: rows/s over all K, what K cores give this work without a row read, sent
-  or written;
+  or written; and first, in this process, µs a row of that work and of its parts (`parts`);
 - the anchor, in this process: Hugging Face datasets' `Dataset.from_json`, then `map(batched=True,
   num_proc=cores)` with the tokenizer's batched `apply_chat_template(tokenize=True)`: rows/s of each.
 """
@@ -105,9 +105,10 @@ def overrides(data: Path, args) -> list[str]:
             "data.train_rows=null", "data.val=null", "data.max_length=512", "eval.enabled=false"]
 
 
-def cores(args, data: Path) -> list[dict]:
+def cores(args, data: Path) -> dict:
     """tokenized.work on the file's first --cores-rows rows, whole, in each of K forked processes at
-    once (the tokenizer's own threads off, as in preparation's workers)."""
+    once (the tokenizer's own threads off, as in preparation's workers); before that, in this process,
+    the same rows' work timed in its parts (`parts`)."""
     import multiprocessing
 
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -121,6 +122,8 @@ def cores(args, data: Path) -> list[dict]:
     chunks = list(rows_lib.chunks(str(data), range(min(args.cores_rows, rows_lib.count(str(data))))))
     n = sum(map(len, chunks))
     tokenized.work(job, tok, chunks[0])
+    timed = parts(job, tok, chunks)
+    print(json.dumps({"parts_us_a_row": timed}), flush=True)
     context, out = multiprocessing.get_context("fork"), []
     for k in (int(c) for c in args.cores.split(",")):
         go = context.Barrier(k + 1)
@@ -134,7 +137,37 @@ def cores(args, data: Path) -> list[dict]:
         wall = time.perf_counter() - started
         out.append({"processes": k, "rows_each": n, "wall_s": round(wall, 2), "rows_per_s": round(k * n / wall)})
         print(json.dumps({"cores": out[-1]}), flush=True)
-    return out
+    return {"processes": out, "parts_us_a_row": timed}
+
+
+def parts(job, tok, chunks: list) -> dict:
+    """µs a row (the least of three times), in this process, of the whole work and of its parts: reading,
+    checking and normalising a row; rendering its pieces through the chat template; the tokenizer's batched
+    encoding of them; the examples made from them (the encoding again, the cut rows' segments, the masks);
+    the arrays of the store."""
+    from ddptune import chat, data as data_lib, rows as rows_lib, tokenized, tokens
+
+    n, d = sum(map(len, chunks)), job.d
+
+    def us(fn) -> float:
+        took = []
+        for _ in range(3):
+            started = time.perf_counter()
+            fn()
+            took.append(time.perf_counter() - started)
+        return round(min(took) / n * 1e6, 1)
+
+    rows = [[data_lib.normalise(rows_lib.parse(item, k), k, job.fmt, d) for k, item in c] for c in chunks]
+    pieces = [[chat.pieces(tok, r["messages"], d.loss_on) for r in c] for c in rows]
+    examples = [chat.tokenize_many(tok, p, d.max_length, [r["messages"] for r in c]) for p, c in zip(pieces, rows)]
+    return {"work": us(lambda: [tokenized.work(job, tok, c) for c in chunks]),
+            "rows": us(lambda: [[data_lib.row_problem(row := rows_lib.parse(item, k), job.fmt, d)
+                                 or data_lib.normalise(row, k, job.fmt, d) for k, item in c] for c in chunks]),
+            "render": us(lambda: [[chat.pieces(tok, r["messages"], d.loss_on) for r in c] for c in rows]),
+            "encode": us(lambda: [tokens.many_ids(tok, [t for ps in p for t, _ in ps]) for p in pieces]),
+            "examples": us(lambda: [chat.tokenize_many(tok, p, d.max_length, [r["messages"] for r in c])
+                                    for p, c in zip(pieces, rows)]),
+            "arrays": us(lambda: [tokenized.as_arrays(e, list(range(len(e)))) for e in examples])}
 
 
 def _all_chunks(go, job, tok, chunks) -> None:
@@ -257,8 +290,9 @@ def free_port() -> int:
 def train(tree: Path, args, data: Path, cache: Path, nproc: int, work: Path) -> dict:
     """One optimizer step at `nproc` CPU processes: launch to the first step, memory of each process."""
     out = work / f"run-{nproc}-{time.monotonic_ns()}"
-    cmd = [sys.executable, "-m", "ddptune", "train", str(ROOT / "configs" / "demo.yaml"), *overrides(data, args), "train.max_steps=1", f"train.effective_batch_size={nproc}",
-           "train.micro_batch_size=1", f"output_dir={out}", "--nproc", str(nproc)]
+    cmd = [sys.executable, "-m", "ddptune", "train", str(ROOT / "configs" / "demo.yaml"), *overrides(data, args),
+           "train.max_steps=1", f"train.effective_batch_size={nproc}", "train.micro_batch_size=1", f"output_dir={out}",
+           "--nproc", str(nproc)]
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=tree, env=env_of(tree, cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak: dict[int, dict] = {}
@@ -350,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
             trees = [ROOT] + ([args.before.resolve()] if args.before and rows <= args.before_rows else [])
             results += [one_tree(tree, args, data, rows, work) for tree in trees]
             if args.cores and kind == "chat":
-                results.append({"cores": cores(args, data), "rows": rows})
+                results.append({**cores(args, data), "rows": rows})
             if not args.skip_anchor and kind == "chat":
                 results.append({"anchor": "datasets", "rows": rows, **anchor(args, data)})
                 print(json.dumps(results[-1]), flush=True)
