@@ -145,29 +145,36 @@ def parts(job, tok, chunks: list) -> dict:
     checking and normalising a row; rendering its pieces through the chat template; the tokenizer's batched
     encoding of them; the examples made from them (the encoding again, the cut rows' segments, the masks);
     the arrays of the store."""
+    import gc
+
     from ddptune import chat, data as data_lib, rows as rows_lib, tokenized, tokens
 
     n, d = sum(map(len, chunks)), job.d
 
-    def us(fn) -> float:
+    def us(fn, items) -> float:  # fn of each chunk's items, its result let go as a worker's is
         took = []
         for _ in range(3):
             started = time.perf_counter()
-            fn()
+            for item in items:
+                fn(item)
             took.append(time.perf_counter() - started)
         return round(min(took) / n * 1e6, 1)
 
     rows = [[data_lib.normalise(rows_lib.parse(item, k), k, job.fmt, d) for k, item in c] for c in chunks]
     pieces = [[chat.pieces(tok, r["messages"], d.loss_on) for r in c] for c in rows]
     examples = [chat.tokenize_many(tok, p, d.max_length, [r["messages"] for r in c]) for p, c in zip(pieces, rows)]
-    return {"work": us(lambda: [tokenized.work(job, tok, c) for c in chunks]),
-            "rows": us(lambda: [[data_lib.row_problem(row := rows_lib.parse(item, k), job.fmt, d)
-                                 or data_lib.normalise(row, k, job.fmt, d) for k, item in c] for c in chunks]),
-            "render": us(lambda: [[chat.pieces(tok, r["messages"], d.loss_on) for r in c] for c in rows]),
-            "encode": us(lambda: [tokens.many_ids(tok, [t for ps in p for t, _ in ps]) for p in pieces]),
-            "examples": us(lambda: [chat.tokenize_many(tok, p, d.max_length, [r["messages"] for r in c])
-                                    for p, c in zip(pieces, rows)]),
-            "arrays": us(lambda: [tokenized.as_arrays(e, list(range(len(e)))) for e in examples])}
+    gc.freeze()  # what is held for the parts, out of the collector's way: a worker holds one chunk's
+    try:
+        return {"work": us(lambda c: tokenized.work(job, tok, c), chunks),
+                "rows": us(lambda c: [data_lib.row_problem(row := rows_lib.parse(item, k), job.fmt, d)
+                                      or data_lib.normalise(row, k, job.fmt, d) for k, item in c], chunks),
+                "render": us(lambda c: [chat.pieces(tok, r["messages"], d.loss_on) for r in c], rows),
+                "encode": us(lambda p: tokens.many_ids(tok, [t for ps in p for t, _ in ps]), pieces),
+                "examples": us(lambda pc: chat.tokenize_many(tok, pc[0], d.max_length, [r["messages"] for r in pc[1]]),
+                               list(zip(pieces, rows))),
+                "arrays": us(lambda e: tokenized.as_arrays(e, list(range(len(e)))), examples)}
+    finally:
+        gc.unfreeze()
 
 
 def _all_chunks(go, job, tok, chunks) -> None:
