@@ -107,11 +107,17 @@ def overrides(data: Path, args) -> list[str]:
 
 def cores(args, data: Path) -> dict:
     """tokenized.work on the file's first --cores-rows rows, whole, in each of K forked processes at
-    once (the tokenizer's own threads off, as in preparation's workers); before that, in this process,
-    the same rows' work timed in its parts (`parts`)."""
+    once (the tokenizer's own threads off, as in preparation's workers, and on again after); before
+    that, in this process, the same rows' work timed in its parts (`parts`)."""
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, TOKENIZERS_PARALLELISM="false"):
+        return _cores(args, data)
+
+
+def _cores(args, data: Path) -> dict:
     import multiprocessing
 
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from transformers import AutoTokenizer
 
     from ddptune import config, data as data_lib, rows as rows_lib, tokenized
