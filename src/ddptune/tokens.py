@@ -55,12 +55,12 @@ def first_ids(tokenizer, text: str, n: int) -> list[int]:
         return []
     longest = longest_token(tokenizer)
     margin = MARGIN_TOKENS * longest
-    bound = n * longest + 2 * margin
-    if len(text) <= bound or not getattr(tokenizer, "is_fast", False):
+    limit = bound(tokenizer, n)
+    if len(text) <= limit or not getattr(tokenizer, "is_fast", False):
         return ids(tokenizer, text)[:n]
-    encoded = tokenizer(text[:bound], add_special_tokens=False, return_offsets_mapping=True)
+    encoded = tokenizer(text[:limit], add_special_tokens=False, return_offsets_mapping=True)
     got, offsets = encoded["input_ids"], encoded["offset_mapping"]
-    if len(got) >= n and offsets[n - 1][1] + longest <= bound - margin:
+    if len(got) >= n and offsets[n - 1][1] + longest <= limit - margin:
         return got[:n]
     return ids(tokenizer, text)[:n]
 
@@ -76,12 +76,12 @@ def last_ids(tokenizer, text: str, n: int) -> list[int]:
         return []
     longest = longest_token(tokenizer)
     margin = MARGIN_TOKENS * longest
-    bound = n * longest + 2 * margin
+    limit = bound(tokenizer, n)
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if len(text) <= bound or not getattr(tokenizer, "is_fast", False) or backend is None or backend.normalizer \
+    if len(text) <= limit or not getattr(tokenizer, "is_fast", False) or backend is None or backend.normalizer \
             or backend.pre_tokenizer is None:
         return ids(tokenizer, text)[-n:]
-    tail = text[-bound:]
+    tail = text[-limit:]
     split = backend.pre_tokenizer.pre_tokenize_str(tail)
     encoded = tokenizer(tail, add_special_tokens=False, return_offsets_mapping=True)
     got, offsets = encoded["input_ids"], encoded["offset_mapping"]
