@@ -120,7 +120,8 @@ def _cores(args, data: Path) -> dict:
 
     from transformers import AutoTokenizer
 
-    from ddptune import config, data as data_lib, rows as rows_lib, tokenized
+    from ddptune import config, data as data_lib
+    from ddptune.data import rows as rows_lib, tokenized
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     d = config.load(ROOT / "configs" / "demo.yaml", overrides(data, args)).data
@@ -153,7 +154,8 @@ def parts(job, tok, chunks: list) -> dict:
     the arrays of the store."""
     import gc
 
-    from ddptune import chat, data as data_lib, rows as rows_lib, tokenized, tokens
+    from ddptune import data as data_lib
+    from ddptune.data import chat, rows as rows_lib, tokenized, tokens
 
     n, d = sum(map(len, chunks)), job.d
 
@@ -184,7 +186,7 @@ def parts(job, tok, chunks: list) -> dict:
 
 
 def _all_chunks(go, job, tok, chunks) -> None:
-    from ddptune import tokenized
+    from ddptune.data import tokenized
 
     go.wait()
     for chunk in chunks:
@@ -246,7 +248,8 @@ def hold_worker(args) -> None:
     gc.collect()
     before = anon_bytes()
     try:
-        from ddptune import dist, graphs, tokenized
+        from ddptune import dist, graphs
+        from ddptune.data import tokenized
     except ImportError:  # an older tree: its main process tokenizes into a cache the others read
         from ddptune import data
 

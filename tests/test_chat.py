@@ -8,7 +8,8 @@ import json
 import pytest
 
 from conftest import answer_ids, peak_allocated
-from ddptune import chat, data, model as model_lib, tokens
+from ddptune import data, model as model_lib
+from ddptune.data import chat, tokens
 from ddptune.config import DataConfig, ModelConfig
 
 # a small template with generation markers: what transformers' return_assistant_tokens_mask reads

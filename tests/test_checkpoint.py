@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 
 import multiproc
 from conftest import ROOT, checkpoints_kept, field, metrics, words
-from ddptune import checkpoint, config, model as model_lib, step, tokenized, train
+from ddptune import checkpoint, config, model as model_lib, step, train
+from ddptune.data import tokenized
 from ddptune.config import ConfigError
 
 TINY = str(ROOT / "configs" / "tiny.yaml")

@@ -5,7 +5,8 @@ import json
 import re
 
 from conftest import ROOT, field
-from ddptune import batches, chat, cli, data, model as model_lib
+from ddptune import batches, cli, data, model as model_lib
+from ddptune.data import chat
 from ddptune.config import DataConfig
 
 TINY = ROOT / "configs" / "tiny.yaml"

@@ -186,7 +186,8 @@ def test_a_run_trained_on_conversations_is_told_to_ask_with_one():
     import re
     from pathlib import Path
 
-    from ddptune import formats, runlog
+    from ddptune import runlog
+    from ddptune.data import formats
 
     summary = {"wall_time_s": 10.0, "train_time_s": 5.0, "final_loss": 1.0, "val_loss": 1.0, "tokens_per_s_per_gpu": 1.0,
                "wall_split": {"startup_s": 2.0, "load_s": 1.0, "train_s": 5.0, "eval_s": 0.0, "other_s": 2.0}}

@@ -12,7 +12,8 @@ import torch
 
 import multiproc
 from conftest import ROOT, SHARED_DATA, checkpoints_kept, field, metrics
-from ddptune import batches, chat, config, data, formats, metrics as metrics_lib, model as model_lib, train
+from ddptune import batches, config, data, metrics as metrics_lib, model as model_lib, train
+from ddptune.data import chat, formats
 from ddptune.config import DataConfig, ModelConfig
 
 TINY = ROOT / "configs" / "tiny.yaml"

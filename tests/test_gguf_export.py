@@ -20,7 +20,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import ROOT, field, gguf_parsed_once, words
-from ddptune import chat, cli, data, gguf_export, model as model_lib
+from ddptune import cli, data, gguf_export, model as model_lib
+from ddptune.data import chat
 from test_export import export, logits, train_run
 
 DEMO = [json.loads(line) for line in (ROOT / "src" / "ddptune" / "demo_data" / "demo.jsonl").read_text().splitlines()]

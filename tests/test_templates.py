@@ -12,7 +12,8 @@ from tokenizers import processors
 from transformers import AutoTokenizer
 
 from conftest import ROOT
-from ddptune import admission, chat, cli, config, data, formats, generation, model as model_lib, tokenized, tokens
+from ddptune import admission, cli, config, data, generation, model as model_lib
+from ddptune.data import chat, formats, tokenized, tokens
 from ddptune.config import ConfigError, DataConfig, ModelConfig
 
 TINY = str(ROOT / "configs" / "tiny.yaml")

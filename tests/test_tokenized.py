@@ -15,7 +15,8 @@ import pytest
 
 import multiproc
 from conftest import ROOT, SHARED_DATA, peak_allocated
-from ddptune import config, data, model as model_lib, rows as rows_lib, store, tokenized
+from ddptune import config, data, model as model_lib
+from ddptune.data import rows as rows_lib, store, tokenized
 from ddptune.config import ConfigError, DataConfig, ModelConfig
 
 SAMSUM = SHARED_DATA / "samsum_validation.json"

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddptune import batchplan, config as config_lib, data as data_lib, memory, rundir
-from ddptune import sources, tokenized
+from ddptune import sources
+from ddptune.data import tokenized
 from ddptune.batchplan import BatchPlan
 from ddptune.config import Config, ConfigError
 

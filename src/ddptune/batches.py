@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ddptune.tokens import IGNORE
+from ddptune.data.tokens import IGNORE
 
 TARGET_PAD = 64  # for CUDA graphs: the loss's target rows come in multiples of this (collate_packed's pad_to)
 GRAPH_PAD = 128  # for CUDA graphs: packed rows are padded to multiples of this many tokens (a GEMM tile's rows)

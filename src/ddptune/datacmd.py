@@ -17,9 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ddptune import admission, batchplan, config as config_lib, data, report, store as store_lib, tokenized
+from ddptune import admission, batchplan, config as config_lib, data, report
+from ddptune.data import store as store_lib, tokenized
 from ddptune.config import ConfigError, TrainConfig
-from ddptune.tokens import IGNORE
+from ddptune.data.tokens import IGNORE
 
 DRAWS = [("name", "source"), ("examples", "examples"), ("weight", "weight"), ("share", "share"), ("epoch", "samples an epoch"),
          ("epoch_passes", "passes an epoch"), ("run", "samples in the run"), ("run_passes", "passes in the run")]

@@ -33,7 +33,8 @@ import json
 import shutil
 from pathlib import Path
 
-from ddptune import chat, checkpoint, data, rundir, sources, trained
+from ddptune import checkpoint, data, rundir, sources, trained
+from ddptune.data import chat
 from ddptune.config import Config, ConfigError
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}  # torch's names (torch is imported only to merge)

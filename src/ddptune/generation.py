@@ -23,7 +23,8 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from ddptune import chat, data, formats, report
+from ddptune import data, report
+from ddptune.data import chat, formats
 from ddptune.config import ConfigError, DataConfig, EvalConfig
 
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")

@@ -31,7 +31,7 @@ import gguf
 import numpy as np
 import torch
 
-from ddptune import chat
+from ddptune.data import chat
 from ddptune.config import ConfigError
 
 # transformers' model_type -> (GGUF architecture, whether Q and K rows are reordered into rope pairs)

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
-from ddptune import chat, launch, sources
+from ddptune import launch, sources
+from ddptune.data import chat
 from ddptune.attention import register_attention
 from ddptune.checkpoint import atomic_dir, make_plain
 from ddptune.config import ConfigError, DataConfig, LoraConfig, ModelConfig

@@ -21,7 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ddptune import config as config_lib, formats, launch, report, rundir, sources as source_lib, trained
+from ddptune import config as config_lib, launch, report, rundir, sources as source_lib, trained
+from ddptune.data import formats
 from ddptune.config import ConfigError
 
 

@@ -32,7 +32,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ddptune import admission, batches, batchplan, checkpoint, comm, config as config_lib, data, dist, fallback, generation, graphs
 from ddptune import memory, metrics, model as model_lib, report, rundir, runlog, saving, speed as speed_lib, step as step_lib, system
-from ddptune import store, tokenized
+from ddptune.data import store, tokenized
 from ddptune.batchplan import BatchPlan
 from ddptune.config import Config, ConfigError
 from ddptune.start import Diverged, Interrupted, NonFinite  # how a run stops (start.py gives each its exit code)

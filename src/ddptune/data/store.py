@@ -29,7 +29,7 @@ import numpy as np
 
 from ddptune import checkpoint, sources
 from ddptune.config import ConfigError
-from ddptune.tokens import IGNORE
+from ddptune.data.tokens import IGNORE
 
 VERSION = 1  # of the layout and of what tokenizing gives: a change makes every key new
 INDEX = ("offset", "length", "prompt_len", "targets", "row", "cut")

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ddptune import data, rows as rows_lib, store as store_lib
+from ddptune import data
+from ddptune.data import rows as rows_lib, store as store_lib
 from ddptune.config import ConfigError, DataConfig
-from ddptune.tokens import IGNORE
+from ddptune.data.tokens import IGNORE
 
 POOL_AFTER = 8  # chunks a source must have before worker processes take it (fewer: tokenized here)
 CUT_CODES = {"dialogue": 1, "user": 2, "earliest": 3}

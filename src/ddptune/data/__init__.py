@@ -1,5 +1,11 @@
 """Training data: its sources, their rows checked and normalised, and their prompts and examples tokenized.
 
+This folder is the whole data path, from input files to the tokenized store a run reads: rows.py
+streams a source's rows, formats.py names and checks their format, chat.py masks conversations
+through the chat template, tokens.py tokenizes pieces of text, tokenized.py turns whole sources into
+examples on every core, and store.py keeps them once in files that every process maps. Nothing in it
+knows about processes (tests/test_layout.py holds it to that); batches.py cuts the examples into steps.
+
 data.train and data.val are each one source or a list of them (`sources`); a source's rows are read
 in chunks (rows.py), its format named from its first rows and every row checked (formats.py). A
 dialogue row's prompt goes through the tokenizer's chat template when it has one (else a plain
@@ -7,9 +13,7 @@ template); its loss covers the summary tokens only (labels -100 elsewhere), and 
 is cut inside the dialogue, so the summary always survives. Every other format is a conversation,
 masked and cut by chat.py. Before a run, `check` and `data_file_problems` read the sources' paths
 and first rows, and `template_problems` asks whether the tokenizer's chat template can mask the data's
-conversations. `tokenize` makes the examples of a list of rows in batched calls of the
-tokenizer; tokenized.py does so for whole sources on every core and keeps what it made. Nothing here
-knows about processes; batches.py cuts the examples into steps and forwards.
+conversations. `tokenize` makes the examples of a list of rows in batched calls of the tokenizer.
 """
 from __future__ import annotations
 
@@ -19,10 +23,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddptune import chat, formats, rows as rows_lib, tokens as tokens_lib
+from ddptune.data import chat, formats, rows as rows_lib, tokens as tokens_lib
 from ddptune.config import ConfigError, DataConfig, SourceConfig, is_template_path, not_a_file, parse_rows
-from ddptune.formats import KINDS
-from ddptune.tokens import IGNORE, MARGIN_TOKENS, first_ids, ids as _ids, longest_token  # noqa: F401 - data's names too
+from ddptune.data.formats import KINDS
+from ddptune.data.tokens import IGNORE, MARGIN_TOKENS, first_ids, ids as _ids, longest_token  # noqa: F401 - data's names too
 
 PLAIN_TEMPLATE = "{instruction}\n\n### Dialogue:\n{dialogue}\n\n### Summary:\n"
 _MARK = "\x00DIALOGUE\x00"

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddptune import tokens
+from ddptune.data import tokens
 from ddptune.config import ConfigError, is_template_path
-from ddptune.tokens import IGNORE, last_ids
+from ddptune.data.tokens import IGNORE, last_ids
 
 # For tokenizers without a chat template (the presets' byte tokenizer): turns under a header each,
 # an assistant's ended by the end-of-sequence token.
