@@ -62,7 +62,7 @@ def test_resume_beside_a_live_run_is_refused(tmp_path, capsys, no_work):
     (part / "checkpoints" / "step-000002" / "state.json").write_text(json.dumps({"step": 2, "world_size": 1}))
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # an orphaned worker, still writing
     try:
-        plant(part, [dead_pid(), worker.pid])  # its launcher was killed; the worker joined the lock
+        plant(part, [dead_pid(), worker.pid])  # its launcher was killed; the worker added itself to the lock
         before = (part / lock.NAME).read_text()
         code = cli.main(["train", TINY, f"output_dir={part}", "train.save_every=2", "--resume"])
         err = capsys.readouterr().err.strip().splitlines()

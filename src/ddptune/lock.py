@@ -8,7 +8,7 @@ O_EXCL file so that of two runs finding it at once only one takes it over.
 A lock written on another host cannot be checked there: it is refused with the path to remove,
 unless an earlier start of the same SLURM job wrote it (SLURM_JOB_ID, a lower SLURM_RESTART_COUNT):
 a requeued job starts only once its earlier start has ended, so that lock is stale wherever it was.
-`join(folder)`: the worker that writes the run (rank 0 under `--nproc`) adds its pid, so the lock
+`add_holder(folder)`: the worker that writes the run (rank 0 under `--nproc`) adds its pid, so the lock
 stays live while the worker runs even if the launching process is killed.
 """
 from __future__ import annotations
@@ -117,7 +117,7 @@ def held(folder: str | os.PathLike) -> bool:
     return isinstance(pids, list) and any(alive(pid) for pid in pids)
 
 
-def join(folder: str | os.PathLike) -> None:
+def add_holder(folder: str | os.PathLike) -> None:
     """Add this process to the lock its launcher holds on `folder` (nothing if there is none)."""
     path = Path(folder) / NAME
     _, holder = _read(path)

@@ -82,7 +82,7 @@ def _start(cfg: Config, args, nproc: int, started: float, trainer) -> int:
     if launch.in_launched_process():
         if launch.validated_by_parent():  # a worker of --nproc: the parent admitted the run and holds the lock
             if launch.is_main_process():
-                lock.join(cfg.output_dir)  # the lock stays live while this worker writes, whatever befalls the parent
+                lock.add_holder(cfg.output_dir)  # the lock stays live while this worker writes, whatever befalls the parent
             return _trained(trainer, cfg, started, functools.partial(_admitted_by_parent, cfg, args.resume is not None))
         # under torchrun or accelerate launch: rank 0 locks output_dir, then admits the run (in train.setup)
         with lock.acquire(cfg.output_dir) if launch.is_main_process() else contextlib.nullcontext():
