@@ -1,19 +1,21 @@
 """Rows of a data source, streamed, whatever holds them: files, Arrow folders, the hub or the demo.
 
 Sources: JSON lines, a JSON list, Parquet, CSV, a folder written by `datasets.save_to_disk`,
-`hub:ID[:SPLIT]` and the built-in `demo`. `chunks(source, rows)` yields the selected rows in order, a few hundred at a time, as (row number,
-item) pairs: an item is a JSON line's bytes (parsed where it is tokenized, in a worker process:
-`parse`) or a row already read (a dict). Nothing holds a whole file: a JSON-lines file is read line
-by line, Parquet by record batch, CSV by line, Arrow folders and hub data through `datasets`' memory
-map. A JSON list is the exception: one process parses it whole, the one that tokenizes it. Row numbers
-count rows, not lines (blank lines are skipped); a JSON line that does not parse is named by its line
-in the file. Rows read through Arrow leave out the keys a row lacks (Arrow gives them as null).
+`hub:ID[:SPLIT]` and the built-in `demo`. `chunks(source, rows)` yields the selected rows in order, a
+few hundred at a time, as (row number, item) pairs: an item is a JSON line's bytes (parsed where it is
+tokenized, in a worker process: `parse`) or a row already read (a dict). Nothing holds a whole file: a
+JSON-lines file is read line by line, Parquet by record batch, CSV by line, Arrow folders and hub data
+through `datasets`' memory map, a JSON list a row at a time (decoded where it is read: its rows are not
+lines a worker could find). Row numbers count rows, not lines (blank lines are skipped); a JSON line
+that does not parse is named by its line in the file. Rows read through Arrow leave out the keys a row
+lacks (Arrow gives them as null).
 """
 from __future__ import annotations
 
 import csv
 import json
 import os
+import re
 from importlib import resources
 from itertools import islice
 from pathlib import Path
@@ -202,9 +204,15 @@ def _dataset(source: str):
     return _DATASETS[source]
 
 
+_SPACE = re.compile(r"[ \t\r\n]*")
+_JSON_KINDS = {"{": "a JSON object", '"': "a JSON string", "t": "a JSON true", "f": "a JSON false", "n": "a JSON null",
+               **{c: "a JSON number" for c in "-0123456789"}}
+
+
 def _json_items(path: str, start: int = 0, size: int = 1 << 20):
     """(row number, row) of a JSON list file from row `start` on, decoded one row at a time from
-    `size`-character reads (the file is never held whole). ValueError where it is not a JSON list."""
+    `size`-character reads (the file is never held whole; a row costs its own characters, never a
+    copy of the read it sits in). ValueError where it is not a JSON list."""
     decoder = json.JSONDecoder()
     with open(path, encoding="utf-8") as f:
         buf, pos = "", 0
@@ -212,18 +220,17 @@ def _json_items(path: str, start: int = 0, size: int = 1 << 20):
         def next_char() -> str:  # the next character that is not white space ("" at the end), reading on as needed
             nonlocal buf, pos
             while True:
-                rest = buf[pos:].lstrip(" \t\r\n")
-                pos = len(buf) - len(rest)
-                if rest:
-                    return rest[0]
+                pos = _SPACE.match(buf, pos).end()
+                if pos < len(buf):
+                    return buf[pos]
                 buf, pos = f.read(size), 0
                 if not buf:
                     return ""
 
         first = next_char()
         if first != "[":
-            what = "nothing" if not first else type(decoder.raw_decode(buf[pos:] + f.read())[0]).__name__
-            raise ValueError(f"{path} holds {'a JSON ' if first else ''}{what}, not a list of rows")
+            what = _JSON_KINDS.get(first, f"no JSON (it begins with {first!r})") if first else "nothing"
+            raise ValueError(f"{path} holds {what}, not a list of rows")
         pos += 1
         number, c = 0, next_char()
         while c != "]":
@@ -234,7 +241,7 @@ def _json_items(path: str, start: int = 0, size: int = 1 << 20):
                         break
                 except ValueError:
                     pass
-                chunk = f.read(size)
+                chunk = f.read(max(size, len(buf) - pos))  # a row longer than a read: reads that double
                 if not chunk:
                     try:
                         row, end = decoder.raw_decode(buf, pos)  # the whole rest: valid, or the decoder's own error
