@@ -12,7 +12,8 @@ Each tree (this checkout, and --before's, an older commit's worktree, for row co
   rows/s it reports (its time after the tokenizer's load), and its wall time; for this checkout the
   store's bytes a token, then the same command again (the store found made); with
   --before-no-threads, the older tree's command again into an empty cache with the tokenizer's own
-  threads off (TOKENIZERS_PARALLELISM=false), as they are in this checkout's workers;
+  threads off (TOKENIZERS_PARALLELISM=false), as they are in this checkout's workers; with
+  --json-list, the same rows written as one JSON list (`[row, row, ...]`) prepared into an empty cache;
 - hold: at each --nproc, that many processes joined over gloo do with the data what a training
   process does before its first step (this checkout: tokenized.load, the step stream and its first
   step; the older one: data.load), after one of them prepared it; each reports its anonymous (not
@@ -98,6 +99,15 @@ def store_bytes(cache: Path) -> dict:
     metas = [json.loads(p.read_text()) for p in (cache / "tokens").glob("*/meta.json")]
     tokens, size = sum(m["tokens"] for m in metas), sum(sum(m["bytes"].values()) for m in metas)
     return {"store_tokens": tokens, "store_bytes": size, "bytes_per_token": round(size / max(tokens, 1), 3)}
+
+
+def as_json_list(lines: Path, path: Path) -> None:
+    """The rows of a JSON-lines file written as one JSON list, a row a line."""
+    with open(lines) as f, open(path, "w") as g:
+        g.write("[\n")
+        for k, line in enumerate(f):
+            g.write((",\n" if k else "") + line.rstrip("\n"))
+        g.write("\n]\n")
 
 
 def overrides(data: Path, args) -> list[str]:
@@ -346,6 +356,8 @@ def one_tree(tree: Path, args, data: Path, rows: int, work: Path) -> dict:
            "prepare": prepare(tree, args, data, cache)}
     if tree != ROOT and args.before_no_threads:
         row["prepare_no_threads"] = prepare(tree, args, data, work / f"cache-{tree.name}-{data.stem}-no-threads", False)
+    if args.json_list:
+        row["prepare_json_list"] = prepare(tree, args, data.with_suffix(".json"), work / f"cache-{tree.name}-{data.stem}-json")
     if tree == ROOT:
         row["store"] = store_bytes(cache)
         row["prepare_again"] = prepare(tree, args, data, cache)
@@ -380,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prepare-only", action="store_true", help="measure preparation alone (no hold, no train)")
     p.add_argument("--cores", help="process counts K for the tokenizing work alone, e.g. 1,2,4,8,16 (chat rows)")
     p.add_argument("--cores-rows", type=int, default=20000, help="rows each of the K processes tokenizes")
+    p.add_argument("--json-list", action="store_true", help="prepare the same rows written as one JSON list too")
     p.add_argument("--kinds", default="chat", help="chat and/or dialogue rows, e.g. chat,dialogue")
     p.add_argument("--train-nproc", type=int, help="processes of the train runs (default: the largest --nproc)")
     p.add_argument("--commit", help="this checkout's commit, where its git history is not the one it was made from")
@@ -397,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         for kind, rows in ((k, int(r)) for k in args.kinds.split(",") for r in args.rows.split(",")):
             data = work / f"{kind}-{rows}.jsonl"
             make_rows(args.samsum, rows, data, kind)
+            if args.json_list:
+                as_json_list(data, data.with_suffix(".json"))
             trees = [ROOT] + ([args.before.resolve()] if args.before and rows <= args.before_rows else [])
             results += [one_tree(tree, args, data, rows, work) for tree in trees]
             if args.cores and kind == "chat":
@@ -405,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
                 results.append({"anchor": "datasets", "rows": rows, **anchor(args, data)})
                 print(json.dumps(results[-1]), flush=True)
             data.unlink()
+            data.with_suffix(".json").unlink(missing_ok=True)
             write(args, results)  # after each row count: a command stopped at its limit keeps what it measured
     return 0
 
