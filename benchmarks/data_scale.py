@@ -25,7 +25,7 @@ Each tree (this checkout, and --before's, an older commit's worktree, for row co
   (random weights in SmolLM2's shape and vocabulary), one optimizer step of one sample a process, from
   an empty cache and then again: seconds from launch to the first step's line in metrics.jsonl, the
   step's own time (its step_time_s) and their difference, launch to the start of the loop, with the
-  run's own split of that time (summary.json's start-up and loading); then the same launch on the
+  run's own split of that time (summary.json's start-up, with its parts, and loading); then the same launch on the
   file's first 4,000 rows, its store made (the second of two runs): what the launch costs whatever
   the data;
 - cores (--cores K,...): the tokenizing work alone, in this process's checkout (tokenized.work on
@@ -337,13 +337,15 @@ def train(tree: Path, args, data: Path, cache: Path, nproc: int, work: Path) -> 
     if proc.returncode:
         raise SystemExit(f"{tree}: ddptune train --nproc {nproc}: exit {proc.returncode}\n{err[-3000:]}")
     step = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["step_time_s"]
-    split = json.loads((out / "summary.json").read_text())["wall_split"]  # the run's own: start-up, then loading
+    summary = json.loads((out / "summary.json").read_text())
+    split = summary["wall_split"]  # the run's own: start-up, then loading
     workers = sorted((v for v in peak.values() if v["VmHWM"]), key=lambda v: -v["VmHWM"])[:nproc]
     gib = lambda b: round(b / 2**30, 3)  # noqa: E731
     return {"nproc": nproc, "launch_to_first_step_s": round(first_step, 2) if first_step else None,
             "first_step_s": round(step, 2), "launch_to_loop_s": round(first_step - step, 2) if first_step else None,
             "wall_s": round(time.perf_counter() - started, 2),
             "run_startup_s": round(split["startup_s"], 2), "run_load_s": round(split["load_s"], 2),
+            "run_startup_split": {k: round(v, 2) for k, v in (summary.get("startup_split") or {}).items()},
             "launcher_peak_rss_gib": gib(launcher),
             "worker_peak_rss_gib": [gib(v["VmHWM"]) for v in workers],
             "worker_peak_anon_gib": [gib(v["RssAnon"]) for v in workers],

@@ -140,6 +140,12 @@ def test_the_wall_time_counts_from_the_command_start_and_its_parts_add_up(tmp_pa
     assert sum(split.values()) == pytest.approx(summary["wall_time_s"], rel=1e-9)
     assert min(split.values()) >= 0 and split["train_s"] == pytest.approx(summary["train_time_s"])
     assert split["startup_s"] >= before - summary["started_at"]  # the imports before cli.main at least
+    # and where the start-up went: the launcher, torch's launcher starting the workers, a worker's imports, its setup
+    parts = summary["startup_split"]
+    assert set(parts) == {"before_launch_s", "launch_s", "process_s", "setup_s"}
+    assert sum(parts.values()) == pytest.approx(split["startup_s"], abs=1e-4)
+    assert parts["before_launch_s"] >= before - summary["started_at"]  # the launcher's imports before cli.main at least
+    assert min(parts.values()) > 0, parts  # torch's launcher imports torch before it starts a worker, which imports it too
     # what made the figures: this checkout's commit and the package's version, on this machine
     from ddptune import provenance
 

@@ -27,6 +27,7 @@ import time
 VALIDATED = "DDPTUNE_VALIDATED"  # set by `torchrun` below: the parent process has validated the config
 RUN = "DDPTUNE_RUN"  # set by `torchrun` for training: its output_dir, what a killed worker's line reports on
 STARTED = "DDPTUNE_STARTED"  # set by `torchrun` for training: when the launching command began (time.time() seconds)
+SPAWNED = "DDPTUNE_SPAWNED"  # set by `torchrun`: when it started torch's launcher (time.time() seconds)
 
 
 class Stopped(BaseException):
@@ -122,6 +123,18 @@ def command_started(program: bool) -> float:
         except ValueError:
             pass
     return process_started() if program else time.time()
+
+
+def startup_split(started_at: float, setup_at: float) -> dict[str, float]:
+    """Where this process's start-up went before its setup began (`setup_at`; `started_at`: the
+    command's start; time.time() seconds): the launching process's imports, checks and preparation
+    before it started torch's launcher (0 without one), the launcher starting this process, then this
+    process's own imports up to its setup (for a process that was not launched: its checks and
+    preparation too). Each at least 0; together setup_at - started_at."""
+    spawned = float(os.environ.get(SPAWNED, started_at)) if validated_by_parent() else started_at
+    spawned = min(max(spawned, started_at), setup_at)
+    own = min(max(process_started(), spawned), setup_at)
+    return {"before_launch_s": spawned - started_at, "launch_s": own - spawned, "process_s": setup_at - own}
 
 
 def launch_problems(nnodes: int, node_rank: int, master: str | None, max_restarts: int) -> list[str]:
@@ -228,7 +241,7 @@ def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = No
            f"--max_restarts={max_restarts}", "-m", *module_args]
     child_env = dict(os.environ if env is None else env)
     child_env.setdefault("OMP_NUM_THREADS", str(default_threads(nproc)))
-    child_env[VALIDATED] = "1"
+    child_env.update({VALIDATED: "1", SPAWNED: repr(time.time())})
     if output_dir:
         child_env.update({RUN: output_dir} if started is None else {RUN: output_dir, STARTED: repr(started)})
     if max_restarts:

@@ -192,14 +192,15 @@ def summary(outline: Outline, measured: Measured, train: TrainConfig, accelerato
 
 def wall_time(times: dict, steps: list[dict]) -> dict:
     """summary.json's wall time so far, from the command's start (started_at, time.time() seconds), and where it
-    went: start-up (imports, validation, launching the processes, joining them), loading the data and
+    went: start-up (imports, validation, launching the processes, joining them; `startup_split`, this
+    process's: launch.startup_split's parts, then its setup to the loading), loading the data and
     model, the training steps run since this process started (`steps`: their metrics rows), evaluation, and the rest (saving,
     checkpoints, the loop between steps). The parts add up to the wall time."""
     wall = time.perf_counter() - times["started"]
     split = {"startup_s": times["startup_s"], "load_s": times["load_s"],
              "train_s": sum(row["step_time_s"] for row in steps), "eval_s": times["eval_s"]}
     return {"started_at": times["started_at"], "wall_time_s": wall,
-            "wall_split": {**split, "other_s": wall - sum(split.values())}}
+            "wall_split": {**split, "other_s": wall - sum(split.values())}, "startup_split": times.get("startup_split")}
 
 
 def closing_lines(out: Path, summary: dict, final: Path, method: str, has_val: bool, eval_enabled: bool,

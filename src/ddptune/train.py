@@ -31,7 +31,7 @@ from accelerate.utils import set_seed
 from transformers import PreTrainedTokenizerBase
 
 from ddptune import admission, batches, batchplan, checkpoint, comm, config as config_lib, data, dist, fallback, generation, graphs
-from ddptune import memory, metrics, model as model_lib, report, rundir, runlog, saving, speed as speed_lib, step as step_lib, system
+from ddptune import launch, memory, metrics, model as model_lib, report, rundir, runlog, saving, speed as speed_lib, step as step_lib, system
 from ddptune.data import store, tokenized
 from ddptune.batchplan import BatchPlan
 from ddptune.config import Config, ConfigError
@@ -92,8 +92,8 @@ def run(cfg: Config, resume: bool = False, started: float | None = None, admit=N
 
 
 def setup(cfg: Config, resume: bool = False, started: float | None = None, admit=None) -> Run:
-    now, started_at = time.perf_counter(), time.time() if started is None else started
-    began = now - max(time.time() - started_at, 0.0)  # the command's start on this clock: imports, launching counted
+    now, started_at, setup_at = time.perf_counter(), time.time() if started is None else started, time.time()
+    began = now - max(setup_at - started_at, 0.0)  # the command's start on this clock: imports, launching counted
     acc = dist.setup(cfg.train.precision, cfg.train.strategy, log_with=cfg.train.log_with, logging_dir=cfg.output_dir)
     world = acc.num_processes
     # admitted once, as start.py's launch path says (by the process that talks to the user); the others take its answer
@@ -138,7 +138,8 @@ def setup(cfg: Config, resume: bool = False, started: float | None = None, admit
     model = build_model(cfg, base, chosen, acc.device)
     acc.print(f"ddptune: model loaded in {time.perf_counter() - t1:.1f}s")
     r = prepare(cfg, plan, acc, out, tokenizer, train_set, val_set, model, stream, chosen, flops, total)
-    r.times.update(started=began, started_at=started_at, startup_s=t0 - began, load_s=time.perf_counter() - t0, eval_s=0.0)
+    r.times.update(started=began, started_at=started_at, startup_s=t0 - began, load_s=time.perf_counter() - t0, eval_s=0.0,
+                   startup_split={**launch.startup_split(started_at, setup_at), "setup_s": t0 - now})
     if resume:
         r.start = saving.resume_from(acc, r.checkpoints(), total)
     if chosen.graphs != "off":
