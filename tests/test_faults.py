@@ -263,3 +263,28 @@ def test_sigint_to_the_launcher_reaches_each_worker_exactly_once(tmp_path):
     assert launcher.returncode == 128 + signal.SIGINT, err[-2000:]
     assert [(tmp_path / f"got-{r}").read_text() for r in (0, 1)] == [str(int(signal.SIGINT))] * 2
     assert "Traceback" not in err
+
+
+def test_a_standby_launcher_starts_no_process_before_its_command_and_none_when_dismissed(tmp_path):
+    """launch.Standby, torch's launcher started while a run is checked: it imports torch and waits,
+    with no process of its own; dismissed, it ends having started none; sent its command by
+    `launch.torchrun`, it starts the workers with the environment sent, not the one it began with."""
+    import psutil
+
+    dismissed = launch.Standby()
+    time.sleep(0.5)
+    dismissed.dismiss()
+    assert dismissed.proc.returncode is not None and dismissed.orders.closed
+    standby = launch.Standby()
+    time.sleep(4.0)  # its imports, then its wait for the command
+    assert standby.proc.poll() is None and psutil.Process(standby.proc.pid).children(recursive=True) == []
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    sent = time.time()
+    code = launch.torchrun(2, ["envworker"], env=dict(os.environ, PYTHONPATH=path, ENVWORKER_DIR=str(tmp_path)), standby=standby)
+    assert code == 0 and standby.proc.returncode == 0
+    seen = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    assert [(s["RANK"], s["WORLD_SIZE"], s["DDPTUNE_VALIDATED"], s["ENVWORKER_DIR"]) for s in seen] == \
+        [(str(r), "2", "1", str(tmp_path)) for r in (0, 1)]
+    assert all(sent <= float(s["DDPTUNE_SPAWNED"]) <= time.time() for s in seen)
+    standby.dismiss()  # after its command: a no-op
+    assert standby.proc.returncode == 0

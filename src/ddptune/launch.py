@@ -1,9 +1,10 @@
 """Starting N processes: `--nproc N` re-runs a command through torch's own launcher, and passes signals on.
 
-`torchrun(nproc, args)` runs `python -m ddptune.launch TORCHRUN_ARGS... -m ddptune ...`, which is
-torch's launcher (`torch.distributed.run`, what `torchrun` runs) without its tracebacks: when a
-worker fails, the worker has already told the user why in one line; torchrun would add 30-40 lines
-of its own (ChildFailedError, SignalException) around it. `main` exits with the first failed
+`torchrun(nproc, args)` runs `python -m ddptune.launch TORCHRUN_ARGS... -m ddptune ...` (the
+arguments go through a pipe to a `Standby`, which a run starts early to import torch meanwhile),
+which is torch's launcher (`torch.distributed.run`, what `torchrun` runs) without its tracebacks:
+when a worker fails, the worker has already told the user why in one line; torchrun would add 30-40
+lines of its own (ChildFailedError, SignalException) around it. `main` exits with the first failed
 worker's exit code instead (2: bad input, 130/143: stopped by SIGINT/SIGTERM after a checkpoint,
 1: anything else), prints a worker's one line that rank 0 has not printed (a process's own bad
 input, or every line on a node without rank 0), names a worker that a signal killed (and what its
@@ -16,6 +17,7 @@ run saved), and keeps the elastic agent's warnings out of the console.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -85,8 +87,6 @@ def tell_launcher(line: str) -> None:
     runs torchrun's agent too. Its closing ChildFailedError report then shows `line` as the failed
     rank's "traceback" rather than a pointer to its docs, so the reason is also at the end of the
     output. A no-op without such a launcher."""
-    import json
-
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
@@ -212,9 +212,37 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+class Standby:
+    """torch's launcher (`python -m ddptune.launch --standby FD`), started before its command is
+    known, so that it imports torch while this process checks the run and prepares its data. It
+    starts no process until `torchrun(..., standby=it)` sends it its command and environment through
+    a pipe; `dismiss()` ends one that got none (it started nothing). Started in a session of its own,
+    with SIGTERM when this process dies (see torchrun)."""
+
+    def __init__(self):
+        read, write = os.pipe()
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "ddptune.launch", "--standby", str(read)], pass_fds=(read,),
+                                         start_new_session=True, preexec_fn=_term_when_parent_dies)
+        finally:
+            os.close(read)
+        self.orders = os.fdopen(write, "w")
+
+    def send(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+        with self.orders as orders:
+            json.dump({"argv": argv, "env": env}, orders)
+        return self.proc
+
+    def dismiss(self) -> None:
+        if not self.orders.closed:
+            self.orders.close()
+            self.proc.kill()
+            self.proc.wait()
+
+
 def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = None,
              nnodes: int = 1, node_rank: int = 0, master: str | None = None, max_restarts: int = 0,
-             output_dir: str | None = None, started: float | None = None) -> int:
+             output_dir: str | None = None, started: float | None = None, standby: Standby | None = None) -> int:
     """Run `python -m <module_args...>` in `nproc` processes on this host; return the exit code.
 
     One machine: torchrun's standalone rendezvous on a free local port. Several (`nnodes`, the same
@@ -225,7 +253,8 @@ def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = No
     `module_args` starts with the module name, e.g. ["ddptune", "train", "cfg.yaml"]. Each child gets
     `default_threads(nproc)` OpenMP threads unless OMP_NUM_THREADS is set (in `env` or here).
     `output_dir`: a training run's, so that a killed worker's line says whether it saved a checkpoint;
-    `started`: when its command began (command_started), so that the workers count its start-up too.
+    `started`: when its command began (command_started), so that the workers count its start-up too;
+    `standby`: torch's launcher started earlier (Standby), else one is started now.
 
     Signals: torchrun runs in a session of its own, so a Ctrl-C at the terminal reaches this process
     only, and SIGINT or SIGTERM sent to this process is passed to every worker exactly once (each
@@ -237,8 +266,7 @@ def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = No
     else:
         host, _, port = master.rpartition(":")
         rendezvous = [f"--nnodes={nnodes}", f"--node_rank={node_rank}", f"--master_addr={host}", f"--master_port={port}"]
-    cmd = [sys.executable, "-m", "ddptune.launch", *rendezvous, f"--nproc_per_node={nproc}",
-           f"--max_restarts={max_restarts}", "-m", *module_args]
+    argv = [*rendezvous, f"--nproc_per_node={nproc}", f"--max_restarts={max_restarts}", "-m", *module_args]
     child_env = dict(os.environ if env is None else env)
     child_env.setdefault("OMP_NUM_THREADS", str(default_threads(nproc)))
     child_env.update({VALIDATED: "1", SPAWNED: repr(time.time())})
@@ -249,7 +277,7 @@ def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = No
         # prefix: restarted workers read the dead round's gloo/NCCL addresses and cannot connect.
         # A store per round (torch's documented opt-out) gives them fresh ones.
         child_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    proc = subprocess.Popen(cmd, env=child_env, start_new_session=True, preexec_fn=_term_when_parent_dies)
+    proc = (standby or Standby()).send(argv, child_env)
 
     def forward(signum, _frame) -> None:
         import psutil
@@ -289,6 +317,16 @@ def main(argv: list[str]) -> int:
     from torch.distributed.run import parse_args, run
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # "Sending process ... SIGTERM", "failed (exitcode: 2)"
+    if argv[:1] == ["--standby"]:  # a Standby: its command comes once torch is imported, or nothing (dismissed)
+        with os.fdopen(int(argv[1])) as f:
+            orders = f.read()
+        if not orders:
+            return 0
+        orders = json.loads(orders)
+        os.environ.clear()
+        os.environ.update(orders["env"])
+        os.environ.setdefault("LOGLEVEL", "CRITICAL")
+        argv = orders["argv"]
 
     try:
         run(parse_args(argv))

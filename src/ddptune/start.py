@@ -90,21 +90,27 @@ def _start(cfg: Config, args, nproc: int, started: float, trainer) -> int:
     launches = not (args.nproc is None and args.nnodes == 1 and not args.max_restarts)
     first = args.node_rank == 0  # node 0 holds rank 0, which writes: it alone checks and locks output_dir
     world = nproc * args.nnodes
-    # once per node, here, before any process starts
-    admitted = admission.admit(cfg, args.resume, args.overwrite, world, output=first, gpu_memory=args.gpu_memory)
-    if note := config_lib.kept_validation(cfg, args.overrides):  # a valid run that validates on another source
-        print(f"ddptune: note: {note}", file=sys.stderr)
-    # held until the run ends; a second run or --resume is refused
-    with lock.acquire(cfg.output_dir) if first else contextlib.nullcontext():
-        if admitted.overwrite and first:
-            rundir.clear(Path(cfg.output_dir))
-        if first and (problems := rundir.output_problems(cfg, admitted.resume, world)):  # a run that ended since
-            raise ConfigError(problems)
-        if not launches:
-            return _trained(trainer, cfg, started, lambda _world: admitted)
-        child = ["train", args.config, *args.overrides] + (["--resume"] if admitted.resume else [])
-        return launch.torchrun(nproc, ["ddptune", *child], nnodes=args.nnodes, node_rank=args.node_rank,
-                               master=args.master, max_restarts=args.max_restarts, output_dir=cfg.output_dir, started=started)
+    # torch's launcher imports torch while the run is checked; it starts no process before the run is admitted
+    standby = launch.Standby() if launches else None
+    try:
+        # once per node, here, before any process starts
+        admitted = admission.admit(cfg, args.resume, args.overwrite, world, output=first, gpu_memory=args.gpu_memory)
+        if note := config_lib.kept_validation(cfg, args.overrides):  # a valid run that validates on another source
+            print(f"ddptune: note: {note}", file=sys.stderr)
+        # held until the run ends; a second run or --resume is refused
+        with lock.acquire(cfg.output_dir) if first else contextlib.nullcontext():
+            if admitted.overwrite and first:
+                rundir.clear(Path(cfg.output_dir))
+            if first and (problems := rundir.output_problems(cfg, admitted.resume, world)):  # a run that ended since
+                raise ConfigError(problems)
+            if not launches:
+                return _trained(trainer, cfg, started, lambda _world: admitted)
+            child = ["train", args.config, *args.overrides] + (["--resume"] if admitted.resume else [])
+            return launch.torchrun(nproc, ["ddptune", *child], nnodes=args.nnodes, node_rank=args.node_rank, master=args.master,
+                                   max_restarts=args.max_restarts, output_dir=cfg.output_dir, started=started, standby=standby)
+    finally:
+        if standby is not None:
+            standby.dismiss()  # refused, or stopped before its launch: it started nothing
 
 
 def _admitted_by_parent(cfg: Config, resume: bool, world_size: int) -> Admission:
