@@ -201,7 +201,7 @@ def _fit(tokenizer, parts: list[tuple[str, bool]], got: list[list[int]] | None, 
     answer = got[-1] if got else tokens.first_ids(tokenizer, texts[-1], max_length)
     if len(answer) >= max_length:
         return None
-    room, ids, labels, cut = max_length - len(answer), [], [], False
+    room, ids, labels, cut, trained_from = max_length - len(answer), [], [], False, 0
     for k in range(len(parts) - 2, -1, -1):
         if room == 0:
             cut = any(texts[:k + 1])
@@ -212,8 +212,9 @@ def _fit(tokenizer, parts: list[tuple[str, bool]], got: list[list[int]] | None, 
         ids[:0] = piece
         labels[:0] = piece if parts[k][1] else [IGNORE] * len(piece)
         room -= len(piece)
-    ids, labels = ids + answer, labels + answer
-    example = {"input_ids": ids, "labels": labels, "prompt_len": next(i for i, t in enumerate(labels) if t != IGNORE)}
+        if parts[k][1] and piece:  # the earliest trained piece so far begins this many tokens before the answer
+            trained_from = len(ids)
+    example = {"input_ids": ids + answer, "labels": labels + answer, "prompt_len": len(ids) - trained_from}
     if cut:
         example["cut"] = "earliest"
     return example
