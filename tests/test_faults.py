@@ -288,3 +288,7 @@ def test_a_standby_launcher_starts_no_process_before_its_command_and_none_when_d
     assert all(sent <= float(s["DDPTUNE_SPAWNED"]) <= time.time() for s in seen)
     standby.dismiss()  # after its command: a no-op
     assert standby.proc.returncode == 0
+    gone = launch.Standby()  # one that ended before its command: its exit code, not an error here
+    gone.proc.kill()
+    gone.proc.wait()
+    assert launch.torchrun(2, ["envworker"], standby=gone) == -signal.SIGKILL and gone.orders.closed

@@ -229,8 +229,11 @@ class Standby:
         self.orders = os.fdopen(write, "w")
 
     def send(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
-        with self.orders as orders:
-            json.dump({"argv": argv, "env": env}, orders)
+        try:
+            with self.orders as orders:
+                json.dump({"argv": argv, "env": env}, orders)
+        except BrokenPipeError:  # it ended before its command (its own error is on stderr): its exit code tells
+            pass
         return self.proc
 
     def dismiss(self) -> None:
