@@ -4,7 +4,8 @@
 trains here); as the launcher of --nproc, --nnodes or --max-restarts (its processes come back here
 through torchrun); as one of those processes; or under an external launcher (torchrun, accelerate
 launch). Its run is admitted once (admission.admit): by the process that talks to the user before
-any process starts, or, under an external launcher, by rank 0 in train.setup while the others wait.
+any process starts (torch's launcher, launch.Standby, imports torch meanwhile and waits for the
+admitted command), or, under an external launcher, by rank 0 in train.setup while the others wait.
 Node 0's launching process (rank 0 under an external launcher) holds output_dir's lock until the
 run ends (lock.py); rank 0 of --nproc's processes joins it.
 
