@@ -21,7 +21,7 @@ def table(out: str) -> list[dict]:
     return [dict(zip(head, (c.strip() for c in line.strip("|").split("|")))) for line in lines[2:]]
 
 
-def test_figures_and_marked_examples(tmp_path, capsys):
+def test_figures_and_marked_examples(tmp_path, capsys, monkeypatch):
     turns = lambda user, reply: {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]}  # noqa: E731
     rows = [turns(f"Question {i}?", f"Answer {i}.") for i in range(8)]
     rows[3] = turns("x" * 1000, "Answer 3.")  # cut: its earliest tokens go
@@ -29,11 +29,20 @@ def test_figures_and_marked_examples(tmp_path, capsys):
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     before = sorted(p.name for p in tmp_path.iterdir())
+    monkeypatch.setenv("DDPTUNE_CACHE", str(tmp_path.parent / f"{tmp_path.name}-cache"))  # this command's stores alone
     args = ["data", str(TINY), f"data.train=[{{source: {path}, weight: 3}}, {{source: demo, rows: '0:4', name: sum}}]",
             "data.train_rows=null", "data.val=null", "data.max_length=384", "--show", "1", f"output_dir={tmp_path / 'run'}"]
     assert cli.main(args) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     chat_row, demo_row = table(out)
+    # last, the store's size: the files of its two folders (the chat file's, the demo rows'), each token's bytes
+    from ddptune.data import store
+
+    folders = sorted(p.parent for p in store.root().glob("*/meta.json"))
+    size = sum(f.stat().st_size for d in folders for f in d.iterdir() if f.name != "meta.json")
+    tokens = sum(json.loads((d / "meta.json").read_text())["tokens"] for d in folders)
+    assert len(folders) == 2 and re.search(r"stored in (.+): ([\d.]+) MB, ([\d.]+) bytes a token$", err.strip()).groups() == (
+        str(store.root()), f"{size / 1e6:.1f}", f"{size / tokens:.2f}")
     tok = model_lib.byte_tokenizer()  # the tiny preset's: one token a byte
     examples = data.tokenize(data.load_split(str(path), None, DataConfig(max_length=384)), tok, DataConfig(max_length=384))
     kept = [e for e in examples if e]

@@ -7,7 +7,7 @@ each source's rows, formats, tokens before the trained ones and trained ones, ro
 to fit data.max_length and where they were cut, and the longest example; the samples each training
 source gives an epoch and the whole run (its weight's share of them, at --nproc processes);
 and --show N examples of each source as text, the trained tokens between [[ and ]], so the mask can
-be read before any GPU is rented. Nothing is written outside the store.
+be read before any GPU is rented; last, where the store is and its size. Nothing is written outside the store.
 """
 from __future__ import annotations
 
@@ -52,10 +52,11 @@ def main(args) -> int:
         raise ConfigError(problems)
     prepared = tokenized.prepare(cfg.data, tokenizer, sys.stderr.isatty())
     seconds = time.perf_counter() - loaded
-    table, shown, mix_rows = [], [], []
+    table, shown, mix_rows, stores = [], [], [], {}
     for split, found in (("train", prepared.train), ("val", prepared.val)):
         for s, (_, folder) in zip(data.sources(cfg.data, split), found):
-            examples = store_lib.Examples([store_lib.open_store(Path(folder))])
+            stores[folder] = store_lib.open_store(Path(folder))
+            examples = store_lib.Examples([stores[folder]])
             table.append({"split": split, **figures(s, examples)})
             mix_rows += [(s, len(examples))] if split == "train" else []
             shown += [(split, s.name, examples, i) for i in range(min(args.show, len(examples)))]
@@ -75,7 +76,10 @@ def main(args) -> int:
     rows = sum(row["rows"] for row in table)
     how = f"checked and tokenized in {seconds:.2f}s ({rows / max(seconds, 1e-9):,.0f} rows/s; " if prepared.made else \
         f"found tokenized in {seconds:.2f}s ("
-    print(f"ddptune data: {rows} rows {how}the tokenizer loaded in {loaded - started:.1f}s)", file=sys.stderr)
+    size, tokens = (sum(sum(st.meta["bytes"].values()) if key == "bytes" else st.meta["tokens"] for st in stores.values())
+                    for key in ("bytes", "tokens"))
+    print(f"ddptune data: {rows} rows {how}the tokenizer loaded in {loaded - started:.1f}s); stored in {store_lib.root()}: "
+          f"{size / 1e6:.1f} MB, {size / max(tokens, 1):.2f} bytes a token", file=sys.stderr)
     return 0
 
 
