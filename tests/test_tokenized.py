@@ -127,6 +127,31 @@ def test_a_bad_row_among_thousands_is_refused_by_its_number_and_nothing_is_kept(
     assert [p.name for p in store.root().iterdir() if not p.name.endswith(".lock")] == []  # no store, no temporary folder
 
 
+def test_a_disk_that_fills_is_one_line_on_the_cache_and_nothing_is_kept(tmp_path, monkeypatch):
+    """The store's files fill the disk after three examples (the OSError the OS gives, raised where the
+    writing stopped): a ConfigError on DDPTUNE_CACHE that counts the examples written, and no folder
+    left behind; any other error of the disk passes on as it is."""
+    import errno
+
+    monkeypatch.setenv("DDPTUNE_CACHE", str(tmp_path / "cache"))
+
+    def fill_then(error: OSError):
+        def fill(writer):
+            for _ in range(3):
+                writer.add(np.arange(10), np.ones(10, np.uint8), np.array([[0, 10, 1, 9, 0, 0]]))
+            raise error
+        return fill
+
+    with pytest.raises(ConfigError) as e:
+        store.ensure(["full"], 1000, fill_then(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
+    assert len(e.value.problems) == 1 and e.value.problems[0].startswith("DDPTUNE_CACHE: ")
+    assert " 3 examples " in e.value.problems[0] and " 3 bytes a token" in e.value.problems[0]  # uint16 ids and a mask byte
+    with pytest.raises(OSError) as other:
+        store.ensure(["broken"], 1000, fill_then(OSError(errno.EIO, os.strerror(errno.EIO))))
+    assert other.value.errno == errno.EIO
+    assert [p.name for p in store.root().iterdir() if not p.name.endswith(".lock")] == []  # no store, no temporary folder
+
+
 def test_a_damaged_store_is_made_again(tmp_path, byte_tok, capsys):
     path = jsonl(tmp_path / "rows.jsonl", many_rows(50))
     d = DataConfig(train=path)

@@ -15,6 +15,7 @@ example dicts, each read from the page cache only when it is asked for: a proces
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -44,12 +45,16 @@ def key_of(parts: list) -> str:
     return hashlib.sha256(json.dumps([VERSION, *parts], sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
+def id_dtype(vocab: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab <= 2**16 else np.int32)
+
+
 class Writer:
     """Appends tokenized examples to a store's files in a temporary folder."""
 
     def __init__(self, folder: Path, vocab: int):
         self.folder = folder
-        self.dtype = np.dtype(np.uint16 if vocab <= 2**16 else np.int32)
+        self.dtype = id_dtype(vocab)
         self.ids, self.trained = open(folder / "ids.bin", "wb"), open(folder / "trained.bin", "wb")
         self.index: list[np.ndarray] = []
         self.tokens = 0
@@ -119,12 +124,19 @@ def ensure(parts: list, vocab: int, fill) -> Store:
             shutil.rmtree(folder)
         for left in folder.parent.glob(f".{folder.name}.tmp-*"):  # a maker killed midway (we hold the lock)
             shutil.rmtree(left, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.tmp-"))
+        tmp, writer = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.tmp-")), None
         try:
             writer = Writer(tmp, vocab)
             writer.close({"parts": parts, **fill(writer)})
             os.chmod(tmp, checkpoint.plain_mode())
             os.replace(tmp, folder)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            done = f"{sum(map(len, writer.index)):,} examples" if writer else "no example"
+            raise ConfigError([f"DDPTUNE_CACHE: {folder.parent} ran out of space ({e.strerror}) after {done} of the tokenized "
+                               f"data (a store takes about {id_dtype(vocab).itemsize + 1} bytes a token; free space there, "
+                               "or set DDPTUNE_CACHE to a folder with more)"]) from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     store = open_store(folder)
