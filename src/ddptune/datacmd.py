@@ -76,8 +76,8 @@ def main(args) -> int:
     rows = sum(row["rows"] for row in table)
     how = f"checked and tokenized in {seconds:.2f}s ({rows / max(seconds, 1e-9):,.0f} rows/s; " if prepared.made else \
         f"found tokenized in {seconds:.2f}s ("
-    size, tokens = (sum(sum(st.meta["bytes"].values()) if key == "bytes" else st.meta["tokens"] for st in stores.values())
-                    for key in ("bytes", "tokens"))
+    size = sum(sum(st.meta["bytes"].values()) for st in stores.values())
+    tokens = sum(st.meta["tokens"] for st in stores.values())
     print(f"ddptune data: {rows} rows {how}the tokenizer loaded in {loaded - started:.1f}s); stored in {store_lib.root()}: "
           f"{size / 1e6:.1f} MB, {size / max(tokens, 1):.2f} bytes a token", file=sys.stderr)
     return 0

@@ -29,7 +29,7 @@ import time
 VALIDATED = "DDPTUNE_VALIDATED"  # set by `torchrun` below: the parent process has validated the config
 RUN = "DDPTUNE_RUN"  # set by `torchrun` for training: its output_dir, what a killed worker's line reports on
 STARTED = "DDPTUNE_STARTED"  # set by `torchrun` for training: when the launching command began (time.time() seconds)
-SPAWNED = "DDPTUNE_SPAWNED"  # set by `torchrun`: when it started torch's launcher (time.time() seconds)
+SPAWNED = "DDPTUNE_SPAWNED"  # set by `torchrun`: when it gave torch's launcher its command (time.time() seconds)
 
 
 class Stopped(BaseException):
@@ -322,14 +322,14 @@ def main(argv: list[str]) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # "Sending process ... SIGTERM", "failed (exitcode: 2)"
     if argv[:1] == ["--standby"]:  # a Standby: its command comes once torch is imported, or nothing (dismissed)
         with os.fdopen(int(argv[1])) as f:
-            orders = f.read()
-        if not orders:
+            sent = f.read()
+        if not sent:
             return 0
-        orders = json.loads(orders)
+        order = json.loads(sent)
         os.environ.clear()
-        os.environ.update(orders["env"])
+        os.environ.update(order["env"])
         os.environ.setdefault("LOGLEVEL", "CRITICAL")
-        argv = orders["argv"]
+        argv = order["argv"]
 
     try:
         run(parse_args(argv))
