@@ -41,8 +41,9 @@ def test_figures_and_marked_examples(tmp_path, capsys, monkeypatch):
     folders = sorted(p.parent for p in store.root().glob("*/meta.json"))
     size = sum(f.stat().st_size for d in folders for f in d.iterdir() if f.name != "meta.json")
     tokens = sum(json.loads((d / "meta.json").read_text())["tokens"] for d in folders)
-    assert len(folders) == 2 and re.search(r"stored in (.+): ([\d.]+) MB, ([\d.]+) bytes a token$", err.strip()).groups() == (
-        str(store.root()), f"{size / 1e6:.1f}", f"{size / tokens:.2f}")
+    assert len(folders) == 2 and re.search(r"stored in (.+): ([\d.]+) kB, ([\d.]+) bytes a token$", err.strip()).groups() == (
+        str(store.root()), f"{size / 1e3:.1f}", f"{size / tokens:.2f}")
+    assert 1e3 < size < 1e6  # a few kB: written in kB, to the tenth
     tok = model_lib.byte_tokenizer()  # the tiny preset's: one token a byte
     examples = data.tokenize(data.load_split(str(path), None, DataConfig(max_length=384)), tok, DataConfig(max_length=384))
     kept = [e for e in examples if e]

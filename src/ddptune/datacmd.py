@@ -78,8 +78,9 @@ def main(args) -> int:
         f"found tokenized in {seconds:.2f}s ("
     size = sum(sum(st.meta["bytes"].values()) for st in stores.values())
     tokens = sum(st.meta["tokens"] for st in stores.values())
+    shown_size = f"{size / 1e6:.1f} MB" if size >= 1e6 else f"{size / 1e3:.1f} kB"
     print(f"ddptune data: {rows} rows {how}the tokenizer loaded in {loaded - started:.1f}s); stored in {store_lib.root()}: "
-          f"{size / 1e6:.1f} MB, {size / max(tokens, 1):.2f} bytes a token", file=sys.stderr)
+          f"{shown_size}, {size / max(tokens, 1):.2f} bytes a token", file=sys.stderr)
     return 0
 
 
