@@ -97,6 +97,10 @@ def every_kind(tmp_path: Path, rows: list[dict]) -> dict[str, str]:
             w.writeheader()
             w.writerows(rows)
         paths["csv"] = str(tmp_path / "r.csv")
+    for kind in [k for k in ("jsonl", "json", "csv") if k in paths]:  # the same file after a byte-order mark
+        bom = tmp_path / f"bom{Path(paths[kind]).suffix}"
+        bom.write_bytes(b"\xef\xbb\xbf" + Path(paths[kind]).read_bytes())
+        paths[f"{kind} after a byte-order mark"] = str(bom)
     return paths
 
 

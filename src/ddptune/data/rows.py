@@ -7,11 +7,12 @@ tokenized, in a worker process: `parse`) or a row already read (a dict). Nothing
 JSON-lines file is read line by line, Parquet by record batch, CSV by line, Arrow folders and hub data
 through `datasets`' memory map, a JSON list a row at a time (decoded where it is read: its rows are not
 lines a worker could find). Row numbers count rows, not lines (blank lines are skipped); a JSON line
-that does not parse is named by its line in the file. Rows read through Arrow leave out the keys a row
-lacks (Arrow gives them as null).
+that does not parse is named by its line in the file. A text file may begin with a UTF-8 byte-order mark.
+Rows read through Arrow leave out the keys a row lacks (Arrow gives them as null).
 """
 from __future__ import annotations
 
+import codecs
 import csv
 import json
 import os
@@ -84,7 +85,7 @@ def _count(source: str, k: str | None, path: str) -> int:
 
         return pq.ParquetFile(path).metadata.num_rows
     if k == "csv":
-        with open(path, newline="", encoding="utf-8") as f:
+        with open(path, newline="", encoding="utf-8-sig") as f:
             return sum(1 for _ in csv.DictReader(f))
     if k in ("arrow", "hub"):
         return len(_dataset(source))
@@ -140,7 +141,7 @@ def _rows(source: str, start: int):
     elif k == "parquet":
         yield from enumerate(_parquet(path, start), start)
     elif k == "csv":
-        with open(path, newline="", encoding="utf-8") as f:
+        with open(path, newline="", encoding="utf-8-sig") as f:
             yield from islice(enumerate(csv.DictReader(f)), start, None)
     elif k in ("arrow", "hub"):
         yield from enumerate(_arrow(_dataset(source), start), start)
@@ -153,6 +154,8 @@ def _jsonl(path: str, start: int):
     number = 0
     with open(path, "rb") as f:
         for line_number, line in enumerate(f, 1):
+            if line_number == 1 and line.startswith(codecs.BOM_UTF8):  # a byte-order mark, as spreadsheets write
+                line = line[len(codecs.BOM_UTF8):]
             if not line.strip():
                 continue
             if number >= start:
@@ -214,7 +217,7 @@ def _json_items(path: str, start: int = 0, size: int = 1 << 20):
     `size`-character reads (the file is never held whole; a row costs its own characters, never a
     copy of the read it sits in). ValueError where it is not a JSON list."""
     decoder = json.JSONDecoder()
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         buf, pos = "", 0
 
         def next_char() -> str:  # the next character that is not white space ("" at the end), reading on as needed
