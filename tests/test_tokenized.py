@@ -5,6 +5,7 @@ and a process that holds the index of its examples, not their tokens."""
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import os
 import tracemalloc
@@ -101,6 +102,9 @@ def every_kind(tmp_path: Path, rows: list[dict]) -> dict[str, str]:
         bom = tmp_path / f"bom{Path(paths[kind]).suffix}"
         bom.write_bytes(b"\xef\xbb\xbf" + Path(paths[kind]).read_bytes())
         paths[f"{kind} after a byte-order mark"] = str(bom)
+        packed = tmp_path / f"packed{Path(paths[kind]).suffix}.gz"
+        packed.write_bytes(gzip.compress(Path(paths[kind]).read_bytes()))
+        paths[f"{kind}, gzipped"] = str(packed)
     return paths
 
 
@@ -129,6 +133,15 @@ def test_a_bad_row_among_thousands_is_refused_by_its_number_and_nothing_is_kept(
         tokenized.prepare(DataConfig(train=path), byte_tok)
     assert e.value.problems[0].startswith(f"data.train: row 2500 of {path}: column 'dialogue' holds a number")
     assert [p.name for p in store.root().iterdir() if not p.name.endswith(".lock")] == []  # no store, no temporary folder
+
+
+def test_a_damaged_gzip_file_is_one_line_naming_it(tmp_path):
+    """A gzipped file cut short or corrupted is a problem of its source (data.check), not a traceback."""
+    whole = gzip.compress("".join(json.dumps(r) + "\n" for r in many_rows(2000)).encode())
+    for name, damaged in (("cut.jsonl.gz", whole[:len(whole) // 2]), ("bad.jsonl.gz", whole[:200] + bytes(200) + whole[400:])):
+        (tmp_path / name).write_bytes(damaged)
+        problems, _ = data.check(DataConfig(train=str(tmp_path / name), val=None))
+        assert len(problems) == 1 and problems[0].startswith(f"data.train: cannot read {tmp_path / name} ("), problems
 
 
 def test_a_disk_that_fills_is_one_line_on_the_cache_and_nothing_is_kept(tmp_path, monkeypatch):

@@ -7,16 +7,19 @@ tokenized, in a worker process: `parse`) or a row already read (a dict). Nothing
 JSON-lines file is read line by line, Parquet by record batch, CSV by line, Arrow folders and hub data
 through `datasets`' memory map, a JSON list a row at a time (decoded where it is read: its rows are not
 lines a worker could find). Row numbers count rows, not lines (blank lines are skipped); a JSON line
-that does not parse is named by its line in the file. A text file may begin with a UTF-8 byte-order mark.
+that does not parse is named by its line in the file. A text file may begin with a UTF-8 byte-order mark,
+and be gzipped (.jsonl.gz, .json.gz, .csv.gz: decompressed as it is read).
 Rows read through Arrow leave out the keys a row lacks (Arrow gives them as null).
 """
 from __future__ import annotations
 
 import codecs
 import csv
+import gzip
 import json
 import os
 import re
+import zlib
 from importlib import resources
 from itertools import islice
 from pathlib import Path
@@ -26,7 +29,7 @@ from ddptune.config import parse_rows
 CHUNK = 256  # rows handed to a tokenizing worker at a time
 KINDS = ("jsonl", "json", "parquet", "csv", "arrow", "hub")
 SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-FORMS = "a .jsonl/.json/.parquet/.csv file, a datasets.save_to_disk folder, `demo`, or hub:ID"
+FORMS = "a .jsonl/.json/.parquet/.csv file (.jsonl.gz, .json.gz, .csv.gz: gzipped), a datasets.save_to_disk folder, `demo`, or hub:ID"
 
 
 class BadLine(ValueError):
@@ -49,7 +52,16 @@ def kind(source: str) -> str | None:
     path = Path(path_of(source))
     if path.is_dir():
         return "arrow" if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file() else None
-    return SUFFIXES.get(path.suffix.lower(), "json")
+    name = path.name.lower().removesuffix(".gz")
+    return SUFFIXES.get(os.path.splitext(name)[1], "json")
+
+
+def _open(path: str, text: bool):
+    """The file, decompressed as it is read where its name ends in .gz; text: UTF-8 (a byte-order mark
+    skipped), lines as they are (CSV reads its own)."""
+    if path.lower().endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8-sig", newline="") if text else gzip.open(path, "rb")
+    return open(path, "r", encoding="utf-8-sig", newline="") if text else open(path, "rb")
 
 
 def identity(source: str) -> list:
@@ -69,7 +81,10 @@ def count(source: str) -> int:
     k, path = kind(source), path_of(source)
     key = repr(identity(source))  # its content as a cache key names it: path, sizes, modification times
     if key not in _COUNTS:
-        _COUNTS[key] = _count(source, k, path)
+        try:
+            _COUNTS[key] = _count(source, k, path)
+        except (EOFError, zlib.error) as e:  # gzip's own errors that are no OSError
+            raise ValueError(f"{path} is a damaged gzip file ({e})") from None
     return _COUNTS[key]
 
 
@@ -78,14 +93,14 @@ _COUNTS: dict = {}
 
 def _count(source: str, k: str | None, path: str) -> int:
     if k == "jsonl":
-        with open(path, "rb") as f:
+        with _open(path, text=False) as f:
             return sum(1 for line in f if line.strip())
     if k == "parquet":
         import pyarrow.parquet as pq
 
         return pq.ParquetFile(path).metadata.num_rows
     if k == "csv":
-        with open(path, newline="", encoding="utf-8-sig") as f:
+        with _open(path, text=True) as f:
             return sum(1 for _ in csv.DictReader(f))
     if k in ("arrow", "hub"):
         return len(_dataset(source))
@@ -136,23 +151,26 @@ def parse(item, number: int):
 def _rows(source: str, start: int):
     """(row number, item) from row `start` on."""
     k, path = kind(source), path_of(source)
-    if k == "jsonl":
-        yield from _jsonl(path, start)
-    elif k == "parquet":
-        yield from enumerate(_parquet(path, start), start)
-    elif k == "csv":
-        with open(path, newline="", encoding="utf-8-sig") as f:
-            yield from islice(enumerate(csv.DictReader(f)), start, None)
-    elif k in ("arrow", "hub"):
-        yield from enumerate(_arrow(_dataset(source), start), start)
-    else:
-        yield from _json_items(path, start)
+    try:
+        if k == "jsonl":
+            yield from _jsonl(path, start)
+        elif k == "parquet":
+            yield from enumerate(_parquet(path, start), start)
+        elif k == "csv":
+            with _open(path, text=True) as f:
+                yield from islice(enumerate(csv.DictReader(f)), start, None)
+        elif k in ("arrow", "hub"):
+            yield from enumerate(_arrow(_dataset(source), start), start)
+        else:
+            yield from _json_items(path, start)
+    except (EOFError, zlib.error) as e:  # gzip's own errors that are no OSError
+        raise ValueError(f"{path} is a damaged gzip file ({e})") from None
 
 
 def _jsonl(path: str, start: int):
     """(row number, (line number, the line's bytes)) of every non-blank line from row `start` on."""
     number = 0
-    with open(path, "rb") as f:
+    with _open(path, text=False) as f:
         for line_number, line in enumerate(f, 1):
             if line_number == 1 and line.startswith(codecs.BOM_UTF8):  # a byte-order mark, as spreadsheets write
                 line = line[len(codecs.BOM_UTF8):]
@@ -217,7 +235,7 @@ def _json_items(path: str, start: int = 0, size: int = 1 << 20):
     `size`-character reads (the file is never held whole; a row costs its own characters, never a
     copy of the read it sits in). ValueError where it is not a JSON list."""
     decoder = json.JSONDecoder()
-    with open(path, encoding="utf-8-sig") as f:
+    with _open(path, text=True) as f:
         buf, pos = "", 0
 
         def next_char() -> str:  # the next character that is not white space ("" at the end), reading on as needed
