@@ -13,7 +13,8 @@ Each tree (this checkout, and --before's, an older commit's worktree, for row co
   store's bytes a token, then the same command again (the store found made); with
   --before-no-threads, the older tree's command again into an empty cache with the tokenizer's own
   threads off (TOKENIZERS_PARALLELISM=false), as they are in this checkout's workers; with
-  --json-list, the same rows written as one JSON list (`[row, row, ...]`) prepared into an empty cache;
+  --json-list, the same rows written as one JSON list (`[row, row, ...]`) prepared into an empty cache,
+  and with --gzip, the JSON-lines file gzipped (.jsonl.gz), likewise;
 - hold: at each --nproc, that many processes joined over gloo do with the data what a training
   process does before its first step (this checkout: tokenized.load, the step stream and its first
   step; the older one: data.load), after one of them prepared it; each reports its anonymous (not
@@ -38,11 +39,13 @@ Each tree (this checkout, and --before's, an older commit's worktree, for row co
 from __future__ import annotations
 
 import argparse
+import gzip
 import inspect
 import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -360,6 +363,8 @@ def one_tree(tree: Path, args, data: Path, rows: int, work: Path) -> dict:
         row["prepare_no_threads"] = prepare(tree, args, data, work / f"cache-{tree.name}-{data.stem}-no-threads", False)
     if args.json_list:
         row["prepare_json_list"] = prepare(tree, args, data.with_suffix(".json"), work / f"cache-{tree.name}-{data.stem}-json")
+    if args.gzip:
+        row["prepare_gzip"] = prepare(tree, args, data.with_suffix(".jsonl.gz"), work / f"cache-{tree.name}-{data.stem}-gz")
     if tree == ROOT:
         row["store"] = store_bytes(cache)
         row["prepare_again"] = prepare(tree, args, data, cache)
@@ -395,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cores", help="process counts K for the tokenizing work alone, e.g. 1,2,4,8,16 (chat rows)")
     p.add_argument("--cores-rows", type=int, default=20000, help="rows each of the K processes tokenizes")
     p.add_argument("--json-list", action="store_true", help="prepare the same rows written as one JSON list too")
+    p.add_argument("--gzip", action="store_true", help="prepare the same JSON-lines file gzipped (.jsonl.gz) too")
     p.add_argument("--kinds", default="chat", help="chat and/or dialogue rows, e.g. chat,dialogue")
     p.add_argument("--train-nproc", type=int, help="processes of the train runs (default: the largest --nproc)")
     p.add_argument("--commit", help="this checkout's commit, where its git history is not the one it was made from")
@@ -414,6 +420,9 @@ def main(argv: list[str] | None = None) -> int:
             make_rows(args.samsum, rows, data, kind)
             if args.json_list:
                 as_json_list(data, data.with_suffix(".json"))
+            if args.gzip:
+                with open(data, "rb") as f, gzip.open(data.with_suffix(".jsonl.gz"), "wb") as g:
+                    shutil.copyfileobj(f, g)
             trees = [ROOT] + ([args.before.resolve()] if args.before and rows <= args.before_rows else [])
             results += [one_tree(tree, args, data, rows, work) for tree in trees]
             if args.cores and kind == "chat":
@@ -423,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(results[-1]), flush=True)
             data.unlink()
             data.with_suffix(".json").unlink(missing_ok=True)
+            data.with_suffix(".jsonl.gz").unlink(missing_ok=True)
             write(args, results)  # after each row count: a command stopped at its limit keeps what it measured
     return 0
 
