@@ -89,8 +89,9 @@ class SourceConfig:
 @dataclass
 class DataConfig:
     train: Union[str, list[SourceConfig]] = "demo"
-    """`demo` (built-in), a .jsonl/.json/.parquet/.csv file, a datasets.save_to_disk folder, `hub:ID[:SPLIT]`, or a
-    list of {source, rows, weight, name}: several sources, each step's samples drawn from them by weight."""
+    """`demo` (built-in), a .jsonl/.json/.parquet/.csv file (the text ones may be gzipped: .jsonl.gz), a
+    datasets.save_to_disk folder, `hub:ID[:SPLIT]`, or a list of {source, rows, weight, name}: several sources,
+    each step's samples drawn from them by weight."""
     train_rows: Optional[str] = None
     """Python-style row slice of the training data, e.g. "0:700" (one source; a list gives each its rows)."""
     val: Optional[Union[str, list[SourceConfig]]] = None
