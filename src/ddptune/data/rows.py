@@ -14,6 +14,7 @@ Rows read through Arrow leave out the keys a row lacks (Arrow gives them as null
 from __future__ import annotations
 
 import codecs
+import contextlib
 import csv
 import gzip
 import json
@@ -56,6 +57,15 @@ def kind(source: str) -> str | None:
     return SUFFIXES.get(os.path.splitext(name)[1], "json")
 
 
+@contextlib.contextmanager
+def _gzip_errors(path: str):
+    """gzip's own errors for a file cut short or corrupted, which are no OSError, as a ValueError (a read problem)."""
+    try:
+        yield
+    except (EOFError, zlib.error) as e:
+        raise ValueError(f"{path} is a damaged gzip file ({e})") from None
+
+
 def _open(path: str, text: bool):
     """The file, decompressed as it is read where its name ends in .gz; text: UTF-8 (a byte-order mark
     skipped), lines as they are (CSV reads its own)."""
@@ -81,10 +91,8 @@ def count(source: str) -> int:
     k, path = kind(source), path_of(source)
     key = repr(identity(source))  # its content as a cache key names it: path, sizes, modification times
     if key not in _COUNTS:
-        try:
+        with _gzip_errors(path):
             _COUNTS[key] = _count(source, k, path)
-        except (EOFError, zlib.error) as e:  # gzip's own errors that are no OSError
-            raise ValueError(f"{path} is a damaged gzip file ({e})") from None
     return _COUNTS[key]
 
 
@@ -151,7 +159,7 @@ def parse(item, number: int):
 def _rows(source: str, start: int):
     """(row number, item) from row `start` on."""
     k, path = kind(source), path_of(source)
-    try:
+    with _gzip_errors(path):
         if k == "jsonl":
             yield from _jsonl(path, start)
         elif k == "parquet":
@@ -163,8 +171,6 @@ def _rows(source: str, start: int):
             yield from enumerate(_arrow(_dataset(source), start), start)
         else:
             yield from _json_items(path, start)
-    except (EOFError, zlib.error) as e:  # gzip's own errors that are no OSError
-        raise ValueError(f"{path} is a damaged gzip file ({e})") from None
 
 
 def _jsonl(path: str, start: int):
