@@ -52,13 +52,15 @@ def main(args) -> int:
 
         return model_lib.model_problems(cfg.model, cfg.lora, cfg.train.method)
 
-    if not launch.in_launched_process():  # here, before any process starts (--nproc's workers skip it: we did)
-        problems = checked_once(not any(p.startswith("data.") for p in problems), tuple(problems))
-    if problems:
-        raise ConfigError(problems)
-    if args.nproc is not None and not launch.in_launched_process():
-        child = ["eval", str(target), *args.overrides, "--out", str(out)] + (["--base"] if args.base else [])
-        return launch.torchrun(args.nproc, ["ddptune", *child])
+    launches = args.nproc is not None and not launch.in_launched_process()
+    with launch.standby(launches) as standby:  # torch's launcher imports torch while the job is checked
+        if not launch.in_launched_process():  # here, before any process starts (--nproc's workers skip it: we did)
+            problems = checked_once(not any(p.startswith("data.") for p in problems), tuple(problems))
+        if problems:
+            raise ConfigError(problems)
+        if launches:
+            child = ["eval", str(target), *args.overrides, "--out", str(out)] + (["--base"] if args.base else [])
+            return launch.torchrun(args.nproc, ["ddptune", *child], standby=standby)
     return evaluate(cfg, run_dir, trained, out, checked_once)
 
 

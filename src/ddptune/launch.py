@@ -243,6 +243,18 @@ class Standby:
             self.proc.wait()
 
 
+@contextlib.contextmanager
+def standby(needed: bool = True):
+    """A Standby while the block runs (None where not `needed`), dismissed at its end unless the block
+    gave it its command: a refused or stopped run leaves no launcher behind."""
+    waiting = Standby() if needed else None
+    try:
+        yield waiting
+    finally:
+        if waiting is not None:
+            waiting.dismiss()
+
+
 def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = None,
              nnodes: int = 1, node_rank: int = 0, master: str | None = None, max_restarts: int = 0,
              output_dir: str | None = None, started: float | None = None, standby: Standby | None = None) -> int:

@@ -92,8 +92,7 @@ def _start(cfg: Config, args, nproc: int, started: float, trainer) -> int:
     first = args.node_rank == 0  # node 0 holds rank 0, which writes: it alone checks and locks output_dir
     world = nproc * args.nnodes
     # torch's launcher imports torch while the run is checked; it starts no process before the run is admitted
-    standby = launch.Standby() if launches else None
-    try:
+    with launch.standby(launches) as standby:
         # once per node, here, before any process starts
         admitted = admission.admit(cfg, args.resume, args.overwrite, world, output=first, gpu_memory=args.gpu_memory)
         if note := config_lib.kept_validation(cfg, args.overrides):  # a valid run that validates on another source
@@ -109,9 +108,6 @@ def _start(cfg: Config, args, nproc: int, started: float, trainer) -> int:
             child = ["train", args.config, *args.overrides] + (["--resume"] if admitted.resume else [])
             return launch.torchrun(nproc, ["ddptune", *child], nnodes=args.nnodes, node_rank=args.node_rank, master=args.master,
                                    max_restarts=args.max_restarts, output_dir=cfg.output_dir, started=started, standby=standby)
-    finally:
-        if standby is not None:
-            standby.dismiss()  # refused, or stopped before its launch: it started nothing
 
 
 def _admitted_by_parent(cfg: Config, resume: bool, world_size: int) -> Admission:
