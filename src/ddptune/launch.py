@@ -216,8 +216,8 @@ class Standby:
     """torch's launcher (`python -m ddptune.launch --standby FD`), started before its command is
     known, so that it imports torch while this process checks the run and prepares its data. It
     starts no process until `torchrun(..., standby=it)` sends it its command and environment through
-    a pipe; `dismiss()` ends one that got none (it started nothing). Started in a session of its own,
-    with SIGTERM when this process dies (see torchrun)."""
+    a pipe; `dismiss()` ends one that got none (it started nothing). Started apart from the terminal's
+    Ctrl-C, with SIGTERM when this process dies, as torchrun says."""
 
     def __init__(self):
         read, write = os.pipe()
