@@ -53,7 +53,8 @@ def main(args) -> int:
         return model_lib.model_problems(cfg.model, cfg.lora, cfg.train.method)
 
     launches = args.nproc is not None and not launch.in_launched_process()
-    with launch.standby(launches) as standby:  # torch's launcher imports torch while the job is checked
+    # torch's launcher imports torch while the job is checked (none for a job already refused)
+    with launch.standby(launches and not problems) as standby:
         if not launch.in_launched_process():  # here, before any process starts (--nproc's workers skip it: we did)
             problems = checked_once(not any(p.startswith("data.") for p in problems), tuple(problems))
         if problems:
