@@ -159,15 +159,7 @@ def _launch(out, *extra: str):
 
 
 def _workers(proc) -> list:
-    import psutil
-
-    def is_worker(p) -> bool:
-        try:
-            return "LOCAL_RANK" in p.environ() and "ddptune.launch" not in " ".join(p.cmdline())
-        except psutil.Error:
-            return False
-
-    return [p for p in psutil.Process(proc.pid).children(recursive=True) if is_worker(p)]
+    return launch.workers(proc.pid)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM], ids=lambda s: s.name)  # SIGINT: the same path (in-process test above)
@@ -266,18 +258,22 @@ def test_sigint_to_the_launcher_reaches_each_worker_exactly_once(tmp_path):
 
 
 def test_a_standby_launcher_starts_no_process_before_its_command_and_none_when_dismissed(tmp_path):
-    """launch.Standby, torch's launcher started while a run is checked: it imports torch and waits,
-    with no process of its own; dismissed, it ends having started none; sent its command by
-    `launch.torchrun`, it starts the workers with the environment sent, not the one it began with."""
+    """launch.Standby, torch's launcher started while a run is checked: it imports torch, its fork
+    server the modules named, and waits, with no worker; dismissed, it ends having started none, its
+    fork server with it; sent its command by `launch.torchrun`, it starts the workers (forked ready-
+    imported) with the environment sent, not the one it began with."""
     import psutil
 
-    dismissed = launch.Standby()
-    time.sleep(0.5)
+    dismissed = launch.Standby(preload=("ddptune.cli",))
+    time.sleep(1.0)
+    helpers = psutil.Process(dismissed.proc.pid).children(recursive=True)  # the fork server, multiprocessing's tracker
     dismissed.dismiss()
     assert dismissed.proc.returncode is not None and dismissed.orders.closed
-    standby = launch.Standby()
+    assert psutil.wait_procs(helpers, timeout=10)[1] == []  # none left behind
+    standby = launch.Standby(preload=("ddptune.cli",))
     time.sleep(4.0)  # its imports, then its wait for the command
-    assert standby.proc.poll() is None and psutil.Process(standby.proc.pid).children(recursive=True) == []
+    assert standby.proc.poll() is None and launch.workers(standby.proc.pid) == []
+    assert len(launch._fork_servers(psutil.Process(standby.proc.pid).children(recursive=True))) == 1
     path = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
     sent = time.time()
     code = launch.torchrun(2, ["envworker"], env=dict(os.environ, PYTHONPATH=path, ENVWORKER_DIR=str(tmp_path)), standby=standby)
@@ -286,9 +282,35 @@ def test_a_standby_launcher_starts_no_process_before_its_command_and_none_when_d
     assert [(s["RANK"], s["WORLD_SIZE"], s["DDPTUNE_VALIDATED"], s["ENVWORKER_DIR"]) for s in seen] == \
         [(str(r), "2", "1", str(tmp_path)) for r in (0, 1)]
     assert all(sent <= float(s["DDPTUNE_SPAWNED"]) <= time.time() for s in seen)
+    assert all(s["cli_preloaded"] for s in seen)  # forked with ddptune.cli imported
     standby.dismiss()  # after its command: a no-op
     assert standby.proc.returncode == 0
     gone = launch.Standby()  # one that ended before its command: its exit code, not an error here
     gone.proc.kill()
     gone.proc.wait()
     assert launch.torchrun(2, ["envworker"], standby=gone) == -signal.SIGKILL and gone.orders.closed
+
+
+def test_what_a_fork_server_imports_asks_nothing_of_cuda(tmp_path):
+    """Workers are forked from a server that imported their modules: had it called into CUDA (even
+    torch.cuda.is_available, which starts the driver), no forked worker could use a GPU. Each CUDA
+    entry point is watched while the modules of train's and eval's workers are imported."""
+    import subprocess
+    import sys
+
+    from ddptune import evaluate, start
+
+    watch = ("is_available", "device_count", "init", "current_device", "get_device_capability", "get_device_properties",
+             "get_device_name", "is_bf16_supported", "mem_get_info", "_lazy_init")
+    script = "\n".join([
+        "import importlib, sys, torch", "called = []",
+        f"for name in {watch!r}:",
+        "    setattr(torch.cuda, name, lambda *a, _n=name, **k: called.append(_n))",
+        f"for module in {tuple(dict.fromkeys(start.WORKER_MODULES + evaluate.WORKER_MODULES))!r}:",
+        "    importlib.import_module(module)",
+        "print(len(sys.modules), called)"])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    modules, called = out.stdout.split(" ", 1)
+    assert int(modules) > 500 and called.strip() == "[]"  # torch and transformers were imported, and nothing asked

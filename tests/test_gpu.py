@@ -366,3 +366,25 @@ def test_combined_kernels_train_to_the_losses_of_compiled_layers_without_them(tm
     assert (plain_summary["speed"]["combo"], summary["speed"]["combo"], summary["compiled"]) == (False, True, True)
     for key, rel in (("loss", 2e-2), ("grad_norm", 5e-2)):
         assert [r[key] for r in combined] == pytest.approx([r[key] for r in plain], rel=rel), key
+
+
+@cuda
+def test_a_qlora_run_at_nproc_1_trains_on_the_gpu_in_a_forked_worker(tmp_path):
+    """--nproc runs its workers forked from a server that imported torch, transformers and ddptune
+    without starting CUDA: the forked worker quantizes (bitsandbytes) and trains on the GPU."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "ddptune", "train", str(ROOT / "configs" / "tiny.yaml"), "--nproc", "1",
+                           f"output_dir={out}", "train.method=qlora", "train.max_steps=3", "data.val=null", "eval.enabled=false"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 1 and summary["method"] == "qlora" and summary["mixed_precision"] == "bf16"
+    assert summary["peak_mem_gib"] > 0  # GPU memory: on the CPU there is none to count
+    assert len(losses_of(out)) == 3 and all(math.isfinite(r["loss"]) for r in losses_of(out))

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 import multiproc
 from conftest import ROOT, UNBROKEN_ARGS, metrics
-from ddptune import config, train
+from ddptune import config, launch, train
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -52,13 +52,10 @@ def test_two_nodes_on_loopback_equal_one_process(tmp_path):
 def test_a_killed_worker_is_restarted_from_the_newest_checkpoint(tmp_path, unbroken):
     out = tmp_path / "run"
     job = ddptune("train", TINY, "--nproc", "2", "--max-restarts", "1", f"output_dir={out}", *UNBROKEN_ARGS)
-    import psutil
-
     deadline = time.time() + 240
     while time.time() < deadline and not (out / "checkpoints" / "step-000010").is_dir() and job.poll() is None:
         time.sleep(0.02)
-    workers = [p for p in psutil.Process(job.pid).children(recursive=True)
-               if "LOCAL_RANK" in p.environ() and "ddptune.launcher" not in " ".join(p.cmdline())]
+    workers = launch.workers(job.pid)
     assert job.poll() is None and len(workers) == 2
     os.kill(workers[-1].pid, signal.SIGKILL)
     out_text, err = job.communicate(timeout=240)

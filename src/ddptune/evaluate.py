@@ -14,6 +14,7 @@ from ddptune import config as config_lib, data, launch, report, rundir, sources,
 from ddptune.config import ConfigError
 
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")  # generation.ROUGE_KEYS (which needs torch to import)
+WORKER_MODULES = ("ddptune.cli", "ddptune.dist", "ddptune.generation", "ddptune.model")  # start.WORKER_MODULES, for eval
 
 
 def main(args) -> int:
@@ -54,7 +55,7 @@ def main(args) -> int:
 
     launches = args.nproc is not None and not launch.in_launched_process()
     # torch's launcher imports torch while the job is checked (none for a job already refused)
-    with launch.standby(launches and not problems) as standby:
+    with launch.standby(launches and not problems, preload=WORKER_MODULES) as standby:
         if not launch.in_launched_process():  # here, before any process starts (--nproc's workers skip it: we did)
             problems = checked_once(not any(p.startswith("data.") for p in problems), tuple(problems))
         if problems:

@@ -1,8 +1,9 @@
 """Starting N processes: `--nproc N` re-runs a command through torch's own launcher, and passes signals on.
 
-`torchrun(nproc, args)` runs `python -m ddptune.launch TORCHRUN_ARGS... -m ddptune ...` (the
-arguments go through a pipe to a `Standby`, which a run starts early to import torch meanwhile),
-which is torch's launcher (`torch.distributed.run`, what `torchrun` runs) without its tracebacks:
+`torchrun(nproc, args)` runs torch's launcher (`torch.distributed.run`, what `torchrun` runs) in a
+`Standby` that a run starts early, so that torch is imported meanwhile and the arguments come through
+a pipe; its workers are forked from a fork server that imported what they need meanwhile too
+(ddptune.forked, which runs `python -m ddptune ...` in each). It is torch's launcher without its tracebacks:
 when a worker fails, the worker has already told the user why in one line; torchrun would add 30-40
 lines of its own (ChildFailedError, SignalException) around it. `main` exits with the first failed
 worker's exit code instead (2: bad input, 130/143: stopped by SIGINT/SIGTERM after a checkpoint,
@@ -30,6 +31,8 @@ VALIDATED = "DDPTUNE_VALIDATED"  # set by `torchrun` below: the parent process h
 RUN = "DDPTUNE_RUN"  # set by `torchrun` for training: its output_dir, what a killed worker's line reports on
 STARTED = "DDPTUNE_STARTED"  # set by `torchrun` for training: when the launching command began (time.time() seconds)
 SPAWNED = "DDPTUNE_SPAWNED"  # set by `torchrun`: when it gave torch's launcher its command (time.time() seconds)
+FORK_SERVER = "DDPTUNE_FORK_SERVER"  # set by `serve` for the fork server alone (ddptune.forked)
+WORKER_SCRIPT = os.path.join(os.path.dirname(__file__), "forked.py")  # each worker's: it takes the environment sent
 
 
 class Stopped(BaseException):
@@ -213,17 +216,20 @@ def _cuda() -> bool:
 
 
 class Standby:
-    """torch's launcher (`python -m ddptune.launch --standby FD`), started before its command is
-    known, so that it imports torch while this process checks the run and prepares its data. It
-    starts no process until `torchrun(..., standby=it)` sends it its command and environment through
-    a pipe; `dismiss()` ends one that got none (it started nothing). Started apart from the terminal's
-    Ctrl-C, with SIGTERM when this process dies, as torchrun says."""
+    """torch's launcher (`launch.main(["--standby", FD, "--preload", MODULES])`), started before its
+    command is known, so that it imports torch, and its fork server the modules `preload` names (the
+    workers are forked from it: ddptune.forked), while this process checks the run and prepares its
+    data. It starts no worker until `torchrun(..., standby=it)` sends it its command and environment
+    through a pipe; `dismiss()` ends one that got none (it started no worker). Started apart from the
+    terminal's Ctrl-C, with SIGTERM when this process dies, as torchrun says."""
 
-    def __init__(self):
+    def __init__(self, preload: tuple[str, ...] = ()):
         read, write = os.pipe()
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "ddptune.launch", "--standby", str(read)], pass_fds=(read,),
-                                         start_new_session=True, preexec_fn=_term_when_parent_dies)
+            # (-c, not -m: workers forked for torch's launcher would import a __main__ module again)
+            self.proc = subprocess.Popen([sys.executable, "-c", "import sys; from ddptune.launch import main; sys.exit(main(sys.argv[1:]))",
+                                          "--standby", str(read), "--preload", ",".join(preload)],
+                                         pass_fds=(read,), start_new_session=True, preexec_fn=term_when_parent_dies)
         finally:
             os.close(read)
         self.orders = os.fdopen(write, "w")
@@ -244,10 +250,11 @@ class Standby:
 
 
 @contextlib.contextmanager
-def standby(needed: bool = True):
-    """A Standby while the block runs (None where not `needed`), dismissed at its end unless the block
-    gave it its command: a refused or stopped run leaves no launcher behind."""
-    waiting = Standby() if needed else None
+def standby(needed: bool = True, preload: tuple[str, ...] = ()):
+    """A Standby while the block runs (None where not `needed`; `preload`: the modules its workers
+    will need, imported meanwhile), dismissed at its end unless the block gave it its command: a
+    refused or stopped run leaves no launcher behind."""
+    waiting = Standby(preload) if needed else None
     try:
         yield waiting
     finally:
@@ -281,7 +288,7 @@ def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = No
     else:
         host, _, port = master.rpartition(":")
         rendezvous = [f"--nnodes={nnodes}", f"--node_rank={node_rank}", f"--master_addr={host}", f"--master_port={port}"]
-    argv = [*rendezvous, f"--nproc_per_node={nproc}", f"--max_restarts={max_restarts}", "-m", *module_args]
+    argv = [*rendezvous, f"--nproc_per_node={nproc}", f"--max_restarts={max_restarts}", "--start_method=forkserver", "--run_path"]
     child_env = dict(os.environ if env is None else env)
     child_env.setdefault("OMP_NUM_THREADS", str(default_threads(nproc)))
     child_env.update({VALIDATED: "1", SPAWNED: repr(time.time())})
@@ -292,24 +299,11 @@ def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = No
         # prefix: restarted workers read the dead round's gloo/NCCL addresses and cannot connect.
         # A store per round (torch's documented opt-out) gives them fresh ones.
         child_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    argv += [WORKER_SCRIPT, json.dumps(child_env), *module_args]
     proc = (standby or Standby()).send(argv, child_env)
-
-    def forward(signum, _frame) -> None:
-        import psutil
-
-        try:
-            workers = psutil.Process(proc.pid).children(recursive=True)
-        except psutil.Error:
-            workers = []
-        for w in workers or [proc]:
-            try:
-                w.send_signal(signum)
-            except psutil.Error:
-                pass
-
     old = {}
     if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
-        old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        old = {s: signal.signal(s, lambda signum, _frame: _forward(proc, signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return proc.wait()
     finally:
@@ -317,7 +311,61 @@ def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = No
             signal.signal(s, handler)
 
 
-def _term_when_parent_dies() -> None:
+def _forward(proc: subprocess.Popen, signum: int) -> None:
+    """`signum` to every process under torch's launcher `proc` but its fork server (which would die of
+    SIGTERM, and its death sends each worker SIGINT too); to `proc` itself where it has none."""
+    import psutil
+
+    try:
+        everyone = psutil.Process(proc.pid).children(recursive=True)
+        servers = _fork_servers(everyone)
+        workers = [p for p in everyone if p not in servers]
+    except psutil.Error:
+        workers = []
+    for w in workers or [proc]:
+        try:
+            w.send_signal(signum)
+        except psutil.Error:
+            pass
+
+
+def _fork_servers(processes: list) -> list:
+    """Among `processes` (psutil.Process), multiprocessing's fork servers: not the workers forked from
+    them, which show the same command line."""
+    def serving(p) -> bool:
+        try:
+            return "multiprocessing.forkserver" in " ".join(p.cmdline())
+        except Exception:  # psutil.Error: gone, or not ours to read
+            return False
+
+    return [p for p in processes if serving(p) and not serving(p.parent())]
+
+
+def workers(pid: int) -> list:
+    """The worker processes (psutil.Process) that torch's launcher started under process `pid` (a
+    `ddptune ... --nproc N` command, or the launcher itself): the fork server's children."""
+    import psutil
+
+    try:
+        return [w for s in _fork_servers(psutil.Process(pid).children(recursive=True)) for w in s.children()]
+    except psutil.Error:
+        return []
+
+
+def serve(preload: list[str]) -> None:
+    """Start multiprocessing's fork server now, importing `preload` after ddptune.forked (which makes it
+    die with this process and keeps its environment): torch's launcher forks the workers from it."""
+    import multiprocessing.forkserver as server
+
+    server.set_forkserver_preload(["ddptune.forked", *preload])
+    os.environ[FORK_SERVER] = "1"  # for the server alone: ddptune.forked takes it out there
+    try:
+        server.ensure_running()
+    finally:
+        del os.environ[FORK_SERVER]
+
+
+def term_when_parent_dies() -> None:
     """In the child before exec (Linux): SIGTERM when the parent dies, however it died."""
     if sys.platform.startswith("linux"):
         import ctypes
@@ -326,13 +374,15 @@ def _term_when_parent_dies() -> None:
 
 
 def main(argv: list[str]) -> int:
-    os.environ.setdefault("LOGLEVEL", "CRITICAL")  # the elastic agent's own logger (workers inherit it, harmlessly)
+    waiting = argv[:1] == ["--standby"]
+    serve([m for m in argv[3].split(",") if m] if waiting else [])  # its imports go on beside torch's below
+    os.environ.setdefault("LOGLEVEL", "CRITICAL")  # the elastic agent's own logger
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # "Sending process ... SIGTERM", "failed (exitcode: 2)"
-    if argv[:1] == ["--standby"]:  # a Standby: its command comes once torch is imported, or nothing (dismissed)
+    if waiting:  # a Standby: its command comes once torch is imported, or nothing (dismissed)
         with os.fdopen(int(argv[1])) as f:
             sent = f.read()
         if not sent:

@@ -29,6 +29,8 @@ from ddptune import admission, batchplan, config as config_lib, launch, lock, ru
 from ddptune.admission import Admission
 from ddptune.config import Config, ConfigError
 
+WORKER_MODULES = ("ddptune.cli", "ddptune.train")  # what a worker of --nproc imports: its fork server imports them meanwhile
+
 
 class NonFinite(RuntimeError):
     """The loss or gradient norm of a step is not a finite number, or the loss is exactly 0: training stops."""
@@ -92,7 +94,7 @@ def _start(cfg: Config, args, nproc: int, started: float, trainer) -> int:
     first = args.node_rank == 0  # node 0 holds rank 0, which writes: it alone checks and locks output_dir
     world = nproc * args.nnodes
     # torch's launcher imports torch while the run is checked; it starts no process before the run is admitted
-    with launch.standby(launches) as standby:
+    with launch.standby(launches, preload=WORKER_MODULES) as standby:
         # once per node, here, before any process starts
         admitted = admission.admit(cfg, args.resume, args.overwrite, world, output=first, gpu_memory=args.gpu_memory)
         if note := config_lib.kept_validation(cfg, args.overrides):  # a valid run that validates on another source

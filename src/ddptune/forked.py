@@ -1,0 +1,72 @@
+"""The workers of `--nproc`, forked ready-imported from a server that imported their modules meanwhile.
+
+torch's launcher starts each worker as a fork of a server process (multiprocessing's fork server) that
+imported torch, transformers and ddptune while the launching process checked the run and prepared its data. A worker then starts in milliseconds instead
+of importing all of that again, once per process (about 3 s of CPU each on the 2-core CPU machine, and
+15-19 s on a 16-core GPU host whose file system is slow).
+
+Imported first in the fork server (launch.Standby asks for it): the server dies with its launcher,
+and the environment it had is kept. Run as a worker's script (torchrun's --run-path, this file): the
+worker takes the environment the launching process sent, with torch's per-worker variables (RANK,
+LOCAL_RANK, ...) over it, then runs `python -m MODULE ARGS...` in this process, exit code included.
+A preloaded module reads the environment the launching process had when its Standby started; the
+worker's own code reads the one sent.
+"""
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import traceback
+
+from ddptune import launch
+
+server_env: dict[str, str] | None = None  # the fork server's environment, where this module was imported there
+if os.environ.pop(launch.FORK_SERVER, None) == "1":
+    launch.term_when_parent_dies()  # a dismissed or killed launcher leaves no server behind
+    server_env = dict(os.environ)
+
+
+def become(sent: dict[str, str]) -> None:
+    """This forked worker's environment: `sent` (the launching process's), then what torch's launcher set
+    for this worker after the fork (what differs from the server's); PYTHONPATH's folders, output
+    written at once and OpenMP threads as a new interpreter would have them from `sent`."""
+    if server_env is None:
+        raise RuntimeError("ddptune.forked: this worker was not forked from a fork server that imported ddptune.forked")
+    own = {k: v for k, v in os.environ.items() if server_env.get(k) != v}
+    os.environ.clear()
+    os.environ.update(sent)
+    os.environ.update(own)
+    paths = [p for p in sent.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    sys.path[1:1] = paths  # where a new interpreter puts PYTHONPATH: after the working directory
+    for stream in (sys.stdout, sys.stderr):  # as torchrun's `python -u` workers write: at once
+        stream.reconfigure(write_through=True)
+    torch = sys.modules.get("torch")  # imported in the server: its threads were set from the server's environment
+    if torch is not None and os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+
+
+def run(argv: list[str]) -> int:
+    """`argv`: the sent environment (JSON), the module, its arguments. The module's exit code; an error
+    that escapes it is printed as Python prints it, with exit code 1 (not handed to the launcher as a
+    pickled traceback)."""
+    from ddptune import forked  # the server's copy (this file runs as __main__)
+
+    forked.become(json.loads(argv[0]))
+    sys.argv = [argv[1], *argv[2:]]
+    try:
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    except Exception:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    code = run(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    raise SystemExit(code)
