@@ -10,8 +10,8 @@ import re
 from conftest import ROOT
 
 RESULTS = ROOT / "benchmarks" / "results"
-# a raw file's name as the documents write it: the device kind first (h200..., h200x2...)
-CITED = re.compile(r"\b(?:h200|cpu_)[\w.{},+-]*?\.(?:jsonl|json|txt|png|log|csv)\b")
+# a raw file's name as the documents write it: the device kind first (h200..., h200x2..., h100...)
+CITED = re.compile(r"\b(?:h200|h100|cpu_)[\w.{},+-]*?\.(?:jsonl|json|txt|png|log|csv)\b")
 
 
 def expand(name: str) -> list[str]:
