@@ -257,19 +257,24 @@ def test_sigint_to_the_launcher_reaches_each_worker_exactly_once(tmp_path):
     assert "Traceback" not in err
 
 
-def test_a_standby_launcher_starts_no_process_before_its_command_and_none_when_dismissed(tmp_path):
+def test_a_standby_launcher_starts_no_process_before_its_command_and_none_when_dismissed(tmp_path, monkeypatch):
     """launch.Standby, torch's launcher started while a run is checked: it imports torch, its fork
     server the modules named, and waits, with no worker; dismissed, it ends having started none, its
     fork server with it; sent its command by `launch.torchrun`, it starts the workers (forked ready-
     imported) with the environment sent, not the one it began with."""
     import psutil
 
+    temporary = tmp_path / "tmp"  # where multiprocessing keeps its fork server's socket, until it exits
+    temporary.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temporary))
     dismissed = launch.Standby(preload=("ddptune.cli",))
     time.sleep(1.0)
     helpers = psutil.Process(dismissed.proc.pid).children(recursive=True)  # the fork server, multiprocessing's tracker
+    assert len(helpers) == 2 and list(temporary.iterdir())
     dismissed.dismiss()
     assert dismissed.proc.returncode is not None and dismissed.orders.closed
-    assert psutil.wait_procs(helpers, timeout=10)[1] == []  # none left behind
+    assert psutil.wait_procs(helpers, timeout=10)[1] == [] and list(temporary.iterdir()) == []  # nothing left behind
+    monkeypatch.delenv("TMPDIR")
     standby = launch.Standby(preload=("ddptune.cli",))
     time.sleep(4.0)  # its imports, then its wait for the command
     assert standby.proc.poll() is None and launch.workers(standby.proc.pid) == []

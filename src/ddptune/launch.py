@@ -245,8 +245,12 @@ class Standby:
     def dismiss(self) -> None:
         if not self.orders.closed:
             self.orders.close()
-            self.proc.kill()
-            self.proc.wait()
+            self.proc.terminate()  # it exits at once, through multiprocessing's clean-up (its temporary folder)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 @contextlib.contextmanager
@@ -375,6 +379,8 @@ def term_when_parent_dies() -> None:
 
 def main(argv: list[str]) -> int:
     waiting = argv[:1] == ["--standby"]
+    if waiting:  # dismissed (or its launcher gone) before its command: exit now, through the clean-up of what it started
+        signal.signal(signal.SIGTERM, lambda _signum, _frame: sys.exit(0))
     serve([m for m in argv[3].split(",") if m] if waiting else [])  # its imports go on beside torch's below
     os.environ.setdefault("LOGLEVEL", "CRITICAL")  # the elastic agent's own logger
     from torch.distributed.elastic.multiprocessing.api import SignalException
