@@ -268,8 +268,9 @@ def test_a_standby_launcher_starts_no_process_before_its_command_and_none_when_d
     temporary.mkdir()
     monkeypatch.setenv("TMPDIR", str(temporary))
     dismissed = launch.Standby(preload=("ddptune.cli",))
-    time.sleep(1.0)
-    helpers = psutil.Process(dismissed.proc.pid).children(recursive=True)  # the fork server, multiprocessing's tracker
+    deadline = time.time() + 60
+    while len(helpers := psutil.Process(dismissed.proc.pid).children(recursive=True)) < 2 and time.time() < deadline:
+        time.sleep(0.05)  # it starts the fork server and multiprocessing's tracker first
     assert len(helpers) == 2 and list(temporary.iterdir())
     dismissed.dismiss()
     assert dismissed.proc.returncode is not None and dismissed.orders.closed

@@ -1,9 +1,10 @@
 """The workers of `--nproc`, forked ready-imported from a server that imported their modules meanwhile.
 
 torch's launcher starts each worker as a fork of a server process (multiprocessing's fork server) that
-imported torch, transformers and ddptune while the launching process checked the run and prepared its data. A worker then starts in milliseconds instead
-of importing all of that again, once per process (about 3 s of CPU each on the 2-core CPU machine, and
-15-19 s on a 16-core GPU host whose file system is slow).
+imported torch, transformers and ddptune while the launching process checked the run and prepared its
+data. A worker then starts in milliseconds instead of importing all of that again, once per process
+(12-13 s of the start-up at 8 processes on the 2-core CPU machine; 18-20 s on a 16-core GPU host whose
+imports are slow: BENCHMARKS.md).
 
 Imported first in the fork server (launch.Standby asks for it): the server dies with its launcher,
 and the environment it had is kept. Run as a worker's script (torchrun's --run-path, this file): the
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import signal
 import sys
 import traceback
 
@@ -50,7 +52,7 @@ def become(sent: dict[str, str]) -> None:
 def run(argv: list[str]) -> int:
     """`argv`: the sent environment (JSON), the module, its arguments. The module's exit code; an error
     that escapes it is printed as Python prints it, with exit code 1 (not handed to the launcher as a
-    pickled traceback)."""
+    pickled traceback), and Ctrl-C's KeyboardInterrupt gives 130, as a new interpreter's would."""
     from ddptune import forked  # the server's copy (this file runs as __main__)
 
     forked.become(json.loads(argv[0]))
@@ -58,7 +60,13 @@ def run(argv: list[str]) -> int:
     try:
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
     except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)  # as Python does with sys.exit("message")
+        return 1
+    except KeyboardInterrupt:  # (torch's process wrapper would turn it into exit code 0)
+        traceback.print_exc()
+        return 128 + signal.SIGINT
     except Exception:
         traceback.print_exc()
         return 1
