@@ -316,21 +316,26 @@ def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = No
 
 
 def _forward(proc: subprocess.Popen, signum: int) -> None:
-    """`signum` to every process under torch's launcher `proc` but its fork server (which would die of
-    SIGTERM, and its death sends each worker SIGINT too); to `proc` itself where it has none."""
+    """`signum` to every worker under torch's launcher `proc`, and to what each started; to `proc`
+    itself where it has none yet. Not to the fork server: it would die of SIGTERM, and its death
+    sends each worker SIGINT too."""
     import psutil
 
-    try:
-        everyone = psutil.Process(proc.pid).children(recursive=True)
-        servers = _fork_servers(everyone)
-        workers = [p for p in everyone if p not in servers]
-    except psutil.Error:
-        workers = []
-    for w in workers or [proc]:
+    found = workers(proc.pid)
+    for w in [*found, *(c for w in found for c in _children(w))] or [proc]:
         try:
             w.send_signal(signum)
         except psutil.Error:
             pass
+
+
+def _children(p) -> list:
+    import psutil
+
+    try:
+        return p.children(recursive=True)
+    except psutil.Error:
+        return []
 
 
 def _fork_servers(processes: list) -> list:
