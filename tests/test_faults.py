@@ -320,3 +320,17 @@ def test_what_a_fork_server_imports_asks_nothing_of_cuda(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     modules, called = out.stdout.split(" ", 1)
     assert int(modules) > 500 and called.strip() == "[]"  # torch and transformers were imported, and nothing asked
+
+
+def test_a_signal_forwarded_before_the_workers_start_reaches_torchs_launcher():
+    """Before its workers exist, a stop passed on by `launch.torchrun` goes to torch's launcher itself,
+    not to the helpers it started first (multiprocessing's fork server and resource tracker)."""
+    import psutil
+
+    standby = launch.Standby()
+    deadline = time.time() + 60
+    while len(psutil.Process(standby.proc.pid).children(recursive=True)) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    launch._forward(standby.proc, signal.SIGTERM)
+    assert standby.proc.wait(timeout=30) == 0  # a standby stopped before its command exits quietly
+    standby.dismiss()
