@@ -334,3 +334,17 @@ def test_a_signal_forwarded_before_the_workers_start_reaches_torchs_launcher():
     launch._forward(standby.proc, signal.SIGTERM)
     assert standby.proc.wait(timeout=30) == 0  # a standby stopped before its command exits quietly
     standby.dismiss()
+
+
+def test_where_cuda_started_in_the_fork_server_each_worker_runs_in_a_new_interpreter(tmp_path, monkeypatch):
+    """A fork server whose modules started CUDA (here: one that says so) leaves forks that could not use
+    a GPU: each worker then runs its module in a new interpreter, with the environment sent, and the
+    job's exit code is still its workers'."""
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    monkeypatch.setenv("PYTHONPATH", path)
+    standby = launch.Standby(preload=("ddptune.cli", "cudaseen"))
+    code = launch.torchrun(2, ["envworker"], env=dict(os.environ, ENVWORKER_DIR=str(tmp_path)), standby=standby)
+    assert code == 0
+    seen = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    assert [(s["RANK"], s["WORLD_SIZE"], s["DDPTUNE_VALIDATED"], s["cli_preloaded"]) for s in seen] == \
+        [(str(r), "2", "1", False) for r in (0, 1)]  # a new interpreter: nothing imported before it

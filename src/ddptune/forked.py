@@ -19,6 +19,7 @@ import json
 import os
 import runpy
 import signal
+import subprocess
 import sys
 import traceback
 
@@ -49,6 +50,32 @@ def become(sent: dict[str, str]) -> None:
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
 
 
+def cuda_started() -> bool:
+    """Whether CUDA's driver library was loaded before this process was forked (it is loaded where CUDA
+    starts): the fork server's modules should never start it (a test watches), but if one did, a forked
+    process could not use a GPU."""
+    try:
+        with open("/proc/self/maps") as f:
+            return any("/libcuda.so" in line for line in f)
+    except OSError:
+        return False
+
+
+def fresh(argv: list[str]) -> int:
+    """`python -u -m ARGV...` in a new interpreter under this worker, with this worker's environment;
+    its exit code. Stops reach it directly (launch.torchrun passes them to what the workers started):
+    this process only waits, and the new one ends with it."""
+    def child() -> None:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_DFL)
+        launch.term_when_parent_dies()
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
+    code = subprocess.Popen([sys.executable, "-u", "-m", *argv], preexec_fn=child).wait()
+    return code if code >= 0 else 128 - code
+
+
 def run(argv: list[str]) -> int:
     """`argv`: the sent environment (JSON), the module, its arguments. The module's exit code; an error
     that escapes it is printed as Python prints it, with exit code 1 (not handed to the launcher as a
@@ -56,6 +83,8 @@ def run(argv: list[str]) -> int:
     from ddptune import forked  # the server's copy (this file runs as __main__)
 
     forked.become(json.loads(argv[0]))
+    if forked.cuda_started():  # a fork could not use the GPU: run the module in a new interpreter, as torchrun would
+        return fresh(argv[1:])
     sys.argv = [argv[1], *argv[2:]]
     try:
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
