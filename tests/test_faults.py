@@ -10,6 +10,7 @@ import re
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -264,9 +265,10 @@ def test_a_standby_launcher_starts_no_process_before_its_command_and_none_when_d
     imported) with the environment sent, not the one it began with."""
     import psutil
 
-    temporary = tmp_path / "tmp"  # where multiprocessing keeps its fork server's socket, until it exits
-    temporary.mkdir()
-    monkeypatch.setenv("TMPDIR", str(temporary))
+    import tempfile
+
+    temporary = Path(tempfile.mkdtemp(prefix="standby-"))  # (short: a socket's path may not be long)
+    monkeypatch.setenv("TMPDIR", str(temporary))  # where multiprocessing keeps its fork server's socket, until it exits
     dismissed = launch.Standby(preload=("ddptune.cli",))
     deadline = time.time() + 60
     while len(helpers := psutil.Process(dismissed.proc.pid).children(recursive=True)) < 2 and time.time() < deadline:
@@ -275,6 +277,7 @@ def test_a_standby_launcher_starts_no_process_before_its_command_and_none_when_d
     dismissed.dismiss()
     assert dismissed.proc.returncode is not None and dismissed.orders.closed
     assert psutil.wait_procs(helpers, timeout=10)[1] == [] and list(temporary.iterdir()) == []  # nothing left behind
+    temporary.rmdir()
     monkeypatch.delenv("TMPDIR")
     standby = launch.Standby(preload=("ddptune.cli",))
     time.sleep(4.0)  # its imports, then its wait for the command
@@ -348,3 +351,18 @@ def test_where_cuda_started_in_the_fork_server_each_worker_runs_in_a_new_interpr
     seen = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
     assert [(s["RANK"], s["WORLD_SIZE"], s["DDPTUNE_VALIDATED"], s["cli_preloaded"]) for s in seen] == \
         [(str(r), "2", "1", False) for r in (0, 1)]  # a new interpreter: nothing imported before it
+
+
+def test_where_no_fork_server_can_start_the_workers_start_as_new_interpreters(tmp_path, monkeypatch):
+    """A TMPDIR whose path is too long for multiprocessing's socket leaves no fork server: the job runs
+    all the same, each worker a new interpreter with the environment sent."""
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    long = tmp_path / ("t" * 120)
+    long.mkdir()
+    monkeypatch.setenv("TMPDIR", str(long))
+    code = launch.torchrun(2, ["envworker"], env=dict(os.environ, PYTHONPATH=path, ENVWORKER_DIR=str(tmp_path)),
+                           standby=launch.Standby(preload=("ddptune.cli",)))
+    assert code == 0
+    seen = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    assert [(s["RANK"], s["WORLD_SIZE"], s["DDPTUNE_VALIDATED"], s["cli_preloaded"]) for s in seen] == \
+        [(str(r), "2", "1", False) for r in (0, 1)]

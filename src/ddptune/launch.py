@@ -361,17 +361,29 @@ def workers(pid: int) -> list:
         return []
 
 
-def serve(preload: list[str]) -> None:
+def serve(preload: list[str]) -> bool:
     """Start multiprocessing's fork server now, importing `preload` after ddptune.forked (which makes it
-    die with this process and keeps its environment): torch's launcher forks the workers from it."""
+    die with this process and keeps its environment): torch's launcher forks the workers from it. False
+    where it cannot start (its socket's path under TMPDIR longer than a socket's path may be, say):
+    the workers are then started as new interpreters (`unforked`)."""
     import multiprocessing.forkserver as server
 
     server.set_forkserver_preload(["ddptune.forked", *preload])
     os.environ[FORK_SERVER] = "1"  # for the server alone: ddptune.forked takes it out there
     try:
         server.ensure_running()
+        return True
+    except OSError:
+        return False
     finally:
         del os.environ[FORK_SERVER]
+
+
+def unforked(argv: list[str]) -> list[str]:
+    """torchrun's arguments as `torchrun` builds them, with each worker a new interpreter running
+    `python -m MODULE ...` instead of a fork that runs ddptune.forked's script."""
+    i = argv.index("--run_path")  # then the script, the environment sent, the module and its arguments
+    return [a for a in argv[:i] if a != "--start_method=forkserver"] + ["-m", *argv[i + 3:]]
 
 
 def term_when_parent_dies() -> None:
@@ -386,7 +398,7 @@ def main(argv: list[str]) -> int:
     waiting = argv[:1] == ["--standby"]
     if waiting:  # dismissed (or its launcher gone) before its command: exit now, through the clean-up of what it started
         signal.signal(signal.SIGTERM, lambda _signum, _frame: sys.exit(0))
-    serve([m for m in argv[3].split(",") if m] if waiting else [])  # its imports go on beside torch's below
+    forking = serve([m for m in argv[3].split(",") if m] if waiting else [])  # its imports go on beside torch's below
     os.environ.setdefault("LOGLEVEL", "CRITICAL")  # the elastic agent's own logger
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -403,6 +415,8 @@ def main(argv: list[str]) -> int:
         os.environ.update(order["env"])
         os.environ.setdefault("LOGLEVEL", "CRITICAL")
         argv = order["argv"]
+    if not forking and "--run_path" in argv:
+        argv = unforked(argv)
 
     try:
         run(parse_args(argv))
