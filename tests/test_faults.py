@@ -282,7 +282,7 @@ def test_a_standby_launcher_starts_no_process_before_its_command_and_none_when_d
     standby = launch.Standby(preload=("ddptune.cli",))
     time.sleep(4.0)  # its imports, then its wait for the command
     assert standby.proc.poll() is None and launch.workers(standby.proc.pid) == []
-    assert len(launch._fork_servers(psutil.Process(standby.proc.pid).children(recursive=True))) == 1
+    assert len(launch._helpers(psutil.Process(standby.proc.pid).children(recursive=True), ("forkserver",))) == 1
     path = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
     sent = time.time()
     code = launch.torchrun(2, ["envworker"], env=dict(os.environ, PYTHONPATH=path, ENVWORKER_DIR=str(tmp_path)), standby=standby)
@@ -366,3 +366,24 @@ def test_where_no_fork_server_can_start_the_workers_start_as_new_interpreters(tm
     seen = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
     assert [(s["RANK"], s["WORLD_SIZE"], s["DDPTUNE_VALIDATED"], s["cli_preloaded"]) for s in seen] == \
         [(str(r), "2", "1", False) for r in (0, 1)]
+
+
+def test_where_no_fork_server_started_a_stop_still_reaches_each_worker_exactly_once(tmp_path, monkeypatch):
+    """Workers started as new interpreters (no fork server: a TMPDIR too long for its socket) get
+    SIGINT from `launch.torchrun` once each, as forked ones do."""
+    import subprocess
+    import sys
+
+    long = tmp_path / ("t" * 120)
+    long.mkdir()
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path, SIGWORKER_DIR=str(tmp_path), TMPDIR=str(long))
+    launcher = subprocess.Popen([sys.executable, "-c", "import sys; from ddptune import launch; "
+                                 "sys.exit(launch.torchrun(2, ['sigworker']))"], env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not all((tmp_path / f"ready-{r}").exists() for r in (0, 1)) and time.time() < deadline and launcher.poll() is None:
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGINT)
+    _, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 128 + signal.SIGINT, err[-2000:]
+    assert [(tmp_path / f"got-{r}").read_text() for r in (0, 1)] == [str(int(signal.SIGINT))] * 2

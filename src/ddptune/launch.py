@@ -318,45 +318,40 @@ def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = No
 def _forward(proc: subprocess.Popen, signum: int) -> None:
     """`signum` to every worker under torch's launcher `proc`, and to what each started; to `proc`
     itself where it has none yet. Not to the fork server: it would die of SIGTERM, and its death
-    sends each worker SIGINT too."""
+    sends each worker SIGINT too (nor to multiprocessing's resource tracker, which ignores it)."""
     import psutil
 
-    found = workers(proc.pid)
-    for w in [*found, *(c for w in found for c in _children(w))] or [proc]:
+    try:
+        everyone = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        everyone = []
+    helpers = _helpers(everyone)
+    for w in [p for p in everyone if p not in helpers] or [proc]:
         try:
             w.send_signal(signum)
         except psutil.Error:
             pass
 
 
-def _children(p) -> list:
-    import psutil
-
-    try:
-        return p.children(recursive=True)
-    except psutil.Error:
-        return []
-
-
-def _fork_servers(processes: list) -> list:
-    """Among `processes` (psutil.Process), multiprocessing's fork servers: not the workers forked from
-    them, which show the same command line."""
-    def serving(p) -> bool:
+def _helpers(processes: list, kinds: tuple[str, ...] = ("forkserver", "resource_tracker")) -> list:
+    """Among `processes` (psutil.Process), multiprocessing's fork servers and resource trackers (`kinds`):
+    not the workers forked from a server, which show its command line."""
+    def helper(p) -> bool:
         try:
-            return "multiprocessing.forkserver" in " ".join(p.cmdline())
+            return any(f"multiprocessing.{kind}" in " ".join(p.cmdline()) for kind in kinds)
         except Exception:  # psutil.Error: gone, or not ours to read
             return False
 
-    return [p for p in processes if serving(p) and not serving(p.parent())]
+    return [p for p in processes if helper(p) and not helper(p.parent())]
 
 
 def workers(pid: int) -> list:
-    """The worker processes (psutil.Process) that torch's launcher started under process `pid` (a
+    """The worker processes (psutil.Process) that torch's launcher forked under process `pid` (a
     `ddptune ... --nproc N` command, or the launcher itself): the fork server's children."""
     import psutil
 
     try:
-        return [w for s in _fork_servers(psutil.Process(pid).children(recursive=True)) for w in s.children()]
+        return [w for s in _helpers(psutil.Process(pid).children(recursive=True), ("forkserver",)) for w in s.children()]
     except psutil.Error:
         return []
 
