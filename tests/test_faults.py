@@ -238,14 +238,19 @@ def test_a_straggling_process_is_named(tmp_path):
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 41))  # the run itself went on
 
 
-def test_sigint_to_the_launcher_reaches_each_worker_exactly_once(tmp_path):
+@pytest.mark.parametrize("forked", [True, False], ids=["forked", "new-interpreters"])
+def test_sigint_to_the_launcher_reaches_each_worker_exactly_once(tmp_path, forked):
     """The launcher side of Ctrl-C (the workers' side, stop after a saved step, is tested above):
-    torchrun is in a session of its own, and `launch.torchrun` passes the signal on to each worker once."""
+    torchrun is in a session of its own, and `launch.torchrun` passes the signal on to each worker once,
+    forked or (no fork server: a TMPDIR too long for its socket) started as new interpreters."""
     import subprocess
     import sys
 
     path = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path, SIGWORKER_DIR=str(tmp_path))
+    if not forked:
+        (tmp_path / ("t" * 120)).mkdir()
+        env["TMPDIR"] = str(tmp_path / ("t" * 120))
     launcher = subprocess.Popen([sys.executable, "-c", "import sys; from ddptune import launch; "
                                  "sys.exit(launch.torchrun(2, ['sigworker']))"], env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
@@ -366,24 +371,3 @@ def test_where_no_fork_server_can_start_the_workers_start_as_new_interpreters(tm
     seen = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
     assert [(s["RANK"], s["WORLD_SIZE"], s["DDPTUNE_VALIDATED"], s["cli_preloaded"]) for s in seen] == \
         [(str(r), "2", "1", False) for r in (0, 1)]
-
-
-def test_where_no_fork_server_started_a_stop_still_reaches_each_worker_exactly_once(tmp_path, monkeypatch):
-    """Workers started as new interpreters (no fork server: a TMPDIR too long for its socket) get
-    SIGINT from `launch.torchrun` once each, as forked ones do."""
-    import subprocess
-    import sys
-
-    long = tmp_path / ("t" * 120)
-    long.mkdir()
-    path = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, PYTHONPATH=path, SIGWORKER_DIR=str(tmp_path), TMPDIR=str(long))
-    launcher = subprocess.Popen([sys.executable, "-c", "import sys; from ddptune import launch; "
-                                 "sys.exit(launch.torchrun(2, ['sigworker']))"], env=env, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not all((tmp_path / f"ready-{r}").exists() for r in (0, 1)) and time.time() < deadline and launcher.poll() is None:
-        time.sleep(0.05)
-    launcher.send_signal(signal.SIGINT)
-    _, err = launcher.communicate(timeout=60)
-    assert launcher.returncode == 128 + signal.SIGINT, err[-2000:]
-    assert [(tmp_path / f"got-{r}").read_text() for r in (0, 1)] == [str(int(signal.SIGINT))] * 2
