@@ -282,8 +282,6 @@ def test_a_standby_launcher_starts_no_process_before_its_command_and_none_when_d
     dismissed.dismiss()
     assert dismissed.proc.returncode is not None and dismissed.orders.closed
     assert psutil.wait_procs(helpers, timeout=10)[1] == [] and list(temporary.iterdir()) == []  # nothing left behind
-    temporary.rmdir()
-    monkeypatch.delenv("TMPDIR")
     standby = launch.Standby(preload=("ddptune.cli",))
     time.sleep(4.0)  # its imports, then its wait for the command
     assert standby.proc.poll() is None and launch.workers(standby.proc.pid) == []
@@ -297,6 +295,9 @@ def test_a_standby_launcher_starts_no_process_before_its_command_and_none_when_d
         [(str(r), "2", "1", str(tmp_path)) for r in (0, 1)]
     assert all(sent <= float(s["DDPTUNE_SPAWNED"]) <= time.time() for s in seen)
     assert all(s["cli_preloaded"] for s in seen)  # forked with ddptune.cli imported
+    assert list(temporary.iterdir()) == []  # nor after a job: its socket, nor torch's launcher's log folders
+    temporary.rmdir()
+    monkeypatch.delenv("TMPDIR")
     standby.dismiss()  # after its command: a no-op
     assert standby.proc.returncode == 0
     gone = launch.Standby()  # one that ended before its command: its exit code, not an error here
@@ -371,3 +372,4 @@ def test_where_no_fork_server_can_start_the_workers_start_as_new_interpreters(tm
     seen = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
     assert [(s["RANK"], s["WORLD_SIZE"], s["DDPTUNE_VALIDATED"], s["cli_preloaded"]) for s in seen] == \
         [(str(r), "2", "1", False) for r in (0, 1)]
+    assert list(long.iterdir()) == []  # torch's launcher's log folders gone with it

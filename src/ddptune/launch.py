@@ -24,6 +24,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -413,16 +414,18 @@ def main(argv: list[str]) -> int:
     if not forking and "--run_path" in argv:
         argv = unforked(argv)
 
-    try:
-        run(parse_args(argv))
-    except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        for line in untold(e.failures) + killed(rank, failure):
-            print(line, file=sys.stderr)
-        code = failure.exitcode
-        return code if 0 < code < 256 else 128 - code if code < 0 else 1  # a worker killed by signal N: 128 + N
-    except SignalException as e:  # torchrun itself was signalled (e.g. its parent died): workers got it too
-        return 128 + int(e.sigval)
+    # torch's launcher keeps each worker's error file in a log folder, by default one it leaves under TMPDIR
+    with tempfile.TemporaryDirectory(prefix="ddptune-launch-") as logs:
+        try:
+            run(parse_args(["--log-dir", logs, *argv]))
+        except ChildFailedError as e:
+            rank, failure = e.get_first_failure()
+            for line in untold(e.failures) + killed(rank, failure):
+                print(line, file=sys.stderr)
+            code = failure.exitcode
+            return code if 0 < code < 256 else 128 - code if code < 0 else 1  # a worker killed by signal N: 128 + N
+        except SignalException as e:  # torchrun itself was signalled (e.g. its parent died): workers got it too
+            return 128 + int(e.sigval)
     return 0
 
 
