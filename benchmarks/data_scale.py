@@ -35,6 +35,8 @@ Each tree (this checkout, and --before's, an older commit's worktree, for row co
   or written; and first, in this process, µs a row of that work and of its parts (`parts`);
 - the anchor, in this process: Hugging Face datasets' `Dataset.from_json`, then `map(batched=True,
   num_proc=cores)` with the tokenizer's batched `apply_chat_template(tokenize=True)`: rows/s of each.
+Each figure is printed, and written to --out, as soon as it is measured: a command stopped at a time
+limit keeps what it had measured.
 """
 from __future__ import annotations
 
@@ -118,17 +120,18 @@ def overrides(data: Path, args) -> list[str]:
             "data.train_rows=null", "data.val=null", "data.max_length=512", "eval.enabled=false"]
 
 
-def cores(args, data: Path) -> dict:
+def cores(args, data: Path, row: dict, save) -> None:
     """tokenized.work on the file's first --cores-rows rows, whole, in each of K forked processes at
     once (the tokenizer's own threads off, as in preparation's workers, and on again after); before
-    that, in this process, the same rows' work timed in its parts (`parts`)."""
+    that, in this process, the same rows' work timed in its parts (`parts`). Each figure goes into
+    `row`, then `save()`."""
     from unittest import mock
 
     with mock.patch.dict(os.environ, TOKENIZERS_PARALLELISM="false"):
-        return _cores(args, data)
+        _cores(args, data, row, save)
 
 
-def _cores(args, data: Path) -> dict:
+def _cores(args, data: Path, row: dict, save) -> None:
     import multiprocessing
 
     from transformers import AutoTokenizer
@@ -145,6 +148,7 @@ def _cores(args, data: Path) -> dict:
     timed = parts(job, tok, chunks)
     print(json.dumps({"parts_us_a_row": timed}), flush=True)
     context, out = multiprocessing.get_context("fork"), []
+    row.update(processes=out, parts_us_a_row=timed)
     for k in (int(c) for c in args.cores.split(",")):
         go = context.Barrier(k + 1)
         procs = [context.Process(target=_all_chunks, args=(go, job, tok, chunks)) for _ in range(k)]
@@ -157,7 +161,7 @@ def _cores(args, data: Path) -> dict:
         wall = time.perf_counter() - started
         out.append({"processes": k, "rows_each": n, "wall_s": round(wall, 2), "rows_per_s": round(k * n / wall)})
         print(json.dumps({"cores": out[-1]}), flush=True)
-    return {"processes": out, "parts_us_a_row": timed}
+        save()
 
 
 def parts(job, tok, chunks: list) -> dict:
@@ -355,31 +359,39 @@ def train(tree: Path, args, data: Path, cache: Path, nproc: int, work: Path) -> 
             "workers_peak_anon_total_gib": gib(sum(v["RssAnon"] for v in workers))}
 
 
-def one_tree(tree: Path, args, data: Path, rows: int, work: Path) -> dict:
+def one_tree(tree: Path, args, data: Path, rows: int, work: Path, results: list) -> None:
+    """One tree's row, appended to `results` and written to --out after each part it measures (a command
+    stopped at its limit keeps what it measured); each part printed as it comes."""
     cache = work / f"cache-{tree.name}-{data.stem}"
-    row = {"tree": str(tree), "commit": provenance.commit(tree) if tree != ROOT else args.commit, "rows": rows, "kind": data.stem.split("-")[0],
-           "prepare": prepare(tree, args, data, cache)}
+    row = {"tree": str(tree), "commit": provenance.commit(tree) if tree != ROOT else args.commit, "rows": rows,
+           "kind": data.stem.split("-")[0]}
+    results.append(row)
+
+    def part(name: str, value) -> None:
+        row[name] = value
+        print(json.dumps({name: value}), flush=True)
+        write(args, results)
+
+    part("prepare", prepare(tree, args, data, cache))
     if tree != ROOT and args.before_no_threads:
-        row["prepare_no_threads"] = prepare(tree, args, data, work / f"cache-{tree.name}-{data.stem}-no-threads", False)
+        part("prepare_no_threads", prepare(tree, args, data, work / f"cache-{tree.name}-{data.stem}-no-threads", False))
     if args.json_list:
-        row["prepare_json_list"] = prepare(tree, args, data.with_suffix(".json"), work / f"cache-{tree.name}-{data.stem}-json")
+        part("prepare_json_list", prepare(tree, args, data.with_suffix(".json"), work / f"cache-{tree.name}-{data.stem}-json"))
     if args.gzip:
-        row["prepare_gzip"] = prepare(tree, args, data.with_suffix(".jsonl.gz"), work / f"cache-{tree.name}-{data.stem}-gz")
+        part("prepare_gzip", prepare(tree, args, data.with_suffix(".jsonl.gz"), work / f"cache-{tree.name}-{data.stem}-gz"))
     if tree == ROOT:
-        row["store"] = store_bytes(cache)
-        row["prepare_again"] = prepare(tree, args, data, cache)
+        part("store", store_bytes(cache))
+        part("prepare_again", prepare(tree, args, data, cache))
     if not args.prepare_only:
-        row["hold"] = [hold(tree, args, data, cache, n, work) for n in args.nproc]
+        part("hold", [hold(tree, args, data, cache, n, work) for n in args.nproc])
         cold, nproc = work / f"cache-{tree.name}-{data.stem}-train", args.train_nproc or max(args.nproc)
-        row["train_cold"] = train(tree, args, data, cold, nproc, work)
-        row["train_warm"] = train(tree, args, data, cold, nproc, work)
+        part("train_cold", train(tree, args, data, cold, nproc, work))
+        part("train_warm", train(tree, args, data, cold, nproc, work))
         small = work / f"{data.stem}-first{SMALL}.jsonl"  # the same launch on a few rows: what does not scale with them
         with open(data) as f, open(small, "w") as g:
             g.writelines(line for _, line in zip(range(SMALL), f))
         train(tree, args, small, cold, nproc, work)  # makes the few rows' store
-        row["train_small_warm"] = train(tree, args, small, cold, nproc, work)
-    print(json.dumps(row), flush=True)
-    return row
+        part("train_small_warm", train(tree, args, small, cold, nproc, work))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -424,9 +436,11 @@ def main(argv: list[str] | None = None) -> int:
                 with open(data, "rb") as f, gzip.open(data.with_suffix(".jsonl.gz"), "wb") as g:
                     shutil.copyfileobj(f, g)
             trees = [ROOT] + ([args.before.resolve()] if args.before and rows <= args.before_rows else [])
-            results += [one_tree(tree, args, data, rows, work) for tree in trees]
+            for tree in trees:
+                one_tree(tree, args, data, rows, work, results)
             if args.cores and kind == "chat":
-                results.append({**cores(args, data), "rows": rows})
+                results.append({"rows": rows})
+                cores(args, data, results[-1], lambda: write(args, results))
             if not args.skip_anchor and kind == "chat":
                 results.append({"anchor": "datasets", "rows": rows, **anchor(args, data)})
                 print(json.dumps(results[-1]), flush=True)
