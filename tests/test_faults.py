@@ -21,6 +21,8 @@ from conftest import ROOT, UNBROKEN_ARGS, field, words
 from ddptune import config, data, dist, launch, train
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
+# where the workers of launch.torchrun find ddptune and this folder's worker modules (envworker, sigworker, cudaseen)
+WORKER_PATH = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
 
 
 def _stop_once_training(metrics_path: str) -> None:
@@ -241,13 +243,13 @@ def test_a_straggling_process_is_named(tmp_path):
 @pytest.mark.parametrize("forked", [True, False], ids=["forked", "new-interpreters"])
 def test_sigint_to_the_launcher_reaches_each_worker_exactly_once(tmp_path, forked):
     """The launcher side of Ctrl-C (the workers' side, stop after a saved step, is tested above):
-    torchrun is in a session of its own, and `launch.torchrun` passes the signal on to each worker once,
-    forked or (no fork server: a TMPDIR too long for its socket) started as new interpreters."""
+    torchrun runs apart from the terminal (start_new_session), and `launch.torchrun` passes the signal on
+    to each worker once, forked or (no fork server: a TMPDIR too long for its socket) started as new
+    interpreters."""
     import subprocess
     import sys
 
-    path = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, PYTHONPATH=path, SIGWORKER_DIR=str(tmp_path))
+    env = dict(os.environ, PYTHONPATH=WORKER_PATH, SIGWORKER_DIR=str(tmp_path))
     if not forked:
         (tmp_path / ("t" * 120)).mkdir()
         env["TMPDIR"] = str(tmp_path / ("t" * 120))
@@ -286,9 +288,8 @@ def test_a_standby_launcher_starts_no_process_before_its_command_and_none_when_d
     time.sleep(4.0)  # its imports, then its wait for the command
     assert standby.proc.poll() is None and launch.workers(standby.proc.pid) == []
     assert len(launch._helpers(psutil.Process(standby.proc.pid).children(recursive=True), ("forkserver",))) == 1
-    path = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
     sent = time.time()
-    code = launch.torchrun(2, ["envworker"], env=dict(os.environ, PYTHONPATH=path, ENVWORKER_DIR=str(tmp_path)), standby=standby)
+    code = launch.torchrun(2, ["envworker"], env=dict(os.environ, PYTHONPATH=WORKER_PATH, ENVWORKER_DIR=str(tmp_path)), standby=standby)
     assert code == 0 and standby.proc.returncode == 0
     seen = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
     assert [(s["RANK"], s["WORLD_SIZE"], s["DDPTUNE_VALIDATED"], s["ENVWORKER_DIR"]) for s in seen] == \
@@ -349,8 +350,7 @@ def test_where_cuda_started_in_the_fork_server_each_worker_runs_in_a_new_interpr
     """A fork server whose modules started CUDA (here: one that says so) leaves forks that could not use
     a GPU: each worker then runs its module in a new interpreter, with the environment sent, and the
     job's exit code is still its workers'."""
-    path = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
-    monkeypatch.setenv("PYTHONPATH", path)
+    monkeypatch.setenv("PYTHONPATH", WORKER_PATH)
     standby = launch.Standby(preload=("ddptune.cli", "cudaseen"))
     code = launch.torchrun(2, ["envworker"], env=dict(os.environ, ENVWORKER_DIR=str(tmp_path)), standby=standby)
     assert code == 0
@@ -362,11 +362,10 @@ def test_where_cuda_started_in_the_fork_server_each_worker_runs_in_a_new_interpr
 def test_where_no_fork_server_can_start_the_workers_start_as_new_interpreters(tmp_path, monkeypatch):
     """A TMPDIR whose path is too long for multiprocessing's socket leaves no fork server: the job runs
     all the same, each worker a new interpreter with the environment sent."""
-    path = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
     long = tmp_path / ("t" * 120)
     long.mkdir()
     monkeypatch.setenv("TMPDIR", str(long))
-    code = launch.torchrun(2, ["envworker"], env=dict(os.environ, PYTHONPATH=path, ENVWORKER_DIR=str(tmp_path)),
+    code = launch.torchrun(2, ["envworker"], env=dict(os.environ, PYTHONPATH=WORKER_PATH, ENVWORKER_DIR=str(tmp_path)),
                            standby=launch.Standby(preload=("ddptune.cli",)))
     assert code == 0
     seen = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
