@@ -20,7 +20,9 @@ def test_bad_input_found_inside_torchrun_workers_is_one_line_also_at_the_end(tmp
     out = tmp_path / "run"
     (out / "checkpoints" / "step-000002").mkdir(parents=True)
     (out / "checkpoints" / "step-000002" / "state.json").write_text(json.dumps({"step": 2, "world_size": 1, "global_batch": 4}))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    (tmp_path / "tmp").mkdir()  # torchrun keeps its workers' error files in a folder it never removes
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path / "tmp"),
+               PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            "-m", "ddptune", "train", str(ROOT / "configs" / "tiny.yaml"), f"output_dir={out}", "--resume"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)

@@ -282,7 +282,8 @@ def test_accelerate_launch_with_the_shipped_config(tmp_path):
     import sys
 
     out = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    (tmp_path / "tmp").mkdir()  # torch's launcher keeps its workers' error files in a folder it never removes
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), TMPDIR=str(tmp_path / "tmp"))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "configs/accelerate/2gpu.yaml"),
            "--main_process_port", str(multiproc.free_port()),
            "-m", "ddptune", "train", TINY, f"output_dir={out}", "train.max_steps=3", "data.val=null"]
