@@ -388,3 +388,21 @@ def test_a_qlora_run_at_nproc_1_trains_on_the_gpu_in_a_forked_worker(tmp_path):
     assert summary["world_size"] == 1 and summary["method"] == "qlora" and summary["mixed_precision"] == "bf16"
     assert summary["peak_mem_gib"] > 0  # GPU memory: on the CPU there is none to count
     assert len(losses_of(out)) == 3 and all(math.isfinite(r["loss"]) for r in losses_of(out))
+
+
+@cuda
+@pytest.mark.parametrize("preload, forked", [((), True), (("cudastart",), False)])
+def test_workers_are_forked_ready_imported_unless_the_fork_server_started_cuda(tmp_path, monkeypatch, preload, forked):
+    """torch's CUDA build loads CUDA's driver library when imported without starting it: a worker forked
+    from a server that imported torch and ddptune uses the GPU. A server whose module started CUDA leaves
+    forks that could not: each worker then runs in a new interpreter, and uses the GPU there."""
+    import os
+
+    from conftest import ROOT
+    from ddptune import launch
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    standby = launch.Standby(preload=("ddptune.cli", "ddptune.train", *preload))
+    code = launch.torchrun(1, ["cudaworker"], env=dict(os.environ, CUDAWORKER_DIR=str(tmp_path)), standby=standby)
+    assert code == 0
+    assert json.loads((tmp_path / "rank-0.json").read_text()) == {"cli_preloaded": forked, "sum": 2.0}

@@ -51,14 +51,24 @@ def become(sent: dict[str, str]) -> None:
 
 
 def cuda_started() -> bool:
-    """Whether CUDA's driver library was loaded before this process was forked (it is loaded where CUDA
-    starts): the fork server's modules should never start it (a test watches), but if one did, a forked
-    process could not use a GPU."""
+    """Whether CUDA was started before this process was forked, so that it could not use a GPU here.
+    torch's CUDA builds load CUDA's driver library when imported without starting it, and a fork of
+    such a server uses the GPU; only a started driver (torch.cuda.is_available() does start it) is
+    lost to a fork. So where the library is loaded, this process starts it: cuInit fails (with
+    CUDA_ERROR_NOT_INITIALIZED) exactly where the server had started it. The GPU tests check both."""
     try:
         with open("/proc/self/maps") as f:
-            return any("/libcuda.so" in line for line in f)
+            loaded = [line.split(None, 5)[-1].strip() for line in f if "/libcuda.so" in line]
     except OSError:
         return False
+    if not loaded:
+        return False
+    import ctypes
+
+    try:
+        return ctypes.CDLL(loaded[0]).cuInit(0) != 0
+    except (OSError, AttributeError):
+        return True  # loaded but not callable here: a new interpreter is the safe side
 
 
 def fresh(argv: list[str]) -> int:
