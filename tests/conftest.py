@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# where the workers of launch.torchrun find ddptune and this folder's worker modules (envworker, cudaworker, ...)
+WORKER_PATH = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
 

@@ -17,12 +17,10 @@ import torch
 from safetensors.torch import load_file
 
 import multiproc
-from conftest import ROOT, UNBROKEN_ARGS, field, words
+from conftest import ROOT, UNBROKEN_ARGS, WORKER_PATH, field, words
 from ddptune import config, data, dist, launch, train
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
-# where the workers of launch.torchrun find ddptune and this folder's worker modules (envworker, sigworker, cudaseen)
-WORKER_PATH = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
 
 
 def _stop_once_training(metrics_path: str) -> None:

@@ -398,10 +398,10 @@ def test_workers_are_forked_ready_imported_unless_the_fork_server_started_cuda(t
     forks that could not: each worker then runs in a new interpreter, and uses the GPU there."""
     import os
 
-    from conftest import ROOT
+    from conftest import WORKER_PATH
     from ddptune import launch
 
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("PYTHONPATH", WORKER_PATH)
     standby = launch.Standby(preload=("ddptune.cli", "ddptune.train", *preload))
     code = launch.torchrun(1, ["cudaworker"], env=dict(os.environ, CUDAWORKER_DIR=str(tmp_path)), standby=standby)
     assert code == 0
