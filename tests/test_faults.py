@@ -23,6 +23,13 @@ from ddptune import config, data, dist, launch, train
 TINY = str(ROOT / "configs" / "tiny.yaml")
 
 
+def socketless_tmpdir(tmp_path: Path) -> Path:
+    """A TMPDIR whose path is too long for multiprocessing's socket: no fork server can start under it."""
+    long = tmp_path / ("t" * 120)
+    long.mkdir()
+    return long
+
+
 def _stop_once_training(metrics_path: str) -> None:
     """Freeze this process (SIGSTOP: alive, silent) once rank 0 has logged two steps."""
     while not (os.path.exists(metrics_path) and len(open(metrics_path).read().splitlines()) >= 2):
@@ -249,8 +256,7 @@ def test_sigint_to_the_launcher_reaches_each_worker_exactly_once(tmp_path, forke
 
     env = dict(os.environ, PYTHONPATH=WORKER_PATH, SIGWORKER_DIR=str(tmp_path))
     if not forked:
-        (tmp_path / ("t" * 120)).mkdir()
-        env["TMPDIR"] = str(tmp_path / ("t" * 120))
+        env["TMPDIR"] = str(socketless_tmpdir(tmp_path))
     launcher = subprocess.Popen([sys.executable, "-c", "import sys; from ddptune import launch; "
                                  "sys.exit(launch.torchrun(2, ['sigworker']))"], env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
@@ -360,8 +366,7 @@ def test_where_cuda_started_in_the_fork_server_each_worker_runs_in_a_new_interpr
 def test_where_no_fork_server_can_start_the_workers_start_as_new_interpreters(tmp_path, monkeypatch):
     """A TMPDIR whose path is too long for multiprocessing's socket leaves no fork server: the job runs
     all the same, each worker a new interpreter with the environment sent."""
-    long = tmp_path / ("t" * 120)
-    long.mkdir()
+    long = socketless_tmpdir(tmp_path)
     monkeypatch.setenv("TMPDIR", str(long))
     code = launch.torchrun(2, ["envworker"], env=dict(os.environ, PYTHONPATH=WORKER_PATH, ENVWORKER_DIR=str(tmp_path)),
                            standby=launch.Standby(preload=("ddptune.cli",)))
