@@ -391,18 +391,23 @@ def test_a_qlora_run_at_nproc_1_trains_on_the_gpu_in_a_forked_worker(tmp_path):
 
 
 @cuda
-@pytest.mark.parametrize("preload, forked", [((), True), (("cudastart",), False)])
-def test_workers_are_forked_ready_imported_unless_the_fork_server_started_cuda(tmp_path, monkeypatch, preload, forked):
+@pytest.mark.parametrize("preload, hidden, forked, device", [((), False, True, "cuda"), (("cudastart",), False, False, "cuda"),
+                                                             ((), True, True, "cpu")])
+def test_workers_are_forked_ready_imported_unless_the_fork_server_started_cuda(tmp_path, monkeypatch, preload, hidden,
+                                                                               forked, device):
     """torch's CUDA build loads CUDA's driver library when imported without starting it: a worker forked
     from a server that imported torch and ddptune uses the GPU. A server whose module started CUDA leaves
-    forks that could not: each worker then runs in a new interpreter, and uses the GPU there."""
+    forks that could not: each worker then runs in a new interpreter, and uses the GPU there. A CPU job
+    on a GPU host (CUDA_VISIBLE_DEVICES empty) keeps its forked workers."""
     import os
 
     from conftest import WORKER_PATH
     from ddptune import launch
 
     monkeypatch.setenv("PYTHONPATH", WORKER_PATH)
+    if hidden:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     standby = launch.Standby(preload=("ddptune.cli", "ddptune.train", *preload))
     code = launch.torchrun(1, ["cudaworker"], env=dict(os.environ, CUDAWORKER_DIR=str(tmp_path)), standby=standby)
     assert code == 0
-    assert json.loads((tmp_path / "rank-0.json").read_text()) == {"cli_preloaded": forked, "sum": 2.0}
+    assert json.loads((tmp_path / "rank-0.json").read_text()) == {"cli_preloaded": forked, "device": device, "sum": 2.0}

@@ -25,6 +25,7 @@ import traceback
 
 from ddptune import launch
 
+CUDA_SUCCESS, CUDA_ERROR_NO_DEVICE = 0, 100  # cuInit's results (cuda.h's CUresult) that a fork does not cause
 server_env: dict[str, str] | None = None  # the fork server's environment, where this module was imported there
 if os.environ.pop(launch.FORK_SERVER, None) == "1":
     launch.term_when_parent_dies()  # a dismissed or killed launcher leaves no server behind
@@ -55,7 +56,10 @@ def cuda_started() -> bool:
     torch's CUDA builds load CUDA's driver library when imported without starting it, and a fork of
     such a server uses the GPU; only a started driver (torch.cuda.is_available() does start it) is
     lost to a fork. So where the library is loaded, this process starts it: cuInit fails (with
-    CUDA_ERROR_NOT_INITIALIZED) exactly where the server had started it. The GPU tests check both."""
+    CUDA_ERROR_NOT_INITIALIZED) where the server had started it. It fails with CUDA_ERROR_NO_DEVICE
+    where CUDA_VISIBLE_DEVICES hides every GPU (a CPU job on a GPU host), as it would in a new
+    interpreter: the fork is kept. Any other failure: a new interpreter, the safe side. The GPU tests
+    check all three."""
     try:
         with open("/proc/self/maps") as f:
             loaded = [line.split(None, 5)[-1].strip() for line in f if "/libcuda.so" in line]
@@ -66,7 +70,7 @@ def cuda_started() -> bool:
     import ctypes
 
     try:
-        return ctypes.CDLL(loaded[0]).cuInit(0) != 0
+        return ctypes.CDLL(loaded[0]).cuInit(0) not in (CUDA_SUCCESS, CUDA_ERROR_NO_DEVICE)
     except (OSError, AttributeError):
         return True  # loaded but not callable here: a new interpreter is the safe side
 
