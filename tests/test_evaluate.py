@@ -7,7 +7,7 @@ import pytest
 
 import multiproc
 from conftest import ROOT, check, ddptune
-from ddptune import config, data, evaluate, generation, model as model_lib
+from ddptune import config, generation, model as model_lib
 from test_train import train_tiny
 
 TINY = str(ROOT / "configs" / "tiny.yaml")

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 import multiproc
 from conftest import ROOT, UNBROKEN_ARGS, WORKER_PATH, field, words
-from ddptune import config, data, dist, launch, train
+from ddptune import config, dist, launch, train
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
 

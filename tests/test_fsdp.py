@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 import multiproc
 from conftest import ROOT, checkpoints_kept, field, metrics, words
-from ddptune import admission, batches, config, data, dist, train
+from ddptune import admission, batches, config, dist, train
 from ddptune.config import ConfigError
 
 TINY = str(ROOT / "configs" / "tiny.yaml")

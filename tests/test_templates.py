@@ -4,7 +4,6 @@ predict and the export; data.template=none trains prompt + completion + eos; pre
 did; the tokenized store is made again when any of them changes."""
 from __future__ import annotations
 
-import io
 import json
 
 import pytest

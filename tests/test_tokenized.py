@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import multiproc
-from conftest import ROOT, SHARED_DATA, peak_allocated
-from ddptune import config, data, model as model_lib
+from conftest import SHARED_DATA, peak_allocated
+from ddptune import data, model as model_lib
 from ddptune.data import rows as rows_lib, store, tokenized
 from ddptune.config import ConfigError, DataConfig, ModelConfig
 
