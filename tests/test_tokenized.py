@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import multiproc
-from conftest import SHARED_DATA, peak_allocated
+from conftest import SHARED_DATA, field, peak_allocated, words
 from ddptune import data, model as model_lib
 from ddptune.data import rows as rows_lib, store, tokenized
 from ddptune.config import ConfigError, DataConfig, ModelConfig
@@ -178,6 +178,91 @@ def test_a_damaged_store_is_made_again(tmp_path, byte_tok, capsys):
     ids.write_bytes(ids.read_bytes()[:-10])  # cut short, as by a full disk
     again = tokenized.prepare(d, byte_tok)
     assert again.made == ("rows",) and tokenized.load(again)[0][:] == want
+
+
+@pytest.mark.parametrize("damage", ["ids zero-filled", "ids 0xff", "offsets shifted"])
+def test_a_store_damaged_at_its_own_size_is_made_again(tmp_path, byte_tok, capsys, damage):
+    """Files of the sizes meta.json names but other bytes (a zero-filled page, garbage, a shifted index)
+    are no store: the next run says so, naming the folder, and makes it again."""
+    path = jsonl(tmp_path / "rows.jsonl", many_rows(50))
+    d = DataConfig(train=path)
+    p = tokenized.prepare(d, byte_tok)
+    want = tokenized.load(p)[0][:]
+    folder = Path(p.train[0][1])
+    if damage == "offsets shifted":
+        index = np.load(folder / "index.npy")
+        index[:, 0] += 3
+        np.save(folder / "index.npy", index)
+    else:
+        size = (folder / "ids.bin").stat().st_size
+        (folder / "ids.bin").write_bytes((b"\x00" if damage == "ids zero-filled" else b"\xff") * size)
+    capsys.readouterr()
+    again = tokenized.prepare(d, byte_tok)
+    assert again.made == ("rows",) and tokenized.load(again)[0][:] == want
+    assert str(folder) in words(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("damage", ["id past the vocabulary", "mask byte 2", "offset past ids.bin", "offsets overlap",
+                                    "targets past the example"])
+def test_a_store_whose_checksums_hold_but_whose_values_cannot_be_is_damaged(tmp_path, monkeypatch, damage):
+    """Values no tokenizing writes are damage even where meta.json's checksums were written to match
+    them: ids at or past the vocabulary, mask bytes other than 0/1, examples outside ids.bin or over one
+    another, counts larger than their example."""
+    monkeypatch.setenv("DDPTUNE_CACHE", str(tmp_path / "cache"))
+
+    def fill(writer):
+        writer.add(np.arange(20) % 7, np.tile([0, 1], 10), np.array([[0, 10, 5, 4, 0, 0], [10, 10, 5, 4, 1, 0]]))
+        return {}
+
+    folder = store.ensure(["values"], 7, fill).folder
+    meta = json.loads((folder / "meta.json").read_text())
+    ids, trained, index = np.fromfile(folder / "ids.bin", np.uint16), np.fromfile(folder / "trained.bin", np.uint8), np.load(folder / "index.npy")
+    if damage == "id past the vocabulary":
+        ids[3] = 7
+    elif damage == "mask byte 2":
+        trained[3] = 2
+    elif damage == "offset past ids.bin":
+        index[1, 0] = 15
+    elif damage == "offsets overlap":
+        index[1, 0] = 5
+    else:
+        index[0, 3] = 11
+    ids.tofile(folder / "ids.bin")
+    trained.tofile(folder / "trained.bin")
+    np.save(folder / "index.npy", index)
+    meta["crc32"] = {name: store.checksum(folder / name) for name in store.FILES}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    assert store.open_store(folder) is None
+
+
+@pytest.mark.parametrize("why", ["a file in its place", "a folder that cannot be written"])
+def test_a_damaged_store_that_cannot_be_removed_is_one_line_on_the_cache(tmp_path, monkeypatch, why):
+    """A damaged store the cache will not let go of (its path a file; a read-only tokens/ folder, as
+    root writes into one anyway the refusal rmtree would give): the unwritable cache's ConfigError,
+    nothing removed."""
+    import errno
+    import shutil
+
+    monkeypatch.setenv("DDPTUNE_CACHE", str(tmp_path / "cache"))
+    folder = store.root() / store.key_of(["kept"])
+    folder.parent.mkdir(parents=True)
+    if why == "a file in its place":
+        folder.write_text("not a store\n")
+    else:
+        folder.mkdir()
+        (folder / "meta.json").write_text("{")
+        rmtree = shutil.rmtree
+
+        def refused(path, *args, **kwargs):
+            if Path(path) == folder:
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+            return rmtree(path, *args, **kwargs)
+
+        monkeypatch.setattr(shutil, "rmtree", refused)
+    with pytest.raises(ConfigError) as e:
+        store.ensure(["kept"], 1000, lambda writer: {})
+    assert len(e.value.problems) == 1 and field(e.value.problems[0]) == "DDPTUNE_CACHE"
+    assert str(store.root()) in words(e.value.problems[0]) and os.path.lexists(folder)
 
 
 def test_a_process_holds_the_index_of_its_examples_not_their_tokens(tmp_path, byte_tok):

@@ -55,7 +55,7 @@ def main(args) -> int:
     table, shown, mix_rows, stores = [], [], [], {}
     for split, found in (("train", prepared.train), ("val", prepared.val)):
         for s, (_, folder) in zip(data.sources(cfg.data, split), found):
-            stores[folder] = store_lib.open_store(Path(folder))
+            stores[folder] = store_lib.open_store(Path(folder), whole=False)  # prepare read it whole just now
             examples = store_lib.Examples([stores[folder]])
             table.append({"split": split, **figures(s, examples)})
             mix_rows += [(s, len(examples))] if split == "train" else []

@@ -85,10 +85,11 @@ def prepare(d: DataConfig, tokenizer, progress: bool = False) -> Prepared:
 
 def load(p: Prepared) -> tuple[store_lib.Examples, store_lib.Examples]:
     """The training and validation examples of prepared stores; with several sources in a split each
-    example names its own (`"source"`)."""
+    example names its own (`"source"`). Each process checks the stores' sizes and index only: prepare
+    read every byte of them once, on this node, before (each process doing it again would cost N times that)."""
     out = []
     for found in (p.train, p.val):
-        stores = [store_lib.open_store(Path(folder)) for _, folder in found]
+        stores = [store_lib.open_store(Path(folder), whole=False) for _, folder in found]  # prepare read them whole
         if any(s is None for s in stores):
             raise ConfigError([f"DDPTUNE_CACHE: the tokenized data in {found[stores.index(None)][1]} is gone or damaged "
                                "since it was made (start the run again: it is made anew)"])
