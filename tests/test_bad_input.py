@@ -112,6 +112,7 @@ def make_data(tmp: Path) -> None:
     (tmp / "numbers.json").write_text(json.dumps([{"dialogue": 5, "summary": "x"}] * 10))
     (tmp / "number123.jsonl").write_text(json.dumps({"dialogue": 123, "summary": "x"}) + "\n")
     (tmp / "scalars.json").write_text(json.dumps([1, 2, 3]))
+    (tmp / "twolists.json").write_text(json.dumps([DEMO_ROW] * 5, indent=1) + "\n" + json.dumps([DEMO_ROW] * 5, indent=1))  # 2nd: line 23
     (tmp / "empty.jsonl").write_text("")
     (tmp / "binary.jsonl").write_bytes(b"\xff\xfe\x00garbage\x80\x81\n")
     (tmp / "bad.gguf").write_bytes(b"\x00\x01 this is not a model " * 20)
@@ -299,6 +300,7 @@ CASES = [
     ("column not text", [*TRAIN, "data.train={numbers}", "data.train_rows=null"], Names("data.train", "0", "{numbers}", "dialogue", "5")),
     ("column a number in JSON lines", [*TRAIN, "data.train={number123}", "data.train_rows=null"],
      Names("data.train", "0", "{number123}", "dialogue", "123")),
+    ("two JSON lists in one file", [*TRAIN, "data.train={twolists}", "data.train_rows=null"], Names("data.train", "{twolists}", "23")),
     ("rows not objects", [*TRAIN, "data.train={scalars}", "data.train_rows=null"], Names("data.train", "0", "{scalars}")),
     ("training file empty", [*TRAIN, "data.train={empty}", "data.train_rows=null"], Names("data.train", "{empty}")),
     ("validation file empty", [*TRAIN, "data.val={empty}", "data.val_rows=null"], Names("data.val", "{empty}")),

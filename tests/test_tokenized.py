@@ -329,6 +329,27 @@ def test_a_json_list_is_read_a_row_at_a_time(tmp_path):
                 list(rows_lib._json_items(str(small), 0, size))
 
 
+def test_anything_after_a_json_lists_end_is_refused_by_its_line(tmp_path):
+    """Two JSON lists one after the other (`cat a.json b.json`), or a stray value after the list: refused
+    (ValueError) naming the line json.load names, whatever the reads; white space after the list is none."""
+    rows = [{"dialogue": f"A: hi {i}", "summary": f"row {i}"} for i in range(40)]
+    path = tmp_path / "rows.json"
+    for text in (json.dumps(rows[:30], indent=1) + "\n" + json.dumps(rows[30:], indent=1) + "\n",
+                 json.dumps(rows, indent=2) + "\n\n  \n" + json.dumps(rows[:1]),
+                 json.dumps(rows) + ' {"a": 1}', json.dumps(rows) + "\n]"):
+        path.write_text(text)
+        with pytest.raises(json.JSONDecodeError) as want:
+            json.loads(text)
+        for size in (1, 7, 4096, 1 << 20):
+            with pytest.raises(ValueError) as e:
+                list(rows_lib._json_items(str(path), 0, size))
+            assert f"line {want.value.lineno}" in str(e.value), (size, str(e.value), want.value.lineno)
+        problems, _ = data.check(DataConfig(train=str(path), val=None))
+        assert len(problems) == 1 and str(want.value.lineno) in words(problems[0]), problems
+    path.write_text(json.dumps(rows, indent=1) + "\n \t\r\n")
+    assert [r for _, r in rows_lib._json_items(str(path), 0, 3)] == rows
+
+
 @pytest.mark.parametrize("parts", [1, 3])
 def test_the_graphs_survey_is_every_steps_rows_as_numbers_without_their_tokens(tmp_path, byte_tok, parts):
     """What CUDA graphs are prepared from (every packed row's tokens, samples and loss targets, and

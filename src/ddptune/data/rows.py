@@ -239,17 +239,19 @@ _JSON_KINDS = {"{": "a JSON object", '"': "a JSON string", "t": "a JSON true", "
 def _json_items(path: str, start: int = 0, size: int = 1 << 20):
     """(row number, row) of a JSON list file from row `start` on, decoded one row at a time from
     `size`-character reads (the file is never held whole; a row costs its own characters, never a
-    copy of the read it sits in). ValueError where it is not a JSON list."""
+    copy of the read it sits in). ValueError where it is not one JSON list: anything but white space
+    after its closing ] (a second list: `cat a.json b.json`) is named by its line, as json.load names it."""
     decoder = json.JSONDecoder()
     with _open(path, text=True) as f:
-        buf, pos = "", 0
+        buf, pos, lines = "", 0, 0  # lines: the line breaks in the text read before buf
 
         def next_char() -> str:  # the next character that is not white space ("" at the end), reading on as needed
-            nonlocal buf, pos
+            nonlocal buf, pos, lines
             while True:
                 pos = _SPACE.match(buf, pos).end()
                 if pos < len(buf):
                     return buf[pos]
+                lines += buf.count("\n")
                 buf, pos = f.read(size), 0
                 if not buf:
                     return ""
@@ -275,6 +277,7 @@ def _json_items(path: str, start: int = 0, size: int = 1 << 20):
                     except json.JSONDecodeError as e:
                         raise ValueError(f"{path}: row {number} is not valid JSON ({e.msg})") from None
                     break
+                lines += buf.count("\n", 0, pos)
                 buf, pos = buf[pos:] + chunk, 0
             if number >= start:
                 yield number, row
@@ -287,3 +290,8 @@ def _json_items(path: str, start: int = 0, size: int = 1 << 20):
             elif c != "]":
                 raise ValueError(f"{path}: row {number - 1} is followed by {c!r}, not a comma or the closing ]"
                                  if c else f"{path} ends before the list's closing ]")
+        pos += 1
+        if c := next_char():
+            line = lines + buf.count("\n", 0, pos) + 1
+            raise ValueError(f"{path}: line {line} holds {c!r} after the list's closing ] (a file holds one JSON list: "
+                             "join the lists into one, or write the rows as JSON lines)")
