@@ -30,7 +30,7 @@ def make_world(tmp: Path) -> dict[str, str]:
     make_configs(tmp)
     make_runs(tmp)
     make_data(tmp)
-    return {p.stem if p.suffix in (".yaml", ".json", ".jsonl", ".gguf") else p.name: str(p) for p in tmp.iterdir()} | {
+    return {p.stem if p.suffix in (".yaml", ".json", ".jsonl", ".gguf", ".csv") else p.name: str(p) for p in tmp.iterdir()} | {
         "cfg": str(tmp / "cfg.yaml"), "out": str(tmp / "out"), "tmp": str(tmp)}
 
 
@@ -112,6 +112,9 @@ def make_data(tmp: Path) -> None:
     (tmp / "numbers.json").write_text(json.dumps([{"dialogue": 5, "summary": "x"}] * 10))
     (tmp / "number123.jsonl").write_text(json.dumps({"dialogue": 123, "summary": "x"}) + "\n")
     (tmp / "scalars.json").write_text(json.dumps([1, 2, 3]))
+    (tmp / "unclosed.csv").write_text("dialogue,summary\n" + "".join(f'"A: hi\nB: hey {i}",They greet {i}.\n' if i != 6 else
+                                                                      f'"A: hi\nB: hey {i},They greet.\n' for i in range(8)))  # line 14
+    (tmp / "widerow.csv").write_text("dialogue,summary\n" + "".join(f"A: hi {i},They greet.{',x' * (i == 4)}\n" for i in range(8)))
     (tmp / "twolists.json").write_text(json.dumps([DEMO_ROW] * 5, indent=1) + "\n" + json.dumps([DEMO_ROW] * 5, indent=1))  # 2nd: line 23
     (tmp / "empty.jsonl").write_text("")
     (tmp / "binary.jsonl").write_bytes(b"\xff\xfe\x00garbage\x80\x81\n")
@@ -301,6 +304,8 @@ CASES = [
     ("column a number in JSON lines", [*TRAIN, "data.train={number123}", "data.train_rows=null"],
      Names("data.train", "0", "{number123}", "dialogue", "123")),
     ("two JSON lists in one file", [*TRAIN, "data.train={twolists}", "data.train_rows=null"], Names("data.train", "{twolists}", "23")),
+    ("CSV quote never closed", [*TRAIN, "data.train={unclosed}", "data.train_rows=null"], Names("data.train", "{unclosed}", "14")),
+    ("CSV row wider than its header", [*TRAIN, "data.train={widerow}", "data.train_rows=null"], Names("data.train", "{widerow}", "6")),
     ("rows not objects", [*TRAIN, "data.train={scalars}", "data.train_rows=null"], Names("data.train", "0", "{scalars}")),
     ("training file empty", [*TRAIN, "data.train={empty}", "data.train_rows=null"], Names("data.train", "{empty}")),
     ("validation file empty", [*TRAIN, "data.val={empty}", "data.val_rows=null"], Names("data.val", "{empty}")),

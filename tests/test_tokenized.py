@@ -124,6 +124,32 @@ def test_every_input_kind_gives_the_same_examples(tmp_path, byte_tok, fmt):
     assert all(g == got["jsonl"] for g in got.values()) and got["jsonl"][1] == list(range(5, 35))
 
 
+def csv_text(rows: int, changed: dict[int, str] | None = None) -> str:
+    """A CSV file of `rows` rows (id, dialogue, summary), row 5's dialogue quoted over two lines (so that
+    row r > 5 begins on line r + 3), each row in `changed` written as given instead."""
+    lines = ["id,dialogue,summary"] + [f'{i},"A: hi\nB: hey",row {i}' if i == 5 else f"{i},A: hi {i},row {i}" for i in range(rows)]
+    for i, line in (changed or {}).items():
+        lines[i + 1] = line
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("bad, line", [({37: '37,A: hi 37,"row 37'}, 40), ({38: '38,"A: hi 38,row 38'}, 41),
+                                       ({20: "20,A: hi 20,row 20,extra"}, 23), ({30: '30,"A: hi" there,row 30'}, 33)],
+                         ids=["a quote never closed", "a quote never closed, the last row after it", "more fields than the header",
+                              "text after a closing quote"])
+def test_a_csv_row_that_is_not_valid_csv_is_refused_by_its_line(tmp_path, bad, line):
+    """CSV is read strictly: a quote that never closes (it took the rows after it into one of its
+    fields), text after a closing quote, or more fields than the header is one problem naming the file
+    and the line where its row begins, not rows merged or dropped; the file whole gives its 40 rows."""
+    path = tmp_path / "rows.csv"
+    path.write_text(csv_text(40))
+    assert len(data.read_rows(str(path))) == 40 and data.read_rows(str(path))[5]["dialogue"] == "A: hi\nB: hey"
+    path.write_text(csv_text(40, bad))
+    problems, _ = data.check(DataConfig(train=str(path), val=None))
+    assert len(problems) == 1 and field(problems[0]) == "data.train", problems
+    assert {str(path), str(line)} <= words(problems[0]), problems
+
+
 def test_a_bad_row_among_thousands_is_refused_by_its_number_and_nothing_is_kept(tmp_path, byte_tok, monkeypatch):
     monkeypatch.setenv("DDPTUNE_CACHE", str(tmp_path / "cache"))
     rows = many_rows(3000)

@@ -4,7 +4,7 @@ Sources: JSON lines, a JSON list, Parquet, CSV, a folder written by `datasets.sa
 `hub:ID[:SPLIT]` and the built-in `demo`. `chunks(source, rows)` yields the selected rows in order, a
 few hundred at a time, as (row number, item) pairs: an item is a JSON line's bytes (parsed where it is
 tokenized, in a worker process: `parse`) or a row already read (a dict). Nothing holds a whole file: a
-JSON-lines file is read line by line, Parquet by record batch, CSV by line, Arrow folders and hub data
+JSON-lines file is read line by line, Parquet by record batch, CSV by row (strictly), Arrow folders and hub data
 through `datasets`' memory map, a JSON list a row at a time (decoded where it is read: its rows are not
 lines a worker could find). Row numbers count rows, not lines (blank lines are skipped); a JSON line
 that does not parse is named by its line in the file. A text file may begin with a UTF-8 byte-order mark,
@@ -108,8 +108,7 @@ def _count(source: str, k: str | None, path: str) -> int:
 
         return pq.ParquetFile(path).metadata.num_rows
     if k == "csv":
-        with _open(path, text=True) as f:
-            return sum(1 for _ in csv.DictReader(f))
+        return sum(1 for _ in _csv(path))
     if k in ("arrow", "hub"):
         return len(_dataset(source))
     return sum(1 for _ in _json_items(path))
@@ -165,8 +164,7 @@ def _rows(source: str, start: int):
         elif k == "parquet":
             yield from enumerate(_parquet(path, start), start)
         elif k == "csv":
-            with _open(path, text=True) as f:
-                yield from islice(enumerate(csv.DictReader(f)), start, None)
+            yield from _csv(path, start)
         elif k in ("arrow", "hub"):
             yield from enumerate(_arrow(_dataset(source), start), start)
         else:
@@ -184,6 +182,35 @@ def _jsonl(path: str, start: int):
                 continue
             if number >= start:
                 yield number, (line_number, line)
+            number += 1
+
+
+def _csv(path: str, start: int = 0):
+    """(row number, row) of a CSV file from row `start` on, each row a dict of the header's columns (a
+    column its row lacks: None). Read strictly, each problem a ValueError naming the line its row begins on:
+    a quote that never closes or text after a closing quote (a lenient reader merges the rows after it
+    into one field), and a row with more fields than the header."""
+    with _open(path, text=True) as f:
+        reader, header, number = csv.reader(f, strict=True), None, 0
+        while True:
+            line = reader.line_num + 1  # where the next row begins
+            try:
+                fields = next(reader, None)
+            except csv.Error as e:
+                raise ValueError(f"{path}: the row that begins on line {line} is not valid CSV ({e}: a quote that never "
+                                 'closes, or text after a closing one; quote whole fields, a quote inside one doubled: "")') from None
+            if fields is None:
+                return
+            if not fields:  # a blank line
+                continue
+            if header is None:
+                header = fields
+                continue
+            if len(fields) > len(header):
+                raise ValueError(f"{path}: line {line} holds {len(fields)} fields, its header {len(header)} (quote a field "
+                                 "that holds a comma)")
+            if number >= start:
+                yield number, dict(zip(header, fields + [None] * (len(header) - len(fields))))
             number += 1
 
 
