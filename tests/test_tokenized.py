@@ -150,6 +150,16 @@ def test_a_csv_row_that_is_not_valid_csv_is_refused_by_its_line(tmp_path, bad, l
     assert {str(path), str(line)} <= words(problems[0]), problems
 
 
+def test_a_csv_cell_larger_than_csvs_default_limit_is_data(tmp_path):
+    """A cell over the csv module's default field limit (128 KiB): a long document, read as it is."""
+    long = "A: " + "a long line of dialogue " * 20000  # 480 KB
+    path = tmp_path / "rows.csv"
+    path.write_text(csv_text(12, {3: f'3,"{long}",row 3'}))
+    problems, n = data.check(DataConfig(train=str(path), val=None))
+    assert problems == [] and n == 12
+    assert data.read_rows(str(path))[3]["dialogue"] == long
+
+
 def test_a_bad_row_among_thousands_is_refused_by_its_number_and_nothing_is_kept(tmp_path, byte_tok, monkeypatch):
     monkeypatch.setenv("DDPTUNE_CACHE", str(tmp_path / "cache"))
     rows = many_rows(3000)

@@ -31,6 +31,9 @@ CHUNK = 256  # rows handed to a tokenizing worker at a time
 KINDS = ("jsonl", "json", "parquet", "csv", "arrow", "hub")
 SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 FORMS = "a .jsonl/.json/.parquet/.csv file (.jsonl.gz, .json.gz, .csv.gz: gzipped), a datasets.save_to_disk folder, `demo`, or hub:ID"
+# A CSV cell is data whatever its length, a long document too: the csv module's default refuses one over 128 KiB
+# (its limit is the process's; 2 GiB - 1, the largest every platform's C long holds)
+csv.field_size_limit(2**31 - 1)
 
 
 class BadLine(ValueError):
