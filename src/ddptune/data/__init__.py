@@ -292,12 +292,18 @@ def template_problems(d: DataConfig, tokenizer) -> list[str]:
     try:
         if d.chat_template is not None:
             chat.render(tokenizer, chat.PROBE[:1], True)
+        if any(f == "dialogue" for _, f in found):
+            prompt_pieces(tokenizer, d.instruction, d.system_prompt)  # every dialogue row's prompt, but for its text
         problem = chat.template_problem(tokenizer, d.loss_on, plain=d.template == "none") \
             if any(f != "dialogue" for _, f in found) else None
     except chat.TemplateProblem as e:
         problem = str(e)
-    field = "data.template" if d.template == "none" else "data.chat_template" if d.chat_template is not None else "model.tokenizer"
-    return [f"{field}: {problem}"] if problem else []
+    return [f"{template_field(d)}: {problem}"] if problem else []
+
+
+def template_field(d: DataConfig) -> str:
+    """The field that names the template a refusal is about."""
+    return "data.template" if d.template == "none" else "data.chat_template" if d.chat_template is not None else "model.tokenizer"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,10 +316,8 @@ def prompt_pieces(tokenizer, instruction: str, system: str | None = None) -> tup
     if getattr(tokenizer, "chat_template", None):
         user = [{"role": "system", "content": system}] * (system is not None) + [
             {"role": "user", "content": f"{instruction}\n\n{_MARK}"}]
-        prompt = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
-        full = tokenizer.apply_chat_template(
-            user + [{"role": "assistant", "content": "S"}], tokenize=False
-        )
+        prompt = chat.render(tokenizer, user, True)  # TemplateProblem where the template fails
+        full = chat.render(tokenizer, user + [{"role": "assistant", "content": "S"}], False)
         end = full[len(prompt) + 1:] if full.startswith(prompt + "S") else (tokenizer.eos_token or "")
     else:
         head = "" if system is None else f"### System:\n{system}\n\n"  # as chat.PLAIN_CHAT writes a system turn
@@ -364,7 +368,11 @@ def tokenize(rows: list[dict], tokenizer, d: DataConfig, where: list[str] | None
     if not rows:
         return []
     if "messages" not in rows[0]:  # dialogues (a source's rows share one format)
-        return tokenize_dialogues(tokenizer, prompt_pieces(tokenizer, d.instruction, d.system_prompt), rows, d.max_length)
+        try:
+            pieces = prompt_pieces(tokenizer, d.instruction, d.system_prompt)
+        except chat.TemplateProblem as e:
+            raise ConfigError([f"{template_field(d)}: {e}"]) from None
+        return tokenize_dialogues(tokenizer, pieces, rows, d.max_length)
     if problem := chat.template_problem(tokenizer, d.loss_on, plain=d.template == "none"):
         raise ConfigError([f"model.tokenizer: {problem}"])
     parts = []

@@ -63,7 +63,10 @@ def name_of(tokenizer) -> str:
 
 
 def render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
-    """The text of `messages` as the chat template writes it."""
+    """The text of `messages` as the chat template writes it; TemplateProblem for anything rendering
+    raises: Jinja's own errors (the template's raise_exception, the sandbox refusing an attribute) and
+    the Python errors a template can cause (1 // 0, an include with no loader, a range past the sandbox's
+    limit, a macro that calls itself), so that each is one line naming the template, never a traceback."""
     from jinja2 import TemplateError
 
     template = None if getattr(tokenizer, "chat_template", None) else PLAIN_CHAT
@@ -73,6 +76,9 @@ def render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
     except TemplateError as e:  # the template's own raise_exception (roles that must alternate...)
         raise TemplateProblem(f"{name_of(tokenizer)} refuses it ({' '.join(str(e).split())[:160]}; "
                               "change the row, or the template through data.chat_template)") from None
+    except Exception as e:  # noqa: BLE001 - whatever the template's code raised
+        raise TemplateProblem(f"{name_of(tokenizer)} fails to render it ({type(e).__name__}: {' '.join(str(e).split())[:160]}; "
+                              "fix the template, or give another through data.chat_template)") from None
 
 
 def pieces(tokenizer, messages: list[dict], loss_on: str = "assistant") -> list[tuple[str, bool]]:
