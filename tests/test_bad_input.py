@@ -115,6 +115,14 @@ def make_data(tmp: Path) -> None:
     (tmp / "unclosed.csv").write_text("dialogue,summary\n" + "".join(f'"A: hi\nB: hey {i}",They greet {i}.\n' if i != 6 else
                                                                       f'"A: hi\nB: hey {i},They greet.\n' for i in range(8)))  # line 14
     (tmp / "widerow.csv").write_text("dialogue,summary\n" + "".join(f"A: hi {i},They greet.{',x' * (i == 4)}\n" for i in range(8)))
+    import contextlib
+    import io
+
+    import datasets
+
+    with contextlib.redirect_stderr(io.StringIO()):  # datasets' progress bars
+        datasets.DatasetDict({"validation": datasets.Dataset.from_list([DEMO_ROW] * 6),
+                              "test": datasets.Dataset.from_list([DEMO_ROW] * 5)}).save_to_disk(tmp / "splits")
     (tmp / "twolists.json").write_text(json.dumps([DEMO_ROW] * 5, indent=1) + "\n" + json.dumps([DEMO_ROW] * 5, indent=1))  # 2nd: line 23
     (tmp / "empty.jsonl").write_text("")
     (tmp / "binary.jsonl").write_bytes(b"\xff\xfe\x00garbage\x80\x81\n")
@@ -317,6 +325,8 @@ CASES = [
     ("two JSON lists in one file", [*TRAIN, "data.train={twolists}", "data.train_rows=null"], Names("data.train", "{twolists}", "23")),
     ("CSV quote never closed", [*TRAIN, "data.train={unclosed}", "data.train_rows=null"], Names("data.train", "{unclosed}", "14")),
     ("CSV row wider than its header", [*TRAIN, "data.train={widerow}", "data.train_rows=null"], Names("data.train", "{widerow}", "6")),
+    ("saved splits without train", [*TRAIN, "data.train={splits}", "data.train_rows=null"],
+     Names("data.train", "{splits}", "validation", "test", "{splits}/validation")),
     ("rows not objects", [*TRAIN, "data.train={scalars}", "data.train_rows=null"], Names("data.train", "0", "{scalars}")),
     ("training file empty", [*TRAIN, "data.train={empty}", "data.train_rows=null"], Names("data.train", "{empty}")),
     ("validation file empty", [*TRAIN, "data.val={empty}", "data.val_rows=null"], Names("data.val", "{empty}")),

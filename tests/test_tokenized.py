@@ -160,6 +160,23 @@ def test_a_csv_cell_larger_than_csvs_default_limit_is_data(tmp_path):
     assert data.read_rows(str(path))[3]["dialogue"] == long
 
 
+def test_a_saved_dataset_dict_without_train_names_its_splits_and_one_split_folder_trains(tmp_path, byte_tok):
+    """A datasets.save_to_disk DatasetDict of other splits than `train`: one problem naming them and the
+    form that picks one (the split's own folder), and that form trains on that split's rows."""
+    import datasets
+
+    rows = many_rows(30)
+    datasets.DatasetDict({"validation": datasets.Dataset.from_list(rows[:20]),
+                          "test": datasets.Dataset.from_list(rows[20:])}).save_to_disk(tmp_path / "splits")
+    problems, _ = data.check(DataConfig(train=str(tmp_path / "splits"), val=None))
+    assert len(problems) == 1 and field(problems[0]) == "data.train", problems
+    said = words(problems[0])
+    assert {"validation", "test"} <= said and (picked := f"{tmp_path / 'splits'}/test") in said, problems
+    d = DataConfig(train=picked, val=None)
+    assert data.check(d) == ([], 10)
+    assert list(tokenized.load(tokenized.prepare(d, byte_tok))[0].rows) == list(range(10))
+
+
 def test_a_bad_row_among_thousands_is_refused_by_its_number_and_nothing_is_kept(tmp_path, byte_tok, monkeypatch):
     monkeypatch.setenv("DDPTUNE_CACHE", str(tmp_path / "cache"))
     rows = many_rows(3000)

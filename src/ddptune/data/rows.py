@@ -245,7 +245,9 @@ _DATASETS: dict = {}
 
 
 def _dataset(source: str):
-    """A folder of datasets.save_to_disk (its one split, or `train`), or hub data, memory-mapped by `datasets`."""
+    """A folder of datasets.save_to_disk (its one split, or `train`), or hub data, memory-mapped by `datasets`.
+    ValueError for a folder of several splits, none `train`, naming them and each one's own folder (a
+    split of a saved DatasetDict is a folder that datasets.save_to_disk wrote too)."""
     if source not in _DATASETS:
         import datasets
 
@@ -255,7 +257,12 @@ def _dataset(source: str):
         else:
             ds = datasets.load_from_disk(source)
             if isinstance(ds, datasets.DatasetDict):
-                ds = ds["train"] if "train" in ds or len(ds) != 1 else next(iter(ds.values()))
+                if "train" not in ds and len(ds) != 1:
+                    names = list(ds)
+                    raise ValueError(f"{source} holds the splits {', '.join(names) or 'none'} and no 'train' split"
+                                     + (f" (give one split's folder: {', '.join(os.path.join(source, n) for n in names)})"
+                                        if names else ""))
+                ds = ds["train"] if "train" in ds else next(iter(ds.values()))
         _DATASETS.clear()  # one at a time: a source is read through, then the next
         _DATASETS[source] = ds
     return _DATASETS[source]
