@@ -139,9 +139,12 @@ def format_of(source: str, d: DataConfig) -> str:
 
 def read_problem(field: str, source: str, e: Exception) -> str:
     """The line for a source that cannot be read: a JSON line that does not parse (by its line in the
-    file), text that is not UTF-8, or a file that is no list of rows."""
+    file), text that is not UTF-8, content rows.py names with its fix (rows_lib.Unreadable), or a file
+    that is no list of rows."""
     if isinstance(e, rows_lib.BadLine):
         return f"{field}: line {e.line} of {source} is not JSON ({e}) (fix or remove that line)"
+    if isinstance(e, rows_lib.Unreadable):  # it names the file, the place and the fix itself
+        return f"{field}: {str(e).splitlines()[0]}"
     if isinstance(e, UnicodeDecodeError):
         return f"{field}: cannot read {source} (UnicodeDecodeError: {e}) (give a UTF-8 file)"
     return f"{field}: cannot read {source} ({str(e).splitlines()[0]}; expected {rows_lib.FORMS})"

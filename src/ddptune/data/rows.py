@@ -36,6 +36,11 @@ FORMS = "a .jsonl/.json/.parquet/.csv file (.jsonl.gz, .json.gz, .csv.gz: gzippe
 csv.field_size_limit(2**31 - 1)
 
 
+class Unreadable(ValueError):
+    """A source of a kind this module reads whose content is wrong: the message names the file, where in it,
+    and the fix (a refusal says it as it is, not followed by the forms a source may take)."""
+
+
 class BadLine(ValueError):
     """A JSON line that does not parse: `line` is its number in the file (1-based)."""
 
@@ -190,7 +195,7 @@ def _jsonl(path: str, start: int):
 
 def _csv(path: str, start: int = 0):
     """(row number, row) of a CSV file from row `start` on, each row a dict of the header's columns (a
-    column its row lacks: None). Read strictly, each problem a ValueError naming the line its row begins on:
+    column its row lacks: None). Read strictly, each problem an Unreadable naming the line its row begins on:
     a quote that never closes or text after a closing quote (a lenient reader merges the rows after it
     into one field), and a row with more fields than the header."""
     with _open(path, text=True) as f:
@@ -200,7 +205,7 @@ def _csv(path: str, start: int = 0):
             try:
                 fields = next(reader, None)
             except csv.Error as e:
-                raise ValueError(f"{path}: the row that begins on line {line} is not valid CSV ({e}: a quote that never "
+                raise Unreadable(f"{path}: the row that begins on line {line} is not valid CSV ({e}: a quote that never "
                                  'closes, or text after a closing one; quote whole fields, a quote inside one doubled: "")') from None
             if fields is None:
                 return
@@ -210,7 +215,7 @@ def _csv(path: str, start: int = 0):
                 header = fields
                 continue
             if len(fields) > len(header):
-                raise ValueError(f"{path}: line {line} holds {len(fields)} fields, its header {len(header)} (quote a field "
+                raise Unreadable(f"{path}: line {line} holds {len(fields)} fields, its header {len(header)} (quote a field "
                                  "that holds a comma)")
             if number >= start:
                 yield number, dict(zip(header, fields + [None] * (len(header) - len(fields))))
@@ -246,7 +251,7 @@ _DATASETS: dict = {}
 
 def _dataset(source: str):
     """A folder of datasets.save_to_disk (its one split, or `train`), or hub data, memory-mapped by `datasets`.
-    ValueError for a folder of several splits, none `train`, naming them and each one's own folder (a
+    Unreadable for a folder of several splits, none `train`, naming them and each one's own folder (a
     split of a saved DatasetDict is a folder that datasets.save_to_disk wrote too)."""
     if source not in _DATASETS:
         import datasets
@@ -259,7 +264,7 @@ def _dataset(source: str):
             if isinstance(ds, datasets.DatasetDict):
                 if "train" not in ds and len(ds) != 1:
                     names = list(ds)
-                    raise ValueError(f"{source} holds the splits {', '.join(names) or 'none'} and no 'train' split"
+                    raise Unreadable(f"{source} holds the splits {', '.join(names) or 'none'} and no 'train' split"
                                      + (f" (give one split's folder: {', '.join(os.path.join(source, n) for n in names)})"
                                         if names else ""))
                 ds = ds["train"] if "train" in ds else next(iter(ds.values()))
@@ -330,5 +335,5 @@ def _json_items(path: str, start: int = 0, size: int = 1 << 20):
         pos += 1
         if c := next_char():
             line = lines + buf.count("\n", 0, pos) + 1
-            raise ValueError(f"{path}: line {line} holds {c!r} after the list's closing ] (a file holds one JSON list: "
+            raise Unreadable(f"{path}: line {line} holds {c!r} after the list's closing ] (a file holds one JSON list: "
                              "join the lists into one, or write the rows as JSON lines)")
