@@ -117,7 +117,7 @@ def code_problems(cfg: Config) -> list[str]:
             problems += e.problems
     from ddptune import model as model_lib
 
-    return problems + model_lib.model_problems(cfg.model, cfg.lora, cfg.train.method)
+    return problems + model_lib.model_problems(cfg.model, cfg.lora, cfg.train.method, cfg.train.packing)
 
 
 def local_tokenizer(cfg: Config):

@@ -35,6 +35,7 @@ FLOORED = ("cosine_with_min_lr", "warmup_stable_decay")  # train.lr_schedule val
 AttnImplementation = Literal["varlen", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"]
 # attention kernels that take packed samples' boundaries (cu_seq_lens) instead of a mask
 PACKED_ATTENTION = ("varlen", "flash_attention_2", "flash_attention_3")
+LORA_DROPOUT = 0.05  # lora.dropout where it is null and no expert is adapted
 
 
 @dataclass
@@ -62,8 +63,9 @@ class LoraConfig:
     """Adapter rank. Higher: more capacity, more memory and gradient bytes."""
     alpha: float = 32.0
     """Scale: the update is multiplied by alpha / r."""
-    dropout: float = 0.05
-    """Dropout on the adapter input."""
+    dropout: Optional[float] = None
+    """Dropout on the adapter input; null: 0.05, or 0 where all-linear adapts a mixture's experts (peft's expert
+    adapters take none)."""
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     """Module names to adapt; ["all-linear"] = every linear projection except the output head."""
     use_dora: bool = False
@@ -528,7 +530,7 @@ def check_values(cfg: Config) -> list[str]:
                         "decodes would have to stay in step); set eval.enabled=false and score the saved model "
                         "afterwards with `ddptune eval OUTPUT_DIR`")
     lo = cfg.lora
-    problems += [line for bad, line in ((lo.r < 1, "lora.r: must be at least 1"), (not 0 <= lo.dropout < 1, "lora.dropout: must be in [0, 1)"),
+    problems += [line for bad, line in ((lo.r < 1, "lora.r: must be at least 1"), (lo.dropout is not None and not 0 <= lo.dropout < 1, "lora.dropout: must be in [0, 1) or null"),
         (not (math.isfinite(lo.alpha) and lo.alpha > 0), "lora.alpha: must be a positive number, e.g. 2 x lora.r"),
         (not lo.target_modules, 'lora.target_modules: empty (name modules, e.g. [q_proj, v_proj], or ["all-linear"])'),
         (lo.modules_to_save and t.method == "full", "lora.modules_to_save: full fine-tuning trains every module already "

@@ -42,7 +42,7 @@ import math
 from dataclasses import dataclass
 
 from ddptune.batchplan import batch_plan
-from ddptune.config import Config, ConfigError
+from ddptune.config import LORA_DROPOUT, Config, ConfigError
 
 GIB = 2**30
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit code + 8-bit absmax per 64 + fp32 absmax per 256 blocks
@@ -279,7 +279,7 @@ def job_of(cfg: Config, world: int = 1, checkpointing: bool | None = None, shard
     return Job(t.method, t.optimizer, t.gradient_checkpointing is True if checkpointing is None else checkpointing,
                tokens, math.ceil(tokens * TARGET_SHARE) if targets is None else targets,
                t.compile is not False if compiled is None else compiled,
-               cfg.lora.r, tuple(cfg.lora.target_modules), cfg.lora.dropout, shards, world,
+               cfg.lora.r, tuple(cfg.lora.target_modules), LORA_DROPOUT if cfg.lora.dropout is None else cfg.lora.dropout, shards, world,
                dequantized=False, graphs=("step" if t.optimizer == "adamw" else "layers") if t.cuda_graphs is True else "off",
                fsdp=shards > 1 or t.strategy == "fsdp" if fsdp is None else fsdp, lora_saved=tuple(cfg.lora.modules_to_save),
                cpu=cpu)

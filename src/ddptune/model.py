@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
-from ddptune import launch, sources
+from ddptune import arch, launch, sources
 from ddptune.data import chat
 from ddptune.attention import register_attention
 from ddptune.checkpoint import atomic_dir, make_plain
-from ddptune.config import ConfigError, DataConfig, LoraConfig, ModelConfig
+from ddptune.config import LORA_DROPOUT, ConfigError, DataConfig, LoraConfig, ModelConfig
 from ddptune.rundir import trained_weights_dir  # noqa: F401 - model.trained_weights_dir, for its callers
 from ddptune.sources import PRESETS, cache_root, resolve_source  # noqa: F401 - model.resolve_source, for its callers
 
@@ -350,30 +350,59 @@ def add_adapters(model, method: str, lora: LoraConfig, gradient_checkpointing: b
         return model
     from peft import LoraConfig as PeftLoraConfig, get_peft_model
 
-    targets, saved = lora.target_modules, list(lora.modules_to_save) or None
+    targets, parameters, dropout = lora_targets(model, lora)
+    saved = list(lora.modules_to_save) or None
     # a tied output head and input embedding (SmolLM2's) stay one matrix when one of them is trained whole
     tied = bool(saved) and bool(getattr(model.config, "tie_word_embeddings", False))
     peft_cfg = PeftLoraConfig(
-        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-        target_modules="all-linear" if targets == ["all-linear"] else targets, modules_to_save=saved,
-        ensure_weight_tying=tied, use_dora=lora.use_dora, use_rslora=lora.use_rslora, task_type="CAUSAL_LM",
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=dropout, target_modules=targets, target_parameters=parameters,
+        modules_to_save=saved, ensure_weight_tying=tied, use_dora=lora.use_dora, use_rslora=lora.use_rslora,
+        task_type="CAUSAL_LM",
     )
     with _peft_quietly():
         return get_peft_model(model, peft_cfg)
 
 
-def model_problems(m: ModelConfig, lo: LoraConfig, method: str) -> list[str]:
-    """The model source can be used, and every lora.target_modules and lora.modules_to_save name matches one of
-    its layers (read from its config on the meta device: no weights are loaded). Hub models are not fetched here."""
+def lora_targets(model, lora: LoraConfig) -> tuple:
+    """(target_modules, target_parameters, dropout) of peft's LoraConfig for `model`.
+
+    `all-linear` is every linear layer but the output head and, in a mixture of experts, the routers
+    (a linear whose outputs are the experts' scores: adapting it moves tokens between experts), plus
+    the experts' own weights, which transformers 5 stores as one 3-D parameter per projection for all
+    experts of a layer: peft adapts those through `target_parameters`, whose adapters take no dropout.
+    So lora.dropout null is 0.05 for a dense model and 0 where experts are adapted; a dropout set with
+    adapted experts is refused before launch (`lora_problems`). Listed target_modules are used as given."""
+    if lora.target_modules != ["all-linear"]:
+        return list(lora.target_modules), None, LORA_DROPOUT if lora.dropout is None else lora.dropout
+    experts = arch.of(model.config).experts
+    head = model.get_output_embeddings()
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head
+               and not (experts and m.weight.shape[0] == experts)}
+    parameters = sorted({_layer_free(n) for n, p in model.named_parameters() if p.ndim == 3}) if experts else []
+    dropout = lora.dropout if lora.dropout is not None else 0.0 if parameters else LORA_DROPOUT
+    return sorted(linears), parameters or None, dropout
+
+
+def _layer_free(name: str) -> str:
+    """A parameter's name from its layer on ("model.layers.3.mlp.experts.down_proj" -> "mlp.experts.down_proj"),
+    which peft matches in every layer."""
+    head, _, rest = name.rpartition(".layers.")
+    return rest.split(".", 1)[1] if head or name.startswith("layers.") else name
+
+
+def model_problems(m: ModelConfig, lo: LoraConfig, method: str, packing: bool = False) -> list[str]:
+    """The model source can be used, its architecture trains as configured (`arch_problems`), and every
+    lora.target_modules and lora.modules_to_save name matches one of its layers (read from its config on the
+    meta device: no weights are loaded). Hub models are not fetched here (the run checks them once loaded)."""
     if problems := sources.source_problems(m):
         return problems
-    src = sources.resolve_source(m)
+    config = model_config(sources.resolve_source(m), m.trust_remote_code)
+    if isinstance(config, str):
+        return [config]
+    problems = [] if config is None else arch_problems(arch.of(config), lo, method, packing)
     listed = [("target_modules", n) for n in lo.target_modules if lo.target_modules != ["all-linear"]]
     listed += [("modules_to_save", n) for n in lo.modules_to_save]
-    layers = None if method == "full" or not listed else layer_names(src, m.trust_remote_code)
-    if isinstance(layers, str):
-        return [layers]
-    problems = []
+    layers = None if method == "full" or not listed or config is None else layer_names(config, m.trust_remote_code)
     for key, target in listed if layers is not None else []:
         found = [kind for n, kind in layers.items() if n == target or n.endswith("." + target)]
         if not found:
@@ -387,20 +416,36 @@ def model_problems(m: ModelConfig, lo: LoraConfig, method: str) -> list[str]:
     return problems
 
 
-def layer_names(src, trust_remote_code: bool) -> dict[str, str] | str | None:
-    """The layers LoRA can adapt or train whole, by name: "linear", "embedding" or "head" (the output head, which
-    QLoRA leaves unquantized), from the model's config alone; a problem line when that config cannot be read;
+def arch_problems(a: arch.Arch, lo: LoraConfig, method: str, packing: bool) -> list[str]:
+    """What the architecture `a` cannot train as configured, as problem lines (empty: it trains exactly)."""
+    problems = [p for p in [a.packing_problem()] if p and packing]
+    if method != "full" and lo.target_modules == ["all-linear"] and lo.dropout and a.moe:
+        problems.append(f"lora.dropout: {a.family}'s experts are adapted through peft's target_parameters, whose adapters "
+                        "take no dropout: set lora.dropout=0 (or null), or list lora.target_modules without the experts")
+    return problems
+
+
+def model_config(src, trust_remote_code: bool):
+    """The model's transformers config, read without weights; a problem line where it cannot be read;
     None for hub models (not fetched to validate)."""
     try:
         if src.kind == "preset":
-            arch = preset_config(src.path, "sdpa")
-        elif src.kind in ("local", "gguf"):
-            arch = AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file, trust_remote_code=trust_remote_code)
-        else:
-            return None
-        with torch.device("meta"):
-            net = AutoModelForCausalLM.from_config(arch, trust_remote_code=trust_remote_code)
+            return preset_config(src.path, "sdpa")
+        if src.kind in ("local", "gguf"):
+            return AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file, trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - a broken config.json or GGUF header, an unknown architecture
+        reason = " ".join(str(e).split())[:200]
+        return f"model.source: the model's config cannot be read ({type(e).__name__}: {reason})"
+    return None
+
+
+def layer_names(config, trust_remote_code: bool) -> dict[str, str] | str:
+    """The layers LoRA can adapt or train whole, by name: "linear", "embedding" or "head" (the output head, which
+    QLoRA leaves unquantized), from the model's config alone; a problem line when no model can be built from it."""
+    try:
+        with torch.device("meta"):
+            net = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - an unknown architecture
         reason = " ".join(str(e).split())[:200]
         return f"model.source: the model's config cannot be read ({type(e).__name__}: {reason})"
     head = net.get_output_embeddings()
@@ -416,8 +461,8 @@ class CausalLMLoss(torch.nn.Module):
     `targets` (`batches.targets_of`, computed on the host: finding them here would be a GPU sync).
     The logits of prompt positions would be thrown away, and for a 128k vocabulary they are the
     largest tensor of the step. This module is what DDP wraps; the model inside is what gets saved
-    and evaluated. Assumes a plain linear head (Llama, Qwen, Mistral, SmolLM...); models with logit
-    soft-capping need their own forward.
+    and evaluated. The head's logits are scaled and soft-capped as the architecture defines
+    (`arch.Arch`: Granite's logits_scaling, Gemma's final_logit_softcapping), as its own forward does.
     """
 
     def __init__(self, model):
@@ -426,6 +471,7 @@ class CausalLMLoss(torch.nn.Module):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.decoder = base.get_decoder()
         self.head = base.get_output_embeddings()
+        self.arch = arch.of(base.config)
         self.varlen = base.config._attn_implementation == "varlen"
         # the blocks a device map or a sharding must keep whole (transformers' name): the decoder layers
         self._no_split_modules = getattr(base, "_no_split_modules", None)
@@ -444,7 +490,12 @@ class CausalLMLoss(torch.nn.Module):
     def head_loss(self, hidden, targets):
         """Summed cross-entropy of the output head at `hidden` (targets x hidden size) against `targets`
         (-100, cross_entropy's ignore_index: left out)."""
-        return torch.nn.functional.cross_entropy(self.head(hidden).float(), targets, reduction="sum")
+        logits = self.head(hidden).float()
+        if self.arch.logit_scale != 1.0:
+            logits = logits * self.arch.logit_scale
+        if cap := self.arch.final_softcap:
+            logits = torch.tanh(logits / cap) * cap
+        return torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
 
 
 def count_params(model) -> tuple[int, int]:

@@ -1,0 +1,253 @@
+"""Every family trains as transformers' own code defines it: tiny random models built from each family's own
+config class (no downloads), ddptune's loss against transformers' eager forward in fp32.
+
+The features a family defines beyond Llama are made large enough to matter at this size (windows shorter than
+the samples, soft-caps near the logits' scale), so a path that drops one differs by far more than the tolerance.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+import multiproc
+from conftest import metrics
+from ddptune import arch as arch_lib, batches, config, model as model_lib, train
+from ddptune.attention import register_attention
+from ddptune.config import LoraConfig
+
+VOCAB = 320  # the byte tokenizer's 259 ids and room
+SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=256, eos_token_id=257, pad_token_id=258,
+             initializer_range=0.2)  # weights large enough that scores and logits reach the caps
+WINDOW = 8
+MOE = dict(num_experts_per_tok=2)
+T = transformers
+# family: (config class, what it defines beyond the shape above)
+FAMILIES = {
+    "llama": (T.LlamaConfig, {}),
+    "mistral": (T.MistralConfig, {"sliding_window": None}),
+    "mistral-window": (T.MistralConfig, {"sliding_window": WINDOW}),
+    "mixtral": (T.MixtralConfig, {"num_local_experts": 4, **MOE, "sliding_window": None}),
+    "qwen2": (T.Qwen2Config, {}),
+    "qwen3": (T.Qwen3Config, {"head_dim": 32}),
+    "qwen3-moe": (T.Qwen3MoeConfig, {"num_experts": 4, **MOE, "moe_intermediate_size": 32, "head_dim": 16}),
+    "gemma2": (T.Gemma2Config, {"sliding_window": WINDOW, "head_dim": 16, "attn_logit_softcapping": 2.0, "query_pre_attn_scalar": 1,
+                                "final_logit_softcapping": 1.5}),
+    "gemma3": (T.Gemma3TextConfig, {"sliding_window": WINDOW, "head_dim": 16, "query_pre_attn_scalar": 8}),
+    "phi3": (T.Phi3Config, {}),
+    "olmo2": (T.Olmo2Config, {}),
+    "gpt-oss": (T.GptOssConfig, {"num_local_experts": 4, **MOE, "sliding_window": WINDOW, "head_dim": 16,
+                                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "granite": (T.GraniteConfig, {"logits_scaling": 4.0, "attention_multiplier": 0.1, "embedding_multiplier": 2.0,
+                                  "residual_multiplier": 0.5}),
+}
+# what `all-linear` adapts in each layer, by the name's end ("experts.*": the experts' 3-D weights)
+ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj"}
+DENSE = ATTENTION | {"gate_proj", "up_proj", "down_proj"}
+EXPERTS = ATTENTION | {"experts"}
+TARGETS = {"phi3": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}, "olmo2": DENSE, "granite": DENSE,
+           "mixtral": EXPERTS, "qwen3-moe": EXPERTS, "gpt-oss": EXPERTS}
+
+
+def family_config(name: str, attn: str = "eager"):
+    cls, extra = FAMILIES[name]
+    cfg = cls(**(SHAPE | extra))
+    cfg._attn_implementation = attn
+    return cfg
+
+
+def family_model(name: str, seed: int = 0):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(family_config(name), dtype=torch.float32).eval()
+
+
+def rows(n: int = 4, seed: int = 0) -> list[dict]:
+    """Samples longer than the window (20 to 29 tokens), the loss on their second halves."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        ids = torch.randint(3, 256, (20 + 3 * i,), generator=g).tolist()
+        out.append({"input_ids": ids, "labels": [-100] * (len(ids) // 2) + ids[len(ids) // 2:]})
+    return out
+
+
+def eager_loss(model, examples: list[dict]) -> float:
+    """Summed token cross-entropy of transformers' own forward (eager attention), sample by sample."""
+    total = 0.0
+    with torch.no_grad():
+        for e in examples:
+            logits = model(input_ids=torch.tensor([e["input_ids"]])).logits[0, :-1].float()
+            total += torch.nn.functional.cross_entropy(logits, torch.tensor(e["labels"][1:]), reduction="sum").item()
+    return total
+
+
+def with_attention(model, attn: str):
+    register_attention()
+    for m in model.modules():
+        if isinstance(getattr(m, "config", None), transformers.PretrainedConfig):
+            m.config._attn_implementation = attn
+    return model
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_loss_is_transformers_own_packed_and_padded(name):
+    """ddptune's loss (CausalLMLoss through varlen attention) equals transformers' eager forward on the same
+    rows within 1e-5 relative, for a packed row and for a padded batch: windows per layer, soft-caps, sinks,
+    the head's scaling and experts included."""
+    model = family_model(name)
+    examples = rows()
+    want = eager_loss(model, examples)
+    loss = model_lib.CausalLMLoss(with_attention(model, "varlen"))
+    with torch.no_grad():
+        packed = loss(**batches.collate_packed(examples), num_items=1).item()
+        padded = loss(**batches.collate(examples, pad_id=0), num_items=1).item()
+    assert packed == pytest.approx(want, rel=1e-5)
+    assert padded == pytest.approx(want, rel=1e-5)
+
+
+PLAIN = {"sliding_window": 4096, "attn_logit_softcapping": None, "final_logit_softcapping": None, "logits_scaling": 1.0}
+
+
+@pytest.mark.parametrize("name,feature", [("mistral-window", "sliding_window"), ("gemma2", "sliding_window"),
+                                          ("gemma2", "attn_logit_softcapping"), ("gemma2", "final_logit_softcapping"),
+                                          ("gpt-oss", "sliding_window"), ("gpt-oss", "sinks"), ("granite", "logits_scaling")])
+def test_each_feature_matters_at_this_size(name, feature):
+    """The features are large enough here that leaving one out (the same weights, the feature plain) moves
+    transformers' own loss far past the tolerance above: the test above would catch a path that drops it."""
+    examples = rows()
+    want = eager_loss(family_model(name), examples)
+    cls, extra = FAMILIES[name]
+    torch.manual_seed(0)
+    plain = AutoModelForCausalLM.from_config(cls(**(SHAPE | extra | ({feature: PLAIN[feature]} if feature in PLAIN else {}))),
+                                             dtype=torch.float32, attn_implementation="eager").eval()
+    if feature == "sinks":
+        for layer in plain.model.layers:
+            layer.self_attn.sinks.data.fill_(-1e4)  # sinks that take no share of any softmax
+    assert abs(eager_loss(plain, examples) - want) / want > 1e-3
+
+
+def test_what_each_family_defines_is_read_from_its_config():
+    """arch.of: windows per layer as the config's layer types say, soft-caps, the head's scale, sinks, experts."""
+    gemma2 = arch_lib.of(family_config("gemma2"))
+    assert gemma2.windows == (WINDOW, None, WINDOW, None) and gemma2.attn_softcap == 2.0 and gemma2.final_softcap == 1.5
+    assert gemma2.slow_attention() == ["attention soft-capping"] and gemma2.tied_head
+    assert arch_lib.of(family_config("mistral-window")).windows == (WINDOW,) * 4
+    assert arch_lib.of(family_config("mistral")).windows == (None,) * 4
+    assert arch_lib.of(family_config("qwen3")).windows == (None,) * 4  # use_sliding_window false
+    oss = arch_lib.of(family_config("gpt-oss"))
+    assert oss.sinks and oss.experts == 4 and oss.experts_per_token == 2 and oss.router_aux_coef is None
+    assert oss.slow_attention() == ["attention sinks"]
+    assert arch_lib.of(family_config("granite")).logit_scale == 0.25
+    llama = arch_lib.of(family_config("llama"))
+    assert llama.features() == [] and llama.slow_attention() == [] and not llama.moe
+    routed = family_config("mixtral")
+    routed.output_router_logits = True
+    assert arch_lib.of(routed).router_aux_coef == routed.router_aux_loss_coef > 0
+    chunked = family_config("llama")
+    chunked.attention_chunk_size = 16
+    assert arch_lib.of(chunked).packing_problem() is not None
+
+
+@pytest.mark.parametrize("name", ["phi3", "olmo2", "granite", "mixtral", "qwen3-moe", "gpt-oss"])
+def test_all_linear_adapts_what_a_user_expects(name):
+    """all-linear: every projection of attention and the MLP (fused ones as they are), a mixture's experts
+    through their 3-D weights (dropout 0, as peft's expert adapters need), never a router or the head;
+    merged into the base, the adapted model gives the same logits."""
+    model = family_model(name)
+    lo = LoraConfig(r=4)
+    net = model_lib.add_adapters(model, "lora", lo, False)
+    adapted = {n.split(".lora_")[0].replace(".base_layer", "").rsplit(".", 1)[-1]
+               for n, p in net.named_parameters() if "lora_" in n}
+    assert adapted == TARGETS[name]
+    dropout = net.peft_config["default"].lora_dropout
+    assert dropout == (0.0 if arch_lib.of(model.config).moe else config.LORA_DROPOUT)
+    with torch.no_grad():
+        for n, p in net.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    net.eval()
+    ids = torch.tensor([rows(1)[0]["input_ids"]])
+    with torch.no_grad():
+        want = net(input_ids=ids).logits
+        with net.disable_adapter():
+            assert not torch.allclose(net(input_ids=ids).logits, want, atol=1e-3)  # the adapters change the output
+        merged = net.merge_and_unload()
+        assert (merged(input_ids=ids).logits - want).abs().max() < 1e-4 * want.abs().max()
+
+
+def test_a_set_dropout_with_adapted_experts_is_refused_before_launch():
+    lo = LoraConfig(dropout=0.1)
+    moe, dense = (arch_lib.of(family_config(n)) for n in ("qwen3-moe", "llama"))
+    assert [p.split(":")[0] for p in model_lib.arch_problems(moe, lo, "lora", True)] == ["lora.dropout"]
+    assert model_lib.arch_problems(moe, LoraConfig(), "lora", True) == []
+    assert model_lib.arch_problems(dense, lo, "lora", True) == []
+    assert model_lib.arch_problems(moe, LoraConfig(dropout=0.1, target_modules=["q_proj"]), "lora", True) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# whole runs: a saved family model as model.source
+
+
+def saved_family(name: str, folder) -> str:
+    family_model(name).save_pretrained(folder)
+    model_lib.byte_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
+def family_run(args: list[str]) -> dict:
+    """One process's part of a run of the tiny config on a saved family model."""
+    cfg = config.load(str(config_path()), args)
+    summary, _ = train.run(cfg)
+    return summary
+
+
+def config_path():
+    from conftest import ROOT
+
+    return ROOT / "configs" / "tiny.yaml"
+
+
+RUN = ["train.max_steps=2", "data.train_rows=0:8", "data.val=null", "eval.enabled=false", "data.max_length=96", "train.warmup_steps=0",
+       "train.tokens_per_forward=192", "lora.dropout=0", "train.effective_batch_size=8", "train.micro_batch_size=4",
+       "train.grad_accum=null"]
+
+
+@pytest.fixture(scope="module")
+def family_runs(tmp_path_factory):
+    """Two steps of all 8 training rows (the demo's first 8) on a saved windowed dense family (Gemma 3) and
+    a mixture (Qwen3-MoE, its experts adapted), at 1 and 2 gloo processes."""
+    root = tmp_path_factory.mktemp("families")
+    sources = {name: saved_family(name, root / f"{name}-model") for name in ("gemma3", "qwen3-moe")}
+    for n in (1, 2):
+        multiproc.run(_in_turn, n, [[f"model.source={s}", f"output_dir={root / f'{name}-{n}'}", *RUN]
+                                    for name, s in sources.items()])
+    return root, sources
+
+
+def _in_turn(runs: list[list[str]]) -> list[dict]:
+    return [family_run(r) for r in runs]
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3-moe"])
+def test_a_run_steps_as_transformers_computes_and_two_processes_as_one(family_runs, name):
+    """The first step's loss (the adapters start as the identity) is transformers' eager loss over the same 8
+    tokenized rows; at 2 processes the losses and gradient norms are those of one."""
+    from ddptune.data import tokenized
+
+    root, sources = family_runs
+    cfg = config.load(str(config_path()), [f"model.source={sources[name]}", *RUN])
+    train_set, _ = tokenized.load(tokenized.prepare(cfg.data, model_lib.load_tokenizer(cfg.model, cfg.data)))
+    examples = [train_set[i] for i in range(len(train_set))]
+    assert len(examples) == 8
+    want = eager_loss(family_model(name), examples) / batches.target_tokens(examples)
+    one, two = (metrics(root / f"{name}-{n}") for n in (1, 2))
+    loss = lambda rows: [r["loss"] for r in rows if "loss" in r]  # noqa: E731
+    norm = lambda rows: [r["grad_norm"] for r in rows if "grad_norm" in r]  # noqa: E731
+    assert loss(one)[0] == pytest.approx(want, rel=1e-5)
+    assert len(loss(one)) == 2 and loss(one)[1] != loss(one)[0]
+    assert loss(two) == pytest.approx(loss(one), rel=1e-5)
+    assert norm(two) == pytest.approx(norm(one), rel=1e-4)
