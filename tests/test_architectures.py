@@ -251,3 +251,60 @@ def test_a_run_steps_as_transformers_computes_and_two_processes_as_one(family_ru
     assert len(loss(one)) == 2 and loss(one)[1] != loss(one)[0]
     assert loss(two) == pytest.approx(loss(one), rel=1e-5)
     assert norm(two) == pytest.approx(norm(one), rel=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# what the speed choices and the plan make of an architecture
+
+
+@pytest.mark.parametrize("name,dynamic", [("llama", False), ("gemma3", False), ("gemma2", True), ("gpt-oss", True),
+                                          ("qwen3-moe", True)])
+def test_layers_whose_work_changes_with_the_data_are_neither_compiled_nor_recorded(name, dynamic):
+    """On a GPU the decider compiles and may record a dense model's layers (a sliding window included: the
+    kernel takes it); a mixture's routing and per-sample own attention change shapes with the data, so it
+    leaves those layers eager and unrecorded, and says why."""
+    from test_speed import CONFIG_8B, samsum_like
+
+    from ddptune import memory, speed
+
+    shape = memory.shape_of(family_config(name))
+    assert bool(shape.dynamic) == dynamic and shape.experts == (4 if "moe" in name or name == "gpt-oss" else 0)
+    cfg = config.load(CONFIG_8B, ["train.method=lora"])
+    chosen = speed.decide(cfg, True, shape, 1, 80.0, samsum_like(100), 750.0, "")
+    assert chosen.compiled == (not dynamic)
+    if dynamic:
+        assert chosen.graphs == "off" and all(o["graphs"] == "off" for o in chosen.estimate["options"])
+        assert chosen.reasons["compiled layers"].startswith("off") and chosen.reasons["CUDA graphs"].startswith("off")
+    forced = speed.decide(config.load(CONFIG_8B, ["train.method=lora", "train.compile=true"]), True, shape, 1, 80.0,
+                          samsum_like(100), 750.0, "")
+    assert forced.compiled  # the user's word stands
+
+
+def test_plan_says_it_has_no_estimate_for_a_mixture_and_gives_one_otherwise(tmp_path, capsys):
+    """`ddptune plan` of a saved mixture: no made-up number, exit 0, the JSON's estimate null; a dense family
+    with head_dim apart from hidden/heads and an untied head gets its table."""
+    import json
+    import types
+
+    from ddptune import plan
+
+    for name in ("qwen3-moe", "qwen3"):
+        source = saved_family(name, tmp_path / name)
+        args = types.SimpleNamespace(config=str(config_path()), overrides=[f"model.source={source}"], gpus=1,
+                                     gpu_memory=80.0, json=str(tmp_path / f"{name}.json"))
+        assert plan.main(args) == 0
+        written = json.loads((tmp_path / f"{name}.json").read_text())
+        if name == "qwen3-moe":
+            assert written["estimate"] is None and written["experts"] == 4
+        else:
+            assert written["options"][0]["total"] > 0 and written["params"] > 0
+
+
+def test_the_banner_says_what_the_model_defines_and_how_it_trains():
+    from ddptune import runlog
+
+    assert runlog.architecture_lines(family_model("llama")) == []
+    (gemma2,) = runlog.architecture_lines(family_model("gemma2"))
+    assert "sliding window 8 on 2 of 4 layers" in gemma2 and "own attention" in gemma2 and "soft-cap" in gemma2
+    (gemma3,) = runlog.architecture_lines(family_model("gemma3"))
+    assert "own attention" not in gemma3 and "4 of 4 layers" in gemma3

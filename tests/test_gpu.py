@@ -411,3 +411,53 @@ def test_workers_are_forked_ready_imported_unless_the_fork_server_started_cuda(t
     code = launch.torchrun(1, ["cudaworker"], env=dict(os.environ, CUDAWORKER_DIR=str(tmp_path)), standby=standby)
     assert code == 0
     assert json.loads((tmp_path / "rank-0.json").read_text()) == {"cli_preloaded": forked, "device": device, "sum": 2.0}
+
+
+@cuda
+@pytest.mark.parametrize("name", ["llama", "mistral-window", "gemma2", "gemma3", "phi3", "qwen3-moe", "gpt-oss", "granite"])
+def test_each_family_on_the_gpu_is_transformers_own_within_bf16(name):
+    """On CUDA in bf16 (autocast over fp32 weights, as full fine-tuning runs; varlen's flash kernel with each layer's
+    window, or the model's own attention per sample), the packed loss and its gradients are the eager fp32
+    reference's within bf16's tolerance."""
+    from test_architectures import eager_loss, family_model, rows, with_attention
+
+    examples = rows(6)
+    reference = family_model(name)
+    want = eager_loss(reference, examples)
+    loss = model_lib.CausalLMLoss(with_attention(family_model(name).cuda(), "varlen"))
+    batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in batches.collate_packed(examples).items()}
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = loss(**batch, num_items=1).float()
+    assert got.item() == pytest.approx(want, rel=2e-2)
+    got.backward()
+    ref = model_lib.CausalLMLoss(with_attention(reference, "varlen"))
+    ref(**batches.collate_packed(examples), num_items=1).backward()
+    for (n, p), q in zip(loss.named_parameters(), ref.parameters()):
+        if p.grad is not None and q.grad.abs().max() > 0:
+            assert (p.grad.float().cpu() - q.grad).norm() <= 0.1 * q.grad.norm(), n
+
+
+@cuda
+def test_a_windowed_and_a_mixture_family_train_under_the_shipped_choices(tmp_path):
+    """A saved Gemma 3 (sliding windows) and Qwen3-MoE train two steps on the GPU with what the decider chooses
+    (compiled layers and graphs for the first, eager for the mixture); the first loss is transformers' eager
+    fp32 loss of the same 8 rows within bf16's tolerance."""
+    import multiproc
+    from test_architectures import RUN, _in_turn, config_path, eager_loss, family_model, saved_family
+
+    from ddptune import config
+    from ddptune.data import tokenized
+
+    for name in ("gemma3", "qwen3-moe"):
+        source = saved_family(name, tmp_path / name)
+        args = [f"model.source={source}", f"output_dir={tmp_path / (name + '-run')}", *RUN]
+        ((summary,),) = multiproc.run(_in_turn, 1, [args])
+        cfg = config.load(str(config_path()), args)
+        train_set, _ = tokenized.load(tokenized.prepare(cfg.data, model_lib.load_tokenizer(cfg.model, cfg.data)))
+        examples = [train_set[i] for i in range(len(train_set))]
+        want = eager_loss(family_model(name), examples) / batches.target_tokens(examples)
+        rows_ = [json.loads(l) for l in (tmp_path / (name + "-run") / "metrics.jsonl").read_text().splitlines()]
+        losses = [r["loss"] for r in rows_ if "loss" in r]
+        assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+        assert losses[0] == pytest.approx(want, rel=2e-2)
+        assert summary["compiled"] == (name == "gemma3"), summary["speed"]

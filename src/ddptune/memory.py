@@ -41,6 +41,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from ddptune import arch
 from ddptune.batchplan import batch_plan
 from ddptune.config import LORA_DROPOUT, Config, ConfigError
 
@@ -73,7 +74,8 @@ PROJECTIONS = {
 
 @dataclass(frozen=True)
 class Shape:
-    """What memory depends on in a Llama-style decoder (Llama, Mistral, Qwen, SmolLM...)."""
+    """What memory depends on in a Llama-style decoder (Llama, Mistral, Qwen, SmolLM...), and what else the
+    architecture defines that the speed choices and the plan must know (arch.Arch)."""
     layers: int
     hidden: int
     intermediate: int
@@ -82,6 +84,8 @@ class Shape:
     head_dim: int
     vocab: int
     tied: bool
+    experts: int = 0              # a mixture of experts: the memory terms here do not model it
+    dynamic: str = ""             # why no layer can be compiled for fixed shapes or recorded (empty: they can)
 
     @property
     def attn_width(self) -> int:
@@ -127,9 +131,20 @@ def shape_of(hf_config) -> Shape:
     c = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    a = arch.of(hf_config)
     return Shape(c.num_hidden_layers, c.hidden_size, getattr(c, "intermediate_size", None) or 4 * c.hidden_size, heads,
                  getattr(c, "num_key_value_heads", None) or heads, head_dim, c.vocab_size,
-                 bool(getattr(c, "tie_word_embeddings", False)))
+                 bool(getattr(c, "tie_word_embeddings", False)), experts=a.experts, dynamic=dynamic_reason(a))
+
+
+def dynamic_reason(a: arch.Arch) -> str:
+    """Why the layers of architecture `a` change their work with the data (so neither compiling them for
+    fixed shapes nor recording them as CUDA graphs holds), or "" where they do not."""
+    if a.moe:
+        return "a mixture of experts routes a different number of tokens to each expert every step"
+    if slow := a.slow_attention():
+        return f"{' and '.join(slow)} run through the model's own attention, sample by sample"
+    return ""
 
 
 def model_shape(cfg: Config) -> Shape:
@@ -433,6 +448,8 @@ def memory_problems(cfg: Config, world_size: int, gpu_gib: float) -> list[str]:
     try:
         shape = model_shape(cfg)
     except Exception:  # noqa: BLE001 - no config to size the model by: the load will say what is wrong
+        return []
+    if shape.experts:  # no estimate to check against (`ddptune plan` says so)
         return []
     if cfg.train.strategy == "fsdp" and (load := load_gib(shape, cfg.train.method)) > gpu_gib:
         return [f"memory: train.strategy=fsdp: each process loads the whole model onto its GPU before sharding it, "

@@ -24,6 +24,12 @@ def main(args) -> int:
         shape = memory.model_shape(cfg)
     except Exception as e:  # noqa: BLE001 - no config.json, an unreadable GGUF header, an unknown architecture
         raise ConfigError([f"model.source: the model's config cannot be read ({type(e).__name__}: {' '.join(str(e).split())[:200]})"])
+    if shape.experts:
+        print(f"ddptune plan: {cfg.model.source} is a mixture of {shape.experts} experts a layer, which the memory "
+              "estimate does not model: no estimate (the run measures its own peak; `ddptune train` then says it)")
+        if args.json:
+            report.write_json(args.json, {"model": cfg.model.source, "estimate": None, "experts": shape.experts})
+        return 0
     result = memory.plan(cfg, shape, args.gpus, args.gpu_memory or local_gpu_gib() or memory.DEFAULT_GPU_GIB)
     print(table(result))
     if args.json:

@@ -15,7 +15,7 @@ import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from ddptune import batchplan, config as config_lib, dist, metrics, model as model_lib, provenance
+from ddptune import arch, batchplan, config as config_lib, dist, metrics, model as model_lib, provenance
 from ddptune.batchplan import BatchPlan
 from ddptune.config import ModelConfig, TrainConfig
 from ddptune.speed import Speed
@@ -53,10 +53,23 @@ def opening_lines(outline: Outline, m: ModelConfig, t: TrainConfig, accelerator:
              f"{acc.mixed_precision}){', ' + m.attn_implementation + ' attention' if t.packing else ''}"
              + (f", {torch.get_num_threads()} CPU thread(s) each ({dist.threads_why})" if acc.device.type == "cpu" else ""),
              plan.describe() + ("; each step's samples split into shares of equal cost" if acc.num_processes > 1 else ""),
+             *architecture_lines(model),
              *(f"note: {note}" for note in batchplan.batch_notes(t)),
              f"{outline.train_rows} training examples, {outline.train_rows / plan.global_batch:.1f} steps per epoch, "
              f"{outline.steps} steps" + (f", resuming after step {outline.start}" if outline.start else "")]
     return [f"ddptune: {line}" for line in lines]
+
+
+def architecture_lines(model) -> list[str]:
+    """What the model defines beyond a plain causal decoder, and how it trains here (none for a plain one)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    a = arch.of(base.config)
+    if not a.features():
+        return []
+    slow = a.slow_attention()
+    how = (f"{' and '.join(slow)} through {a.family}'s own attention, sample by sample (exact, slower)" if slow
+           else "every feature in the packed kernels")
+    return [f"architecture: {a.family}: {'; '.join(a.features())} ({how})"]
 
 
 def _step(line: str) -> int | None:

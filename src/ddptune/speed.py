@@ -186,8 +186,8 @@ def decide(cfg: Config, cuda: bool, shape: memory.Shape, world: int, free_gib: f
            matrix_tflops: float | None = None, link: str = "", one_machine: bool = True) -> Speed:
     """The fastest allowed combination that fits `free_gib` (None: no fixed budget, CPU), with reasons."""
     t, force = cfg.train, forced()
-    compiled = force.get("compile", t.compile is True or (t.compile == "auto" and cuda))
-    options = candidates(cfg, cuda, compiled, force)
+    compiled = force.get("compile", t.compile is True or (t.compile == "auto" and cuda and not shape.dynamic))
+    options = candidates(cfg, cuda, compiled, force, shape.dynamic)
     rate = (matrix_tflops or FALLBACK_TFLOPS) * 1e12 * RATE_SHARE
     costed = [(o, memory_gib(cfg, shape, world, o, work, compiled, not cuda), *time_s(cfg, shape, o, work, rate, compiled))
               for o in options]
@@ -196,11 +196,11 @@ def decide(cfg: Config, cuda: bool, shape: memory.Shape, world: int, free_gib: f
     best = min(fitting, key=lambda c: (c[2] * work.steps + c[3], c[1])) if fitting else min(costed, key=lambda c: c[1])
     choice = best[0]
     bucket_mb, bucket_why = bucket(cfg, shape, world, cuda, link, one_machine, force)
-    reasons = {"compiled layers": compile_reason(t.compile, compiled, cuda, "compile" in force)}
+    reasons = {"compiled layers": compile_reason(t.compile, compiled, cuda, "compile" in force, shape.dynamic)}
     reasons["gradient checkpointing"] = checkpoint_reason(t.gradient_checkpointing, choice, costed, free_gib, force)
     if t.method == "qlora":
         reasons["4-bit base"] = dequantize_reason(choice, costed, budget, force, t.strategy, cuda)
-    reasons["CUDA graphs"] = graphs_reason(cfg, cuda, compiled, choice, best, fitting, work, force)
+    reasons["CUDA graphs"] = graphs_reason(cfg, cuda, compiled, choice, best, fitting, work, force, shape.dynamic)
     reasons["DDP gradient buckets"] = bucket_why
     combo = force.get("combo", compiled and cuda and choice.graphs == "off")
     reasons["combined kernels"] = combo_reason(combo, compiled, cuda, force)
@@ -211,8 +211,9 @@ def decide(cfg: Config, cuda: bool, shape: memory.Shape, world: int, free_gib: f
                  combo, reasons, force, estimate)
 
 
-def candidates(cfg: Config, cuda: bool, compiled: bool, force: dict) -> list[Option]:
-    """Every combination the config (and DDPTUNE_SPEED) allows."""
+def candidates(cfg: Config, cuda: bool, compiled: bool, force: dict, dynamic: str = "") -> list[Option]:
+    """Every combination the config (and DDPTUNE_SPEED) allows; none recorded where the layers' work
+    changes with the data (`dynamic`, memory.dynamic_reason)."""
     t = cfg.train
     if "checkpointing" in force:
         ckpt = [force["checkpointing"]]
@@ -226,7 +227,7 @@ def candidates(cfg: Config, cuda: bool, compiled: bool, force: dict) -> list[Opt
     dequant = [force["dequantize"]] if "dequantize" in force else [False, True] if (
         t.method == "qlora" and cuda and t.strategy == "ddp") else [False]
     scope = "step" if t.optimizer == "adamw" else "layers"  # only torch's fused AdamW can be recorded
-    recordable = cuda and compiled and t.packing and t.strategy == "ddp"
+    recordable = cuda and compiled and t.packing and t.strategy == "ddp" and not dynamic
     if "graphs" in force:
         if force["graphs"] != "off" and not recordable:
             raise ConfigError([f"{FORCE_ENV}: graphs={force['graphs']} needs a CUDA device, compiled layers, "
@@ -304,11 +305,13 @@ def _forced(key: str, force: dict) -> str:
     return f" ({FORCE_ENV})" if key in force else ""
 
 
-def compile_reason(setting, compiled: bool, cuda: bool, forced_: bool) -> str:
+def compile_reason(setting, compiled: bool, cuda: bool, forced_: bool, dynamic: str = "") -> str:
     if forced_:
         return ("on" if compiled else "off") + f" ({FORCE_ENV})"
     if setting != "auto":
         return ("on" if compiled else "off") + f" (train.compile={str(setting).lower()})"
+    if dynamic and cuda:
+        return f"off ({dynamic}: compiled, they would break into pieces and compile again; train.compile=true compiles)"
     return "on (CUDA)" if cuda else "off (CPU: compiling costs more than a short run saves; train.compile=true compiles)"
 
 
@@ -359,11 +362,11 @@ def dequantize_reason(choice: Option, costed: list, budget: float | None, force:
 
 
 def graphs_reason(cfg: Config, cuda: bool, compiled: bool, choice: Option, best: tuple, fitting: list, work: Work,
-                  force: dict) -> str:
+                  force: dict, dynamic: str = "") -> str:
     t = cfg.train
     if "graphs" in force:
         return choice.graphs + (f", {choice.lengths} padded length(s)" if choice.lengths else "") + _forced("graphs", force)
-    why_not = ("no CUDA device" if not cuda else "compiled layers are off" if not compiled else
+    why_not = ("no CUDA device" if not cuda else dynamic if dynamic else "compiled layers are off" if not compiled else
                "needs train.packing=true" if not t.packing else "needs train.strategy=ddp" if t.strategy != "ddp" else
                "train.cuda_graphs=false" if t.cuda_graphs is False else None)
     if why_not:
