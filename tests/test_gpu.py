@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ddptune import attention, batches, model as model_lib
+from ddptune import arch as arch_lib, attention, batches, model as model_lib
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -418,7 +418,8 @@ def test_workers_are_forked_ready_imported_unless_the_fork_server_started_cuda(t
 def test_each_family_on_the_gpu_is_transformers_own_within_bf16(name):
     """On CUDA in bf16 (autocast over fp32 weights, as full fine-tuning runs; varlen's flash kernel with each layer's
     window, or the model's own attention per sample), the packed loss and its gradients are the eager fp32
-    reference's within bf16's tolerance."""
+    reference's within bf16's tolerance. A mixture's gradients are only checked to be finite: bf16 moves near-tied
+    router scores across the top-k line, and a token sent to another expert changes gradients by design."""
     from test_architectures import eager_loss, family_model, rows, with_attention
 
     examples = rows(6)
@@ -432,8 +433,10 @@ def test_each_family_on_the_gpu_is_transformers_own_within_bf16(name):
     got.backward()
     ref = model_lib.CausalLMLoss(with_attention(reference, "varlen"))
     ref(**batches.collate_packed(examples), num_items=1).backward()
+    moe = arch_lib.of(reference.config).moe
     for (n, p), q in zip(loss.named_parameters(), ref.parameters()):
-        if p.grad is not None and q.grad.abs().max() > 0:
+        assert p.grad is None or torch.isfinite(p.grad).all(), n
+        if not moe and p.grad is not None and q.grad.abs().max() > 0:
             assert (p.grad.float().cpu() - q.grad).norm() <= 0.1 * q.grad.norm(), n
 
 
@@ -442,8 +445,7 @@ def test_a_windowed_and_a_mixture_family_train_under_the_shipped_choices(tmp_pat
     """A saved Gemma 3 (sliding windows) and Qwen3-MoE train two steps on the GPU with what the decider chooses
     (compiled layers and graphs for the first, eager for the mixture); the first loss is transformers' eager
     fp32 loss of the same 8 rows within bf16's tolerance."""
-    import multiproc
-    from test_architectures import RUN, _in_turn, config_path, eager_loss, family_model, saved_family
+    from test_architectures import RUN, config_path, eager_loss, family_model, family_run, saved_family
 
     from ddptune import config
     from ddptune.data import tokenized
@@ -451,7 +453,7 @@ def test_a_windowed_and_a_mixture_family_train_under_the_shipped_choices(tmp_pat
     for name in ("gemma3", "qwen3-moe"):
         source = saved_family(name, tmp_path / name)
         args = [f"model.source={source}", f"output_dir={tmp_path / (name + '-run')}", *RUN]
-        ((summary,),) = multiproc.run(_in_turn, 1, [args])
+        summary = family_run(args)  # in this process, as the other GPU runs here (a fork cannot start CUDA again)
         cfg = config.load(str(config_path()), args)
         train_set, _ = tokenized.load(tokenized.prepare(cfg.data, model_lib.load_tokenizer(cfg.model, cfg.data)))
         examples = [train_set[i] for i in range(len(train_set))]
