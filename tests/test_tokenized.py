@@ -496,3 +496,47 @@ def test_two_processes_survey_the_job_in_halves_and_get_the_layout_one_process_g
         (shared0, alone0), (shared1, alone1) = multiproc.run(_layouts, 2, prepared, first, last, horizon)
         assert shared0 == alone0 and shared1 == alone1
         assert len(shared0[0]) == 2 and len(shared0[3]) > 1 and shared0[3] != shared1[3]  # each process its own shapes
+
+
+def byte_level(offset: int, merges: list | None = None):
+    """A byte-level BPE tokenizer whose 256 byte tokens sit at ids offset.. (the vocabulary is offset + 259 ids
+    long: a Qwen- or Gemma-sized one), with `merges` on top; the special tokens and template as byte_tokenizer's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {f"<unused{i}>": i for i in range(offset)} | {ch: offset + i for i, ch in enumerate(alphabet)}
+    for a, b in merges or []:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=list(merges or [])))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>")
+
+
+def test_a_vocabulary_past_65536_ids_is_stored_whole(tmp_path):
+    """Ids above uint16's range (Llama 3's 128k, Qwen's 151k, Gemma's 262k vocabularies) come back from the store
+    as they were tokenized: stored as int32, not wrapped."""
+    big = byte_level(151_000)
+    path = jsonl(tmp_path / "rows.jsonl", many_rows(20))
+    d = DataConfig(train=path, max_length=256)
+    train, _ = tokenized.load(tokenized.prepare(d, big))
+    want = data.tokenize(data.load_split(path, None, d), big, d)
+    assert same(train, want) and min(t for e in train[:] for t in e["input_ids"]) >= 151_000
+    assert store.id_dtype(len(big)).itemsize == 4 and store.id_dtype(len(model_lib.byte_tokenizer())).itemsize == 2
+
+
+def test_another_vocabulary_or_merges_under_the_same_template_is_another_store(tmp_path):
+    """The store's key covers the tokenizer's definition, not only its template and special tokens: the same
+    rows under a tokenizer with other ids or other merges are tokenized again, each into its own store."""
+    path = jsonl(tmp_path / "rows.jsonl", many_rows(20))
+    d = DataConfig(train=path, max_length=256)
+    plain, shifted, merged = byte_level(0), byte_level(1), byte_level(0, [("a", "n")])
+    assert len({data.fingerprint(t) for t in (plain, shifted, merged)}) == 3
+    folders = []
+    for tok in (plain, shifted, merged):
+        p = tokenized.prepare(d, tok)
+        assert p.made == ("rows",)
+        folders.append(p.train[0][1])
+        assert same(tokenized.load(p)[0], data.tokenize(data.load_split(path, None, d), tok, d))
+    assert len(set(folders)) == 3
