@@ -308,3 +308,59 @@ def test_the_banner_says_what_the_model_defines_and_how_it_trains():
     assert "sliding window 8 on 2 of 4 layers" in gemma2 and "own attention" in gemma2 and "soft-cap" in gemma2
     (gemma3,) = runlog.architecture_lines(family_model("gemma3"))
     assert "own attention" not in gemma3 and "4 of 4 layers" in gemma3
+
+
+# ---------------------------------------------------------------------------------------------
+# the support table in CONFIG.md: what the tests here and in test_gpu.py prove, family by family
+
+GPU_FAMILIES = ["llama", "mistral-window", "gemma2", "gemma3", "phi3", "qwen3-moe", "gpt-oss", "granite"]  # test_gpu.py
+RUN_FAMILIES = ["gemma3", "qwen3-moe"]  # whole runs: eager's step-1 loss, N=2 as N=1 (CPU); the shipped choices (GPU)
+PRESET_TESTED = {"llama"}  # the presets are Llama: FSDP, QLoRA, compiled layers and graphs are tested on them throughout
+
+
+def support_rows() -> list[list[str]]:
+    """Each family's row: Y where a test proves it, `eager` where the decider leaves the layers uncompiled and
+    unrecorded (and says why), `refused` where the command refuses it in one line, `not tested` otherwise."""
+    from ddptune import gguf_export, memory
+
+    out = []
+    for name in FAMILIES:
+        cfg = family_config(name)
+        dynamic = bool(memory.shape_of(cfg).dynamic)
+        speed = "eager" if dynamic else "Y" if name in PRESET_TESTED or name == "gemma3" else "not tested"
+        gguf_ok = gguf_export.model_problem(cfg) is None
+        out.append([name, "Y", "Y" if name in GPU_FAMILIES else "not tested",
+                    "Y" if name in RUN_FAMILIES or name in PRESET_TESTED else "not tested",
+                    *(["Y" if name in PRESET_TESTED else "not tested"] * 2), speed, speed,
+                    ("Y" if name in GGUF_TESTED else "not tested") if gguf_ok else "refused"])
+    return out
+
+
+GGUF_TESTED = {"llama", "mistral", "qwen2", "qwen3"}  # test_gguf_export: each reads back with its logits
+SUPPORT_HEAD = ["family", "trains exactly (fp32, CPU)", "bf16 on a GPU", "2 processes = 1", "FSDP", "QLoRA",
+                "compiled layers", "CUDA graphs", "GGUF export"]
+
+
+def support_markdown() -> str:
+    rows = [SUPPORT_HEAD, ["---"] * len(SUPPORT_HEAD), *support_rows()]
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows) + "\n"
+
+
+def test_the_support_table_in_config_md_is_what_the_tests_prove():
+    """CONFIG.md's table between its markers is support_markdown() verbatim (regenerate: python -c "import sys;
+    sys.path.insert(0, 'tests'); import test_architectures as t; print(t.support_markdown(), end='')")."""
+    from conftest import ROOT
+
+    text = (ROOT / "CONFIG.md").read_text()
+    start, end = "<!-- support-table:start -->\n", "<!-- support-table:end -->"
+    assert text[text.index(start) + len(start):text.index(end)] == support_markdown()
+
+
+@pytest.mark.parametrize("name", [n for n in FAMILIES if n not in GGUF_TESTED])
+def test_gguf_export_refuses_what_it_does_not_write_in_one_line(name):
+    """A family the GGUF writer has no mapping for, or whose sliding windows it would not record, is refused
+    before anything is written (the table's `refused`)."""
+    from ddptune import gguf_export
+
+    problem = gguf_export.model_problem(family_config(name))
+    assert problem is not None and problem.startswith("model: ") and "\n" not in problem

@@ -6,14 +6,12 @@ soft-caps (`attn_logit_softcapping`, `final_logit_softcapping`), scales on the o
 (`logits_scaling`, `logit_scale`), and experts (`num_local_experts` / `num_experts`, `num_experts_per_tok`,
 `output_router_logits`, `router_aux_loss_coef`); attention sinks are parameters of the attention modules.
 `of(config)` reads them into one frozen `Arch`; attention, the loss, the LoRA targets, the speed choices,
-`plan` and the GGUF writer ask it instead of testing `model_type`.
+`plan`, the banner and the GGUF writer ask it instead of testing `model_type`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# the gguf package's architecture names of the families ddptune's GGUF export writes (gguf_export.py)
-GGUF_NAMES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 # model types whose attention modules hold learned sinks (one logit per head that takes part in every softmax)
 _SINKS = ("gpt_oss",)
 
@@ -69,11 +67,6 @@ class Arch:
             out.append(f"{self.experts} experts, {self.experts_per_token} a token"
                        + (f", router loss x{self.router_aux_coef:g}" if self.router_aux_coef else ""))
         return out
-
-    @property
-    def gguf(self) -> str | None:
-        """The gguf package's architecture name ddptune's GGUF export writes for this family, or None."""
-        return GGUF_NAMES.get(self.family)
 
 
 def of(config) -> Arch:

@@ -31,6 +31,7 @@ import gguf
 import numpy as np
 import torch
 
+from ddptune import arch
 from ddptune.data import chat
 from ddptune.config import ConfigError
 
@@ -67,6 +68,9 @@ def model_problem(config) -> str | None:
     """Why this model config cannot be written (one line), or None."""
     if problem := architecture_problem(getattr(config, "model_type", None) or "unknown"):
         return problem
+    if (a := arch.of(config)).windowed:
+        return (f"model: {a.family} attends within a sliding window of {max(w for w in a.windows if w)} tokens, which is not "
+                "written to GGUF here (a reader would attend to every earlier token); export --merge for transformers instead")
     scaling = _rope(config)[1]
     if scaling.get("rope_type", "default") not in ROPE_SCALINGS:
         return (f"model: rope scaling {scaling.get('rope_type')!r} is not written to GGUF here (supported: "
