@@ -35,6 +35,8 @@ FAMILIES = {
     "qwen2": (T.Qwen2Config, {}),
     "qwen3": (T.Qwen3Config, {"head_dim": 32}),
     "qwen3-moe": (T.Qwen3MoeConfig, {"num_experts": 4, **MOE, "moe_intermediate_size": 32, "head_dim": 16}),
+    "qwen3-moe-routed": (T.Qwen3MoeConfig, {"num_experts": 4, **MOE, "moe_intermediate_size": 32, "head_dim": 16,
+                                            "output_router_logits": True, "router_aux_loss_coef": 0.5}),
     "gemma2": (T.Gemma2Config, {"sliding_window": WINDOW, "head_dim": 16, "attn_logit_softcapping": 2.0, "query_pre_attn_scalar": 1,
                                 "final_logit_softcapping": 1.5}),
     "gemma3": (T.Gemma3TextConfig, {"sliding_window": WINDOW, "head_dim": 16, "query_pre_attn_scalar": 8}),
@@ -45,12 +47,13 @@ FAMILIES = {
     "granite": (T.GraniteConfig, {"logits_scaling": 4.0, "attention_multiplier": 0.1, "embedding_multiplier": 2.0,
                                   "residual_multiplier": 0.5}),
 }
+RUN_FAMILIES = ["gemma3", "qwen3-moe", "qwen3-moe-routed"]  # whole runs: eager's step-1 loss, N=2 as N=1 (CPU)
 # what `all-linear` adapts in each layer, by the name's end ("experts.*": the experts' 3-D weights)
 ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj"}
 DENSE = ATTENTION | {"gate_proj", "up_proj", "down_proj"}
 EXPERTS = ATTENTION | {"experts"}
 TARGETS = {"phi3": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}, "olmo2": DENSE, "granite": DENSE,
-           "mixtral": EXPERTS, "qwen3-moe": EXPERTS, "gpt-oss": EXPERTS}
+           "mixtral": EXPERTS, "qwen3-moe": EXPERTS, "qwen3-moe-routed": EXPERTS, "gpt-oss": EXPERTS}
 
 
 def family_config(name: str, attn: str = "eager"):
@@ -76,12 +79,14 @@ def rows(n: int = 4, seed: int = 0) -> list[dict]:
 
 
 def eager_loss(model, examples: list[dict]) -> float:
-    """Summed token cross-entropy of transformers' own forward (eager attention), sample by sample."""
+    """Summed token loss of transformers' own forward (eager attention), sample by sample: its loss with labels
+    (the mean over a sample's targets, plus the router's balance loss where the config asks for it) times the
+    sample's target count."""
     total = 0.0
     with torch.no_grad():
         for e in examples:
-            logits = model(input_ids=torch.tensor([e["input_ids"]])).logits[0, :-1].float()
-            total += torch.nn.functional.cross_entropy(logits, torch.tensor(e["labels"][1:]), reduction="sum").item()
+            out = model(input_ids=torch.tensor([e["input_ids"]]), labels=torch.tensor([e["labels"]]))
+            total += out.loss.item() * batches.target_tokens([e])
     return total
 
 
@@ -107,6 +112,32 @@ def test_the_loss_is_transformers_own_packed_and_padded(name):
         padded = loss(**batches.collate(examples, pad_id=0), num_items=1).item()
     assert packed == pytest.approx(want, rel=1e-5)
     assert padded == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe-routed", "mixtral", "gpt-oss"])
+def test_the_router_loss_is_transformers_own_per_sample_and_the_same_however_samples_are_grouped(name):
+    """Where the config asks for the router's load-balancing loss, a sample alone gets transformers' own loss
+    (cross-entropy + coef x balance loss, labels given); several samples packed, padded or one by one get the sum of
+    their losses weighted by their targets, whichever way they are grouped (what keeps 2 processes = 1)."""
+    cls, extra = FAMILIES[name]
+    cfg = cls(**(SHAPE | extra | {"output_router_logits": True, "router_aux_loss_coef": 0.5}))
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    examples = rows()
+    with torch.no_grad():
+        own = [model(input_ids=torch.tensor([e["input_ids"]]), labels=torch.tensor([e["labels"]])) for e in examples]
+    assert all(o.aux_loss > 0 for o in own)
+    loss = model_lib.CausalLMLoss(with_attention(model, "varlen"))
+    assert loss.arch.router_aux_coef == 0.5
+    counts = [batches.target_tokens([e]) for e in examples]
+    with torch.no_grad():
+        alone = [loss(**batches.collate_packed([e]), num_items=n).item() for e, n in zip(examples, counts)]
+        packed = loss(**batches.collate_packed(examples), num_items=1).item()
+        padded = loss(**batches.collate(examples, pad_id=0), num_items=1).item()
+    assert alone == pytest.approx([o.loss.item() for o in own], rel=1e-5)
+    want = sum(o.loss.item() * n for o, n in zip(own, counts))
+    assert packed == pytest.approx(want, rel=1e-5) and padded == pytest.approx(want, rel=1e-5)
 
 
 PLAIN = {"sliding_window": 4096, "attn_logit_softcapping": None, "final_logit_softcapping": None, "logits_scaling": 1.0}
@@ -221,7 +252,7 @@ def family_runs(tmp_path_factory):
     """Two steps of all 8 training rows (the demo's first 8) on a saved windowed dense family (Gemma 3) and
     a mixture (Qwen3-MoE, its experts adapted), at 1 and 2 gloo processes."""
     root = tmp_path_factory.mktemp("families")
-    sources = {name: saved_family(name, root / f"{name}-model") for name in ("gemma3", "qwen3-moe")}
+    sources = {name: saved_family(name, root / f"{name}-model") for name in RUN_FAMILIES}
     for n in (1, 2):
         multiproc.run(_in_turn, n, [[f"model.source={s}", f"output_dir={root / f'{name}-{n}'}", *RUN]
                                     for name, s in sources.items()])
@@ -232,7 +263,7 @@ def _in_turn(runs: list[list[str]]) -> list[dict]:
     return [family_run(r) for r in runs]
 
 
-@pytest.mark.parametrize("name", ["gemma3", "qwen3-moe"])
+@pytest.mark.parametrize("name", RUN_FAMILIES)
 def test_a_run_steps_as_transformers_computes_and_two_processes_as_one(family_runs, name):
     """The first step's loss (the adapters start as the identity) is transformers' eager loss over the same 8
     tokenized rows; at 2 processes the losses and gradient norms are those of one."""
@@ -314,7 +345,6 @@ def test_the_banner_says_what_the_model_defines_and_how_it_trains():
 # the support table in CONFIG.md: what the tests here and in test_gpu.py prove, family by family
 
 GPU_FAMILIES = ["llama", "mistral-window", "gemma2", "gemma3", "phi3", "qwen3-moe", "gpt-oss", "granite"]  # test_gpu.py
-RUN_FAMILIES = ["gemma3", "qwen3-moe"]  # whole runs: eager's step-1 loss, N=2 as N=1 (CPU); the shipped choices (GPU)
 PRESET_TESTED = {"llama"}  # the presets are Llama: FSDP, QLoRA, compiled layers and graphs are tested on them throughout
 
 
