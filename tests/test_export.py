@@ -239,10 +239,11 @@ def test_dora_with_rslora_takes_one_process_steps_on_two_resumes_and_merges(tmp_
     assert norms(two) == pytest.approx(norms(one), rel=1e-4, abs=1e-6)
     wa, wb = (load_file(r / "adapter" / "adapter_model.safetensors") for r in (one, two))
     assert wa.keys() == wb.keys() and sum("lora_magnitude_vector" in k for k in wa) == 14  # 7 projections x 2 layers
-    # Adam moves a weight whose gradient is near 0 by lr * m / sqrt(v): the two processes' summation order moved
-    # one element by 2.1e-5 (0.2 % of one step of lr 1e-2); every other weight agrees to 1e-5
+    # Adam moves a weight whose gradient is near 0 by lr * m / sqrt(v): the two processes' summation order moves
+    # such elements by up to a few 1e-5 (0.4 % of one step of lr 1e-2); every other element agrees to 1e-5. Seen:
+    # one element by 2.1e-5; with torch 2.13's CPU build, two (4.1e-5 and 1.1e-5) of the adapter's elements
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-4
-    assert sum(not torch.allclose(wa[k], wb[k], atol=1e-5, rtol=0) for k in wa) <= 1
+    assert sum(int(((wa[k] - wb[k]).abs() > 1e-5).sum()) for k in wa) <= 3
     conf = json.loads((one / "adapter" / "adapter_config.json").read_text())
     assert conf["use_dora"] is True and conf["use_rslora"] is True
 
