@@ -394,3 +394,49 @@ def test_gguf_export_refuses_what_it_does_not_write_in_one_line(name):
 
     problem = gguf_export.model_problem(family_config(name))
     assert problem is not None and problem.startswith("model: ") and "\n" not in problem
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "gpt-oss", "phi3"])
+def test_a_saved_adapter_loads_again_and_its_merged_export_reloads_to_the_same_logits(name, tmp_path):
+    """What predict and `export --merge` do with a run's adapter, experts' adapters included: saved, loaded onto the
+    saved base again (model_lib.load_trained), merged, saved as a plain model and read back by transformers."""
+    from ddptune.config import ModelConfig
+
+    family_model(name).save_pretrained(tmp_path / "base")
+    model_lib.byte_tokenizer().save_pretrained(tmp_path / "base")
+    net = model_lib.add_adapters(AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32), "lora",
+                                 LoraConfig(r=4), False)
+    with torch.no_grad():
+        for n, p in net.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    net.eval()
+    ids = torch.tensor([rows(1)[0]["input_ids"]])
+    with torch.no_grad():
+        want = net(input_ids=ids).logits
+    (tmp_path / "run").mkdir()
+    model_lib.save_trained(net, tmp_path / "run" / "adapter")
+    again = model_lib.load_trained(tmp_path / "run", ModelConfig(source=str(tmp_path / "base")),
+                                   "lora", torch.device("cpu"), "fp32", 0).eval()
+    with torch.no_grad():
+        assert (again(input_ids=ids).logits - want).abs().max() < 1e-5 * want.abs().max()
+        again.merge_and_unload().save_pretrained(tmp_path / "merged")
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+        assert (merged(input_ids=ids).logits - want).abs().max() < 1e-4 * want.abs().max()
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gpt-oss", "mistral-window"])
+def test_generation_through_varlen_attention_is_transformers_own(name):
+    """Evaluation and predict generate through the same attention (a padded batch, then one token at a time
+    against the cache): two prompts of unequal length, greedy, the tokens eager attention gives."""
+    model = family_model(name)
+    model.generation_config.pad_token_id = SHAPE["pad_token_id"]
+    prompts = [e["input_ids"] for e in rows(2)]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[SHAPE["pad_token_id"]] * (width - len(p)) + p for p in prompts])  # left-padded, as generation pads
+    mask = (ids != SHAPE["pad_token_id"]).long()
+    greedy = dict(max_new_tokens=12, do_sample=False)
+    with torch.no_grad():
+        want = model.generate(input_ids=ids, attention_mask=mask, **greedy)
+        got = with_attention(model, "varlen").generate(input_ids=ids, attention_mask=mask, **greedy)
+    assert torch.equal(got, want)
