@@ -227,6 +227,20 @@ def test_pre_tokenizers_are_named_as_llama_cpp_names_them(smollm2, tmp_path):
         [llama3(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
+def test_a_byte_level_vocabulary_read_with_a_decoder_sequence_is_exported_as_byte_level(smollm2):
+    """transformers before 5.25 reads SmolLM2's GGUF vocabulary with a decoder sequence around its ByteLevel step
+    (ByteFallback, Fuse, a "▁" replacement, ByteLevel), as seen with 5.17: the vocabulary is byte-level all the
+    same and exports; a BPE vocabulary whose decoding has no ByteLevel step (SentencePiece style) is refused."""
+    from tokenizers import decoders
+
+    tok = AutoTokenizer.from_pretrained(smollm2.run / "adapter")  # a copy to change
+    tok.backend_tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse(),
+                                                       decoders.Replace("▁", " "), decoders.ByteLevel()])
+    assert gguf_export.tokenizer_problem(tok) is None
+    tok.backend_tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse(), decoders.Replace("▁", " ")])
+    assert gguf_export.tokenizer_problem(tok).startswith("model.tokenizer:")
+
+
 # ---------------------------------------------------------------------------------------------
 # Through the command line, on the tiny preset
 

@@ -99,7 +99,11 @@ def pre_tokenizer(tokenizer) -> str | None:
 def tokenizer_problem(tokenizer) -> str | None:
     """Why this tokenizer cannot go into a GGUF file as llama.cpp reads it (one line), or None."""
     j = _backend(tokenizer)
-    if (j.get("model") or {}).get("type") != "BPE" or (j.get("decoder") or {}).get("type") != "ByteLevel":
+    decoder = j.get("decoder") or {}
+    # transformers before 5.25 reads a GGUF file's byte-level vocabulary with a decoder sequence around
+    # its ByteLevel step (ByteFallback, Fuse, a "▁" replacement): the vocabulary is byte-level all the same
+    steps = [d.get("type") for d in decoder.get("decoders", [decoder])]
+    if (j.get("model") or {}).get("type") != "BPE" or "ByteLevel" not in steps:
         return ("model.tokenizer: GGUF export writes byte-level BPE vocabularies (Llama 3, SmolLM2, Qwen, GPT-2 "
                 "style); this tokenizer is not one: export --merge for transformers instead")
     if pre_tokenizer(tokenizer) is None:
