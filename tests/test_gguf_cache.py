@@ -46,7 +46,10 @@ def test_a_gguf_model_and_tokenizer_load_from_their_converted_folders_with_the_f
         assert tok(text)["input_ids"] == ref_tok(text)["input_ids"]
     chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
     assert tok.apply_chat_template(chat, tokenize=False) == ref_tok.apply_chat_template(chat, tokenize=False)
-    assert (tok.eos_token, tok.bos_token) == (ref_tok.eos_token, ref_tok.bos_token)
+    # the special tokens are the file header's (what llama.cpp uses), whatever transformers' version reads
+    header = model_lib.gguf_special_tokens(Path(src.path) / src.gguf_file)
+    assert header == {"bos_token": 1, "eos_token": 2, "pad_token": 2}  # SmolLM2: <|im_start|>, <|im_end|>, <|im_end|>
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 2)
 
     # a changed file is another key: its folder is not the old one, and none is made without asking
     copy = tmp_path / "pkg" / src.gguf_file

@@ -204,7 +204,10 @@ def gguf_folder(src, part: str, cache_dir: str | os.PathLike | None = None, buil
 
 def _convert_gguf(path: Path, part: str, tmp: Path) -> None:
     if part == "tokenizer":
-        AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        for role, token_id in gguf_special_tokens(path).items():
+            setattr(tok, role, tok.convert_ids_to_tokens(token_id))
+        tok.save_pretrained(tmp)
         return
     from safetensors.torch import save_model
 
@@ -214,6 +217,18 @@ def _convert_gguf(path: Path, part: str, tmp: Path) -> None:
     if hasattr(model.config, "quantization_config"):  # the GGUF loader's; the weights saved are plain values
         del model.config.quantization_config
     model.config.save_pretrained(tmp)
+
+
+def gguf_special_tokens(path: Path) -> dict[str, int]:
+    """The begin, end and padding tokens a GGUF file's header names (what llama.cpp uses), by the tokenizer
+    attribute they set. transformers' reading of them differs between versions: 5.17 gives SmolLM2's
+    <|im_start|> (its bos) as eos, where the header says <|im_end|>; the header wins."""
+    import gguf
+
+    fields = gguf.GGUFReader(path).fields
+    keys = {"bos_token": "bos", "eos_token": "eos", "pad_token": "padding"}
+    return {role: int(fields[f"tokenizer.ggml.{k}_token_id"].contents()) for role, k in keys.items()
+            if f"tokenizer.ggml.{k}_token_id" in fields}
 
 
 def writes_once(m: ModelConfig, method: str) -> bool:

@@ -198,13 +198,16 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     return Path(cache_dir or os.environ.get("DDPTUNE_CACHE", Path.home() / ".cache" / "ddptune"))
 
 
+CONVERSION = 2  # how a GGUF file is converted (2: the header's special tokens); another number converts anew
+
+
 def converted_folder(src: Source, part: str, cache_dir: str | os.PathLike | None = None) -> Path:
     """Where a GGUF source's `part` ("model": config and weights; "tokenizer") is converted in the
-    cache, keyed by the file's path, size and time and the transformers version."""
+    cache, keyed by the file's path, size and time, the transformers version and CONVERSION."""
     path = (Path(src.path) / src.gguf_file).resolve()
     st = path.stat()
     version = importlib.metadata.version("transformers")
-    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|{version}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|{version}|{CONVERSION}".encode()).hexdigest()[:16]
     return cache_root(cache_dir) / "gguf" / f"{path.stem}-{key}" / part
 
 
