@@ -300,6 +300,8 @@ def test_layers_whose_work_changes_with_the_data_are_neither_compiled_nor_record
 
     shape = memory.shape_of(family_config(name))
     assert bool(shape.dynamic) == dynamic and shape.experts == (4 if "moe" in name or name == "gpt-oss" else 0)
+    # the MLP width a token meets, what FLOPs and MFU count: a mixture's 2 experts a token, each of its width
+    assert shape.intermediate == {"qwen3-moe": 2 * 32, "gpt-oss": 2 * 128}.get(name, 128)
     cfg = config.load(CONFIG_8B, ["train.method=lora"])
     chosen = speed.decide(cfg, True, shape, 1, 80.0, samsum_like(100), 750.0, "")
     assert chosen.compiled == (not dynamic)

@@ -78,7 +78,7 @@ class Shape:
     architecture defines that the speed choices and the plan must know (arch.Arch)."""
     layers: int
     hidden: int
-    intermediate: int
+    intermediate: int             # the MLP width a token passes through (a mixture: its experts x each one's width)
     heads: int
     kv_heads: int
     head_dim: int
@@ -132,7 +132,10 @@ def shape_of(hf_config) -> Shape:
     heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     a = arch.of(hf_config)
-    return Shape(c.num_hidden_layers, c.hidden_size, getattr(c, "intermediate_size", None) or 4 * c.hidden_size, heads,
+    intermediate = getattr(c, "intermediate_size", None) or 4 * c.hidden_size
+    if a.moe:  # the MLP width a token passes through: its experts, each of the per-expert width
+        intermediate = a.experts_per_token * (getattr(c, "moe_intermediate_size", None) or intermediate)
+    return Shape(c.num_hidden_layers, c.hidden_size, intermediate, heads,
                  getattr(c, "num_key_value_heads", None) or heads, head_dim, c.vocab_size,
                  bool(getattr(c, "tie_word_embeddings", False)), experts=a.experts, dynamic=dynamic_reason(a))
 
