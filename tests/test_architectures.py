@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 import multiproc
 from conftest import metrics
-from ddptune import arch as arch_lib, batches, config, model as model_lib, train
+from ddptune import arch as arch_lib, batches, config, loss as loss_lib, model as model_lib, train
 from ddptune.attention import register_attention
 from ddptune.config import LoraConfig
 
@@ -106,7 +106,7 @@ def test_the_loss_is_transformers_own_packed_and_padded(name):
     model = family_model(name)
     examples = rows()
     want = eager_loss(model, examples)
-    loss = model_lib.CausalLMLoss(with_attention(model, "varlen"))
+    loss = loss_lib.CausalLMLoss(with_attention(model, "varlen"))
     with torch.no_grad():
         packed = loss(**batches.collate_packed(examples), num_items=1).item()
         padded = loss(**batches.collate(examples, pad_id=0), num_items=1).item()
@@ -128,7 +128,7 @@ def test_the_router_loss_is_transformers_own_per_sample_and_the_same_however_sam
     with torch.no_grad():
         own = [model(input_ids=torch.tensor([e["input_ids"]]), labels=torch.tensor([e["labels"]])) for e in examples]
     assert all(o.aux_loss > 0 for o in own)
-    loss = model_lib.CausalLMLoss(with_attention(model, "varlen"))
+    loss = loss_lib.CausalLMLoss(with_attention(model, "varlen"))
     assert loss.arch.router_aux_coef == 0.5
     counts = [batches.target_tokens([e]) for e in examples]
     with torch.no_grad():
@@ -442,3 +442,24 @@ def test_generation_through_varlen_attention_is_transformers_own(name):
         want = model.generate(input_ids=ids, attention_mask=mask, **greedy)
         got = with_attention(model, "varlen").generate(input_ids=ids, attention_mask=mask, **greedy)
     assert torch.equal(got, want)
+
+
+def _run_as_if_unread(args: list[str]) -> str:
+    """A run whose model config could not be read before launch (a hub model's): what stops it, by field."""
+    from ddptune.config import ConfigError
+
+    model_lib.model_config = lambda *a, **k: None
+    try:
+        family_run(args)
+    except ConfigError as e:
+        return ";".join(p.split(":")[0] for p in e.problems)
+    return ""
+
+
+def test_a_model_known_only_once_loaded_is_still_refused_before_any_step(tmp_path):
+    """A hub model's or an unconverted GGUF file's architecture is read when the model loads: a set dropout
+    with a mixture's experts adapted stops the run there, with the field, before any adapter or step."""
+    source = saved_family("qwen3-moe", tmp_path / "moe")
+    args = [f"model.source={source}", f"output_dir={tmp_path / 'run'}", *RUN, "lora.dropout=0.1"]
+    assert multiproc.run(_run_as_if_unread, 1, args) == ["lora.dropout"]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

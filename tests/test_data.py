@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import SHARED_DATA, answer_ids, field, peak_allocated, words
-from ddptune import batches, data, metrics, model as model_lib
+from ddptune import batches, data, loss as loss_lib, metrics, model as model_lib
 from ddptune.config import DataConfig, ModelConfig
 
 CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -215,7 +215,7 @@ def test_packed_forward_equals_separate_forwards(pad_to):
         ex.append({"input_ids": ids, "labels": [data.IGNORE] * 3 + ids[3:]})
     grads = []
     for packed in (False, True):
-        net = model_lib.CausalLMLoss(model_lib.build_preset("tiny", 0, torch.float32, torch.device("cpu"), "varlen"))
+        net = loss_lib.CausalLMLoss(model_lib.build_preset("tiny", 0, torch.float32, torch.device("cpu"), "varlen"))
         if packed:
             loss = net(**batches.collate_packed(ex, pad_to=pad_to), num_items=1)
         else:

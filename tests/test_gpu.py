@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ddptune import arch as arch_lib, attention, batches, model as model_lib
+from ddptune import arch as arch_lib, attention, batches, loss as loss_lib, model as model_lib
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -40,7 +40,7 @@ def packed_and_separate(weights_dtype: torch.dtype, context) -> tuple:
     """The tiny preset's loss on one packed row of three samples, and the sum of their losses alone
     (each through SDPA with transformers' mask), under `context`; and the model."""
     torch.manual_seed(0)
-    net = model_lib.CausalLMLoss(model_lib.build_preset("tiny", 0, weights_dtype, torch.device("cuda"), "varlen"))
+    net = loss_lib.CausalLMLoss(model_lib.build_preset("tiny", 0, weights_dtype, torch.device("cuda"), "varlen"))
     ex = []
     for n in (90, 140, 60):
         ids = torch.randint(0, 256, (n,)).tolist()
@@ -425,13 +425,13 @@ def test_each_family_on_the_gpu_is_transformers_own_within_bf16(name):
     examples = rows(6)
     reference = family_model(name)
     want = eager_loss(reference, examples)
-    loss = model_lib.CausalLMLoss(with_attention(family_model(name).cuda(), "varlen"))
+    loss = loss_lib.CausalLMLoss(with_attention(family_model(name).cuda(), "varlen"))
     batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in batches.collate_packed(examples).items()}
     with torch.autocast("cuda", dtype=torch.bfloat16):
         got = loss(**batch, num_items=1).float()
     assert got.item() == pytest.approx(want, rel=2e-2)
     got.backward()
-    ref = model_lib.CausalLMLoss(with_attention(reference, "varlen"))
+    ref = loss_lib.CausalLMLoss(with_attention(reference, "varlen"))
     ref(**batches.collate_packed(examples), num_items=1).backward()
     moe = arch_lib.of(reference.config).moe
     for (n, p), q in zip(loss.named_parameters(), ref.parameters()):

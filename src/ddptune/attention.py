@@ -79,7 +79,7 @@ def _own_attention(module, query, key, value, mask, scaling, dropout, window, cu
 
     if cu is None:
         return run(query, key, value, mask), None
-    bounds = cu.tolist()  # a packed row: its 4-D mask is an empty placeholder (CausalLMLoss)
+    bounds = cu.tolist()  # a packed row: its 4-D mask is an empty placeholder (loss.CausalLMLoss)
     return torch.cat([run(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None)
                       for a, b in zip(bounds[:-1], bounds[1:]) if b > a], dim=1), None
 

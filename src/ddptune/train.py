@@ -30,8 +30,8 @@ from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import set_seed
 from transformers import PreTrainedTokenizerBase
 
-from ddptune import admission, batches, batchplan, checkpoint, comm, config as config_lib, data, dist, fallback, generation, graphs
-from ddptune import launch, memory, metrics, model as model_lib, report, rundir, runlog, saving, speed as speed_lib, step as step_lib, system
+from ddptune import admission, arch, batches, batchplan, checkpoint, comm, config as config_lib, data, dist, fallback, generation, graphs
+from ddptune import launch, loss as loss_lib, memory, metrics, model as model_lib, report, rundir, runlog, saving, speed as speed_lib, step as step_lib, system
 from ddptune.data import store, tokenized
 from ddptune.batchplan import BatchPlan
 from ddptune.config import Config, ConfigError
@@ -51,7 +51,7 @@ class Run:
     train_set: store.Examples  # a step's examples are read when the step is built
     val_set: store.Examples    # empty without data.val
     model: torch.nn.Module     # what is saved, checkpointed and evaluated (a PEFT model, or the full model)
-    loss_model: model_lib.CausalLMLoss  # around `model`
+    loss_model: loss_lib.CausalLMLoss  # around `model`
     optimizer: AcceleratedOptimizer     # accelerate's wrapper (checkpoints hold its state)
     scheduler: AcceleratedScheduler
     level: fallback.Level  # what runs a step: speed choices, the step's parts, the recorded step, the stream
@@ -126,6 +126,8 @@ def setup(cfg: Config, resume: bool = False, started: float | None = None, admit
     with once, model_lib.loading(cfg.model, "model"):
         base = model_lib.load_model(cfg.model, cfg.train.method, acc.device, cfg.train.precision, cfg.train.seed,
                                     sharded=cfg.train.strategy == "fsdp")
+    if problems := model_lib.arch_problems(arch.of(base.config), cfg.lora, cfg.train.method, cfg.train.packing):
+        raise ConfigError(problems)  # a hub model's or a GGUF file's architecture, known only now
     shape = memory.shape_of(base.config)
     flops = metrics.FlopModel.of_shape(shape, cfg.train.method, cfg.lora.r, list(cfg.lora.target_modules))
     stream = batches.Stream(train_set, flops.sample(train_set.lengths, train_set.targets), train_set.targets,
@@ -152,7 +154,7 @@ def setup(cfg: Config, resume: bool = False, started: float | None = None, admit
 def prepare(cfg, plan, acc, out, tokenizer, train_set, val_set, model, stream, chosen, flops, total) -> Run:
     """The optimizer and schedule, DDP's wrapper (or FSDP2's sharding), the clock and the step's parts."""
     optimizer, scheduler = step_lib.build_optimizer(cfg.train, model, total, capturable=chosen.graphs == "step")
-    loss_model = model_lib.CausalLMLoss(model)
+    loss_model = loss_lib.CausalLMLoss(model)
     dist.set_bucket_mb(acc, chosen.bucket_mb)
     # The scheduler stays outside accelerator.prepare: accelerate's wrapper would step it once per
     # process for every optimizer step; this loop counts optimizer steps itself. A step recorded
