@@ -90,6 +90,18 @@ def eager_loss(model, examples: list[dict]) -> float:
     return total
 
 
+def adapted_logits(net) -> tuple:
+    """An adapted model's adapters made non-zero (lora_B drawn at random), in eval mode: a sample's ids and the
+    logits the adapted model gives them."""
+    with torch.no_grad():
+        for n, p in net.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+        net.eval()
+        ids = torch.tensor([rows(1)[0]["input_ids"]])
+        return ids, net(input_ids=ids).logits
+
+
 def with_attention(model, attn: str):
     register_attention()
     for m in model.modules():
@@ -196,14 +208,8 @@ def test_all_linear_adapts_what_a_user_expects(name):
     assert adapted == TARGETS[name]
     dropout = net.peft_config["default"].lora_dropout
     assert dropout == (0.0 if arch_lib.of(model.config).moe else config.LORA_DROPOUT)
+    ids, want = adapted_logits(net)
     with torch.no_grad():
-        for n, p in net.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05)
-    net.eval()
-    ids = torch.tensor([rows(1)[0]["input_ids"]])
-    with torch.no_grad():
-        want = net(input_ids=ids).logits
         with net.disable_adapter():
             assert not torch.allclose(net(input_ids=ids).logits, want, atol=1e-3)  # the adapters change the output
         merged = net.merge_and_unload()
@@ -408,14 +414,7 @@ def test_a_saved_adapter_loads_again_and_its_merged_export_reloads_to_the_same_l
     model_lib.byte_tokenizer().save_pretrained(tmp_path / "base")
     net = model_lib.add_adapters(AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32), "lora",
                                  LoraConfig(r=4), False)
-    with torch.no_grad():
-        for n, p in net.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05)
-    net.eval()
-    ids = torch.tensor([rows(1)[0]["input_ids"]])
-    with torch.no_grad():
-        want = net(input_ids=ids).logits
+    ids, want = adapted_logits(net)
     (tmp_path / "run").mkdir()
     model_lib.save_trained(net, tmp_path / "run" / "adapter")
     again = model_lib.load_trained(tmp_path / "run", ModelConfig(source=str(tmp_path / "base")),

@@ -84,10 +84,15 @@ def _own_attention(module, query, key, value, mask, scaling, dropout, window, cu
                       for a, b in zip(bounds[:-1], bounds[1:]) if b > a], dim=1), None
 
 
+def own_function(module, name: str):
+    """The function `name` of `module`'s own modeling code (transformers'), or None where it has none."""
+    return getattr(importlib.import_module(type(module).__module__), name, None)
+
+
 def own_attention(module):
-    """The eager attention function of `module`'s own modeling code (transformers'), which computes
-    every variant that model defines (soft-caps, sinks), or None where its module has none."""
-    return getattr(importlib.import_module(type(module).__module__), "eager_attention_forward", None)
+    """The eager attention function of `module`'s own modeling code, which computes every variant that
+    model defines (soft-caps, sinks), or None where its module has none."""
+    return own_function(module, "eager_attention_forward")
 
 
 def _band(n: int, window: int | None, device) -> torch.Tensor | None:

@@ -7,11 +7,10 @@ Nothing here knows about processes: DDP wraps this module, and the step divides 
 """
 from __future__ import annotations
 
-import importlib
-
 import torch
 
 from ddptune import arch
+from ddptune.attention import own_function
 
 
 class CausalLMLoss(torch.nn.Module):
@@ -33,6 +32,8 @@ class CausalLMLoss(torch.nn.Module):
         self.decoder = base.get_decoder()
         self.head = base.get_output_embeddings()
         self.arch = arch.of(base.config)
+        # the model's own router balance loss, where its config asks for one (router_loss)
+        self.balance = own_function(base, "load_balancing_loss_func") if self.arch.router_aux_coef else None
         self.varlen = base.config._attn_implementation == "varlen"
         # the blocks a device map or a sharding must keep whole (transformers' name): the decoder layers
         self._no_split_modules = getattr(base, "_no_split_modules", None)
@@ -62,12 +63,10 @@ class CausalLMLoss(torch.nn.Module):
         targets, like its cross-entropy. transformers computes it over a forward's tokens at once, a
         value that would change with how samples are packed and shared out over the processes;
         per sample, the step's sum is the same at every process count."""
-        own = importlib.import_module(type(self.model.get_base_model() if hasattr(self.model, "get_base_model")
-                                          else self.model).__module__).load_balancing_loss_func
         scored = target_index[targets != -100]
         ends = torch.tensor([b for _, b in spans], device=scored.device)
         weights = torch.bincount(torch.searchsorted(ends, scored, right=True), minlength=len(spans))
-        return sum(own(tuple(layer[a:b] for layer in router_logits), self.arch.experts, self.arch.experts_per_token, None)
+        return sum(self.balance(tuple(layer[a:b] for layer in router_logits), self.arch.experts, self.arch.experts_per_token, None)
                    * w for (a, b), w in zip(spans, weights) if b > a)
 
     def head_loss(self, hidden, targets):
