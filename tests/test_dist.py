@@ -137,3 +137,20 @@ def test_ddp_sends_what_trains_and_refuses_replicas_whose_frozen_weights_differ(
     assert w0 == w1 and f0 == f1
     # a frozen weight that differs is not silently overwritten by rank 0's: every process stops
     assert multiproc.run(_prepare_with_rank_1_changed, 2, "frozen") == ["ReplicasDiffer", "ReplicasDiffer"]
+
+
+def test_each_setup_in_a_process_takes_its_own_strategy_without_a_teardown_between(monkeypatch):
+    """The Python API may run one command after another in a process without teardown: each setup gets its own
+    FSDP plugin (the previous one keeps the layer classes of the previous model) and a DDP setup after an FSDP
+    one takes DDP's path."""
+    launcher = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(multiproc.free_port()))
+    for name, value in launcher.items():
+        monkeypatch.setenv(name, value)
+    try:
+        first = dist.setup("no", "fsdp").state.fsdp_plugin
+        second = dist.setup("no", "fsdp").state.fsdp_plugin
+        assert first is not None and second is not None and second is not first
+        assert dist.setup("no", "ddp").distributed_type != DistributedType.FSDP
+    finally:
+        dist.teardown()

@@ -47,7 +47,9 @@ def setup(precision: str = "auto", strategy: str = "ddp", log_with: str = "none"
     ACCELERATE_USE_FSDP) and accelerate's process-wide state, if it made it, `teardown` undoes."""
     global _made_state
     before = dict(os.environ)
-    _made_state = _made_state or not PartialState._shared_state
+    if _made_state:  # an earlier command in this process (the Python API) left its state: its FSDP plugin, its type
+        _reset_accelerate()
+    _made_state = not PartialState._shared_state
     try:
         return _setup(precision, strategy, log_with, logging_dir)
     finally:  # also after a failure: teardown then restores what was written before it
@@ -119,6 +121,11 @@ def one_machine() -> bool:
     return os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")) == os.environ.get("WORLD_SIZE", "1")
 
 
+def _reset_accelerate() -> None:
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
 def teardown() -> None:
     """Leave the process group at the end of a command, as every process of a finished job must:
     NCCL warns at exit ("destroy_process_group() was not called") and may leak its resources
@@ -131,8 +138,7 @@ def teardown() -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     if _made_state:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+        _reset_accelerate()
         _made_state = False
     for name, (old, new) in _env_written.items():
         if os.environ.get(name) != new:
