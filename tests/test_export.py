@@ -182,7 +182,8 @@ def test_a_full_fine_tune_exports_its_full_model(tmp_path, capsys):
     export(run, out)  # no --merge needed: there is no adapter
     merged = AutoModelForCausalLM.from_pretrained(out)
     assert torch.allclose(logits(merged, IDS), logits(trained(run), IDS), atol=1e-6)
-    for name, content in (("model/model.safetensors", lambda: b"\0" * 10), ("model/config.json", lambda: b"{not json")):
+    for name, content in (("model/model.safetensors", lambda old: b"\0" * 10), ("model/config.json", lambda old: b"{not json"),
+                          ("model/tokenizer.json", lambda old: b"{not json")):
         copy, damaged = damaged_copy(run, tmp_path / name.replace("/", "-"), name, content)
         assert cli.main(["export", str(copy), str(tmp_path / "again")]) == 2
         assert f"export: {damaged} " in capsys.readouterr().err and not (tmp_path / "again").exists()
@@ -267,16 +268,33 @@ def empty_safetensors() -> bytes:
     return save({})
 
 
-# (id, file of the run, what it is replaced by): each a run whose trained files were damaged after it finished
+def edited(change):
+    """The adapter_config.json it is given, with `change(config)` applied."""
+    return lambda old: json.dumps(change(json.loads(old))).encode()
+
+
+# (id, file of the run, what it is replaced by, from its bytes): each a run whose trained files were damaged after it finished
 DAMAGED = [
-    ("torn weights", "adapter/adapter_model.safetensors", lambda: b"\0" * 10),
-    ("a weights header claiming 2**60 bytes", "adapter/adapter_model.safetensors", lambda: (2**60).to_bytes(8, "little") + b"{}"),
-    ("weights without a tensor", "adapter/adapter_model.safetensors", empty_safetensors),
-    ("weights cut short", "adapter/adapter_model.safetensors", None),  # the first half of the real file
-    ("adapter_config.json not JSON", "adapter/adapter_config.json", lambda: b'{"r": 8, '),
-    ("adapter_config.json a list", "adapter/adapter_config.json", lambda: b"[]"),
+    ("torn weights", "adapter/adapter_model.safetensors", lambda old: b"\0" * 10),
+    ("a weights header claiming 2**60 bytes", "adapter/adapter_model.safetensors",
+     lambda old: (2**60).to_bytes(8, "little") + b"{}"),
+    ("weights without a tensor", "adapter/adapter_model.safetensors", lambda old: empty_safetensors()),
+    ("weights cut short", "adapter/adapter_model.safetensors", lambda old: old[: len(old) // 2]),
+    ("adapter_config.json not JSON", "adapter/adapter_config.json", lambda old: b'{"r": 8, '),
+    ("adapter_config.json a list", "adapter/adapter_config.json", lambda old: b"[]"),
     ("adapter_config.json without r", "adapter/adapter_config.json",
-     lambda: json.dumps({"peft_type": "LORA", "lora_alpha": 16, "target_modules": ["q_proj"]}).encode()),
+     lambda old: json.dumps({"peft_type": "LORA", "lora_alpha": 16, "target_modules": ["q_proj"]}).encode()),
+    # a config that holds but does not describe the tensors beside it: peft's load fails on "size mismatch" or
+    # skips what it does not expect
+    ("r unlike the tensors'", "adapter/adapter_config.json", edited(lambda c: {**c, "r": 4})),
+    ("an adapted module not among the targets", "adapter/adapter_config.json",
+     edited(lambda c: {**c, "target_modules": c["target_modules"][1:]})),
+    ("a target without an adapter", "adapter/adapter_config.json",
+     edited(lambda c: {**c, "target_modules": [*c["target_modules"], "lm_head"]})),
+    ("use_dora without DoRA's magnitudes", "adapter/adapter_config.json", edited(lambda c: {**c, "use_dora": True})),
+    ("tokenizer.json not JSON", "adapter/tokenizer.json", lambda old: b"\x00garbage"),
+    ("tokenizer.json without a model", "adapter/tokenizer.json", lambda old: b"{}"),
+    ("tokenizer_config.json not JSON", "adapter/tokenizer_config.json", lambda old: old[:-3]),
 ]
 
 
@@ -286,19 +304,33 @@ def damaged_copy(run, tmp_path, name: str, content) -> tuple:
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
     path = copy / name
-    path.write_bytes(content() if content else path.read_bytes()[: path.stat().st_size // 2])
+    path.write_bytes(content(path.read_bytes()))
     return copy, path
 
 
 @pytest.mark.parametrize("name, content", [c[1:] for c in DAMAGED], ids=[c[0] for c in DAMAGED])
 def test_a_damaged_adapter_is_refused_before_anything_is_written(lora_run, tmp_path, capsys, name, content):
     run, damaged = damaged_copy(lora_run, tmp_path, name, content)
-    for extra in ([], ["--merge"]):
+    for extra in ([], ["--merge"], ["--format", "gguf"]):
         out = tmp_path / "out"
         assert cli.main(["export", str(run), str(out), *extra]) == 2, extra
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"ddptune: invalid config: export: {damaged} "), err
         assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+@pytest.mark.parametrize("case", ["r unlike the tensors'", "tokenizer.json not JSON"])
+def test_predict_and_eval_refuse_a_damaged_adapter_by_the_same_check(lora_run, tmp_path, capsys, case):
+    name, content = next(c[1:] for c in DAMAGED if c[0] == case)
+    run, damaged = damaged_copy(lora_run, tmp_path, name, content)
+    rows = tmp_path / "in.jsonl"
+    rows.write_text(json.dumps({"dialogue": "Ann: lunch at 1?\nBo: sure"}) + "\n")
+    for argv, out in ((["predict", run, rows, "--out", tmp_path / "p.jsonl"], tmp_path / "p.jsonl"),
+                      (["eval", run, "--out", tmp_path / "eval"], tmp_path / "eval")):
+        assert cli.main([*map(str, argv)]) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"ddptune: invalid config: {argv[0]}: {damaged} "), err
+        assert not out.exists()
 
 
 SAVED = ["lora.modules_to_save=[lm_head, embed_tokens]", "train.max_steps=3", "train.micro_batch_size=2", "lora.dropout=0.0",

@@ -2,13 +2,15 @@
 
 `trained_run` gives a run folder's config, or one ConfigError naming what is missing (the folder,
 its config.yaml, its `model/` or `adapter/`) or damaged (`trained_weights_problems`: a safetensors
-file that is cut or holds no tensor, an adapter_config.json that is not LoRA's). Nothing is unpickled
-and no tensor is loaded: a refusal needs neither torch nor safetensors.
+file that is cut or holds no tensor, an adapter_config.json that is not LoRA's or does not describe
+the adapter's tensors, tokenizer files that do not parse). Nothing is unpickled and no tensor is
+loaded: a refusal needs neither torch nor safetensors.
 """
 from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 from ddptune import config as config_lib, rundir
@@ -34,14 +36,17 @@ def trained_run(run_dir: Path, where: str, overrides: list[str] = ()) -> Config:
 
 
 RESTORE = "(retrain, or restore the file)"
+ADAPTER = "adapter_model.safetensors"
 
 
 def trained_weights_problems(run_dir: Path, method: str, where: str = "run") -> list[str]:
     """A finished run's trained files, read as far as their headers (nothing unpickled, no tensor
     loaded): the adapter's safetensors file opens and holds a tensor, and its adapter_config.json is
-    a JSON object with the keys peft needs (LoRA's r, lora_alpha, target_modules); for full
-    fine-tuning, model/config.json is a JSON object and its safetensors files open and hold tensors.
-    One line per damaged file; none when the folder is missing (the caller says that)."""
+    a JSON object with the keys peft needs (LoRA's r, lora_alpha, target_modules) that describes
+    those tensors (`adapter_mismatch`); for full fine-tuning, model/config.json is a JSON object and
+    its safetensors files open and hold tensors. Either way the tokenizer saved beside them parses
+    (`tokenizer_problems`). One line per damaged file; none when the folder is missing (the caller
+    says that)."""
     weights = rundir.trained_weights_dir(run_dir, method)
     if not weights.is_dir():
         return []
@@ -50,8 +55,8 @@ def trained_weights_problems(run_dir: Path, method: str, where: str = "run") -> 
         problems = [] if files else [f"{where}: {weights} holds no .safetensors file {RESTORE}"]
         problems += [p for f in files if (p := safetensors_problem(f, where))]
         _, problem = json_object(weights / "config.json", where)
-        return problems + ([problem] if problem else [])
-    problem = safetensors_problem(weights / "adapter_model.safetensors", where)
+        return problems + ([problem] if problem else []) + tokenizer_problems(weights, where)
+    problem = safetensors_problem(weights / ADAPTER, where)
     config, config_problem = json_object(weights / "adapter_config.json", where)
     if config is not None:
         r, alpha, targets = config.get("r"), config.get("lora_alpha"), config.get("target_modules")
@@ -61,7 +66,97 @@ def trained_weights_problems(run_dir: Path, method: str, where: str = "run") -> 
         if not ok:
             config_problem = (f"{where}: {weights / 'adapter_config.json'} is not a LoRA adapter's config (it needs "
                               f"peft_type LORA, a whole r, a numeric lora_alpha and target_modules) {RESTORE}")
-    return [p for p in (problem, config_problem) if p]
+        elif problem is None and (mismatch := adapter_mismatch(config, safetensors_shapes(weights / ADAPTER))):
+            config_problem = (f"{where}: {weights / 'adapter_config.json'} does not describe adapter_model.safetensors beside "
+                              f"it: {mismatch} (restore the config the run saved, or retrain)")
+    return [p for p in (problem, config_problem) if p] + tokenizer_problems(weights, where)
+
+
+PREFIX = "base_model.model."  # what peft puts before a module's name in the saved file
+SUFFIXES = {".lora_A.weight": 0, ".lora_B.weight": 1, ".lora_embedding_A": 0, ".lora_embedding_B": 1,
+            ".lora_magnitude_vector": None}  # LoRA's tensors, by the axis that holds the rank (DoRA's has none)
+
+
+def adapter_mismatch(config: dict, shapes: dict[str, list[int]]) -> str | None:
+    """Where a LoRA adapter's config does not describe its tensors (names and shapes, as peft saves
+    them), or None: each tensor belongs to a module the config targets (target_modules, or
+    target_parameters, whose adapters hold a rank of r for each expert) or saves whole
+    (modules_to_save); each adapter's rank is r (or its rank_pattern's); each listed target has an
+    adapter; DoRA's magnitudes are there exactly when use_dora is. This is what PeftModel's load
+    would otherwise fail on ("size mismatch") or skip with a warning (weights left untrained)."""
+    targets, parameters = config["target_modules"], config.get("target_parameters") or []
+    saved, ranks = config.get("modules_to_save") or [], config.get("rank_pattern") or {}
+    if not (isinstance(parameters, list) and isinstance(saved, list) and all(isinstance(n, str) for n in parameters + saved)):
+        return "its target_parameters and modules_to_save are not lists of names"
+    if not (isinstance(ranks, dict) and all(type(v) is int and v >= 1 for v in ranks.values())):
+        return "its rank_pattern is not a map of module names to whole ranks"
+    found, dora = set(), False
+    try:
+        for key, shape in shapes.items():
+            name = key.removeprefix(PREFIX)
+            suffix = next((s for s in SUFFIXES if name.endswith(s)), None)
+            if suffix is None:
+                if not any(re.match(rf"(^|.*\.){m}($|\..*)", name) for m in saved):
+                    return f"it holds {key}, of no adapter and no module in modules_to_save"
+                continue
+            module = name.removesuffix(suffix)
+            expert = _parameter_target(module, parameters)
+            listed = None if expert else _listed_target(module, targets)
+            if not expert and not listed:
+                return f"it holds {key}, of a module that neither target_modules nor target_parameters names"
+            found.add(listed)
+            dora |= suffix == ".lora_magnitude_vector"
+            if SUFFIXES[suffix] is None:
+                continue
+            r = next((v for k, v in ranks.items() if re.match(rf"(.*\.)?({k})$", module)), config["r"])
+            rank = shape[SUFFIXES[suffix]] if len(shape) >= 2 else None
+            if rank is None or (rank % r if expert else rank != r):
+                return f"its r is {r} but {key} has the shape {shape}"
+    except re.error as e:
+        return f"a pattern in it is not a regular expression ({e})"
+    if dora != bool(config.get("use_dora")):
+        return f"its use_dora is {bool(config.get('use_dora'))} but the tensors hold {'' if dora else 'no '}DoRA magnitudes"
+    if isinstance(targets, list) and (missing := [t for t in targets if t not in found]):
+        return f"its target_modules names {missing[0]!r}, which no tensor adapts"
+    return None
+
+
+def _listed_target(module: str, targets: str | list[str]) -> str | bool | None:
+    """The target_modules entry that `module` matches (peft's rule: the name or its end; a string is a
+    regular expression for the whole name), True for a matching string, None for none."""
+    if isinstance(targets, str):
+        return targets == "all-linear" or re.fullmatch(targets, module) is not None or None
+    return next((t for t in targets if module == t or module.endswith("." + t)), None)
+
+
+def _parameter_target(module: str, parameters: list[str]) -> bool:
+    """`module` (peft's wrapper of an experts' parameter, one `.base_layer` deeper for each further
+    parameter of the same module) holds a parameter that target_parameters names."""
+    while module.endswith(".base_layer"):
+        module = module.removesuffix(".base_layer")
+    owners = [p.rpartition(".")[0] for p in parameters]
+    return any(module == o or module.endswith("." + o) for o in owners)
+
+
+TOKENIZER_JSON = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json", "chat_template.json")
+
+
+def tokenizer_problems(weights: Path, where: str) -> list[str]:
+    """The tokenizer saved beside the trained weights parses (it is loaded from there by export):
+    tokenizer.json (unless a sentencepiece tokenizer.model stands for it) is a JSON object with a
+    model, tokenizer_config.json and the other JSON files present are JSON objects. One line per
+    damaged file."""
+    problems = []
+    if (weights / "tokenizer.json").exists() or not (weights / "tokenizer.model").is_file():
+        obj, problem = json_object(weights / "tokenizer.json", where)
+        if obj is not None and not isinstance(obj.get("model"), dict):
+            problem = f"{where}: {weights / 'tokenizer.json'} is not a tokenizer (it has no model) {RESTORE}"
+        problems += [problem] if problem else []
+    for name in TOKENIZER_JSON:
+        if name == "tokenizer_config.json" or (weights / name).exists():
+            _, problem = json_object(weights / name, where)
+            problems += [problem] if problem else []
+    return problems
 
 
 def safetensors_problem(path: Path, where: str) -> str | None:
@@ -69,7 +164,7 @@ def safetensors_problem(path: Path, where: str) -> str | None:
     if not path.is_file():
         return f"{where}: {path} {'is not a file' if path.exists() else 'not found'} {RESTORE}"
     try:
-        count = safetensors_count(path)
+        count = len(safetensors_shapes(path))
     except (OSError, ValueError, RecursionError) as e:
         return f"{where}: {path} is not a safetensors file ({type(e).__name__}: {' '.join(str(e).split())[:160]}) {RESTORE}"
     return None if count else f"{where}: {path} holds no tensors {RESTORE}"
@@ -80,10 +175,14 @@ ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2,
 
 
 def safetensors_count(path: Path) -> int:
-    """The tensors a safetensors file holds, from its header (an 8-byte length, then JSON naming each
-    tensor's dtype, shape and byte range), checked as safetensors checks it: every range inside the
-    file and as long as its shape and dtype say. ValueError when it is not such a file. Reading the
-    header needs neither torch nor the library; no tensor is read."""
+    return len(safetensors_shapes(path))
+
+
+def safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    """The tensors a safetensors file holds, by name, with their shapes, from its header (an 8-byte
+    length, then JSON naming each tensor's dtype, shape and byte range), checked as safetensors checks
+    it: every range inside the file and as long as its shape and dtype say. ValueError when it is not
+    such a file. Reading the header needs neither torch nor the library; no tensor is read."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -102,7 +201,7 @@ def safetensors_count(path: Path) -> int:
               and all(type(o) is int for o in span) and 0 <= span[0] <= span[1] <= data)
         if not ok or span[1] - span[0] != math.prod(shape) * ITEM_BYTES[t["dtype"]]:
             raise ValueError(f"its entry for {name[:60]!r} is not a tensor inside the file")
-    return len(tensors)
+    return {name: t["shape"] for name, t in tensors.items()}
 
 
 def json_object(path: Path, where: str) -> tuple[dict | None, str | None]:
