@@ -302,6 +302,52 @@ def test_bad_gguf_exports_are_refused_with_one_line_and_nothing_written(tiny_run
     assert [p.name for p in full.iterdir()] == ["keep.txt"] and field(err) == "OUT" and str(full) in words(err), err
 
 
+def quantize_tool(folder, script: str, monkeypatch):
+    """A stand-in for llama.cpp's llama-quantize (INPUT OUTPUT KIND) first on PATH: `script` in sh."""
+    folder.mkdir()
+    tool = folder / "llama-quantize"
+    tool.write_text(f"#!/bin/sh\n{script}\n")
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+
+
+@pytest.fixture(scope="module")
+def chat_tiny_run(tiny_run, tmp_path_factory):
+    """The tiny run with a chat template that renders turn by turn, which --ollama needs."""
+    run = tmp_path_factory.mktemp("gguf-chat") / "run"
+    shutil.copytree(tiny_run, run)
+    (run / "adapter" / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|eos|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    return run
+
+
+@pytest.mark.parametrize("script, ollama", [("exit 0", True), ("printf 'GGUF, then no header' > \"$2\"", False),
+                                            ("echo 'out of memory' >&2; exit 3", False)],
+                         ids=["wrote nothing", "wrote no GGUF", "failed"])
+def test_a_quantize_tool_that_writes_no_gguf_leaves_the_f16_file_and_a_modelfile_naming_it(
+        chat_tiny_run, tmp_path, capsys, monkeypatch, script, ollama):
+    quantize_tool(tmp_path / "bin", script, monkeypatch)
+    out = tmp_path / "out"
+    extra = ["--ollama", "tiny"] if ollama else []
+    assert cli.main(["export", str(chat_tiny_run), str(out), "--format", "gguf", "--quantize", "q4_k_m", *extra]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and field(err[0]) == "export" and {"model-f16.gguf", "llama-quantize"} <= words(err[0]), err
+    assert sorted(p.name for p in out.iterdir()) == ["Modelfile", "model-f16.gguf"][not ollama:]
+    assert len(gguf.GGUFReader(out / "model-f16.gguf").tensors) > 0
+    if ollama:
+        assert "FROM ./model-f16.gguf\n" in (out / "Modelfile").read_text()
+    assert not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_a_quantized_file_that_reads_as_gguf_replaces_the_f16_one(chat_tiny_run, tmp_path, capsys, monkeypatch):
+    quantize_tool(tmp_path / "bin", 'cp "$1" "$2"', monkeypatch)  # a GGUF file, if not a quantized one
+    out = tmp_path / "out"
+    export(chat_tiny_run, out, "--format", "gguf", "--quantize", "q4_k_m", "--ollama", "tiny")
+    assert sorted(p.name for p in out.iterdir()) == ["Modelfile", "model-q4_k_m.gguf"]
+    assert "FROM ./model-q4_k_m.gguf\n" in (out / "Modelfile").read_text()
+
+
 def test_a_full_disk_is_refused_before_writing_and_a_write_that_fails_leaves_nothing(tiny_run, tmp_path, capsys):
     """A folder on a 64 KiB file system: refused from the size the file will have. A write cut
     short (the process may write files of 100 KB at most, past the check): the same one line."""

@@ -21,7 +21,8 @@ With --format gguf: the merged model as one GGUF file, `OUT/model-OUTTYPE.gguf` 
 that llama.cpp and Ollama run as a chat model; `--quantize KIND` hands an f16 file to llama.cpp's
 llama-quantize (`OUT/model-KIND.gguf`) or to `ollama create -q`; `--ollama NAME` writes
 `OUT/Modelfile` and prints the `ollama create` command. An architecture, tokenizer or tool the
-export cannot use is refused before the model is loaded.
+export cannot use is refused before the model is loaded. A quantize tool that fails, or writes no
+GGUF file, leaves the f16 file in OUT (the Modelfile naming it), says so in one line and exits 1.
 
 OUT must not exist or be empty: the export is written beside it and renamed into place, so a
 failed export (a full disk among them) leaves nothing behind and nothing is overwritten.
@@ -31,6 +32,7 @@ from __future__ import annotations
 import errno
 import json
 import shutil
+import sys
 from pathlib import Path
 
 from ddptune import checkpoint, data, rundir, sources, trained
@@ -51,10 +53,10 @@ def main(args) -> int:
     tokenizer = _tokenizer(rundir.trained_weights_dir(run_dir, cfg.train.method)) if gguf else None
     if problems := _problems(args, cfg, run_dir, out, tokenizer):
         raise ConfigError(problems)
-    tmp = checkpoint.atomic_dir(out)
+    tmp, failed = checkpoint.atomic_dir(out), None
     try:
         if gguf:
-            what = write_gguf(run_dir, cfg, tmp, args, tokenizer)
+            what, failed = write_gguf(run_dir, cfg, tmp, args, tokenizer)
         elif args.merge or full:
             what = write_merged(run_dir, cfg, tmp, args.dtype)
         else:
@@ -71,8 +73,12 @@ def main(args) -> int:
         raise
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"ddptune: export: {what}, {size / 1e6:.1f} MB -> {out}")
-    if gguf and args.ollama and not (args.quantize and _ollama_quantizes()):
+    if gguf and args.ollama and (failed or not (args.quantize and _ollama_quantizes())):
         print(f"ddptune: export: load it into Ollama with: ollama create {args.ollama} -f {out / 'Modelfile'}")
+    if failed:
+        print(f"ddptune: export: --quantize {args.quantize}: {failed} (quantize it by hand, or export again "
+              "without --quantize)", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -280,9 +286,11 @@ def write_merged(run_dir: Path, cfg: Config, folder: Path, dtype_name: str) -> s
     return f"{origin} ({str(dtype).removeprefix('torch.')})"
 
 
-def write_gguf(run_dir: Path, cfg: Config, folder: Path, args, tokenizer) -> str:
+def write_gguf(run_dir: Path, cfg: Config, folder: Path, args, tokenizer) -> tuple[str, str | None]:
     """The merged model as one GGUF file in `folder` (gguf_export.py), quantized by llama.cpp or
-    Ollama with --quantize, with Ollama's Modelfile with --ollama."""
+    Ollama with --quantize, with Ollama's Modelfile with --ollama: (what was written, and the line
+    saying why quantizing failed or None). The f16 file is removed only once the quantized one reads
+    as a GGUF file; otherwise it stays, and the Modelfile names it."""
     import torch
 
     from ddptune import gguf_export
@@ -305,7 +313,10 @@ def write_gguf(run_dir: Path, cfg: Config, folder: Path, args, tokenizer) -> str
     what = f"{path.name} ({METHODS[cfg.train.method]} {'weights' if cfg.train.method == 'full' else 'adapter merged'})"
     if args.quantize:
         command = gguf_export.quantize_command(args.quantize, args.ollama)[0]
-        quantized = gguf_export.quantize(command, path, args.quantize, folder)
+        try:
+            quantized = gguf_export.quantize(command, path, args.quantize, folder)
+        except gguf_export.QuantizeFailed as e:
+            return what, f"{e}; kept {path.name} instead"
         if quantized is not None:  # llama-quantize wrote a file: the f16 one was only its input
             path.unlink()
             if args.ollama:
@@ -313,7 +324,7 @@ def write_gguf(run_dir: Path, cfg: Config, folder: Path, args, tokenizer) -> str
             what = f"{quantized.name} (llama-quantize {args.quantize})"
         else:
             what += f"; Ollama model {args.ollama} created at {args.quantize}"
-    return what
+    return what, None
 
 
 def _modelfile(gguf_name: str, tokenizer, cfg: Config, stops: list[int]) -> str:

@@ -410,11 +410,17 @@ def modelfile(gguf_name: str, pieces: dict, stops: list[str], max_new_tokens: in
     return "\n".join(lines) + "\n"
 
 
+class QuantizeFailed(Exception):
+    """The quantize tool failed or wrote no GGUF file: the line that says so (the f16 file stays)."""
+
+
 def quantize(command: list[str], source: Path, kind: str, folder: Path) -> Path | None:
     """Run `quantize_command`'s command on `source` (an f16 GGUF file): llama-quantize writes
-    `model-KIND.gguf` beside it, which is returned; `ollama create -q` reads the Modelfile in
-    `folder` and stores the model in Ollama (None). One line on failure."""
-    if Path(command[0]).name == "llama-quantize":
+    `model-KIND.gguf` beside it, which is returned once it reads as a GGUF file; `ollama create -q`
+    reads the Modelfile in `folder` and stores the model in Ollama (None). QuantizeFailed when the
+    tool fails or its file is missing, empty or no GGUF (that file is removed; `source` is kept)."""
+    tool = Path(command[0]).name
+    if tool == "llama-quantize":
         target = source.with_name(f"model-{kind}.gguf")
         argv = [*command, str(source), str(target), kind.upper()]
     else:
@@ -422,5 +428,34 @@ def quantize(command: list[str], source: Path, kind: str, folder: Path) -> Path 
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
         last = (done.stderr or done.stdout).strip().splitlines()[-1:] or [f"exit {done.returncode}"]
-        raise ConfigError([f"--quantize: {Path(command[0]).name} failed: {last[0][:300]}"])
+        _remove(target)
+        raise QuantizeFailed(f"{tool} failed: {last[0][:300]}")
+    if target is not None and (problem := gguf_problem(target)):
+        _remove(target)
+        raise QuantizeFailed(f"{tool} exited 0 but {problem}")
     return target
+
+
+def _remove(path: Path | None) -> None:
+    if path is not None and path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path is not None:
+        path.unlink(missing_ok=True)
+
+
+def gguf_problem(path: Path) -> str | None:
+    """What keeps `path` from being a GGUF file that gguf's reader opens (its header and tensor
+    index are read; the tensors are mapped, not read), or None."""
+    if not path.is_file():
+        return f"wrote no {path.name}"
+    if path.stat().st_size == 0:
+        return f"wrote an empty {path.name}"
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            return f"wrote {path.name} without GGUF's magic bytes at its start"
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # noqa: BLE001 - the reader of a damaged file fails in many ways (ValueError, IndexError, ...)
+        return f"wrote {path.name}, which gguf cannot read ({type(e).__name__}: {' '.join(str(e).split())[:160]})"
+    del reader
+    return None
