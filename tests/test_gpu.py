@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ddptune import arch as arch_lib, attention, batches, loss as loss_lib, model as model_lib
+from test_architectures import GPU_QLORA, GPU_RUNS
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -440,26 +441,43 @@ def test_each_family_on_the_gpu_is_transformers_own_within_bf16(name):
             assert (p.grad.float().cpu() - q.grad).norm() <= 0.1 * q.grad.norm(), n
 
 
-@cuda
-def test_a_windowed_and_a_mixture_family_train_under_the_shipped_choices(tmp_path):
-    """A saved Gemma 3 (sliding windows) and Qwen3-MoE train two steps on the GPU with what the decider chooses
-    (compiled layers and graphs for the first, eager for the mixture); the first loss is transformers' eager
-    fp32 loss of the same 8 rows within bf16's tolerance."""
-    from test_architectures import RUN, config_path, eager_loss, family_model, family_run, saved_family
+def _four_bit_eager_loss(source: str, examples: list[dict]) -> float:
+    """transformers' own loss (eager attention) of the saved model loaded as ddptune's QLoRA loads it: NF4 with
+    double quantization, bf16 elsewhere."""
+    from test_architectures import eager_loss
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from ddptune import config
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(source, quantization_config=quant, dtype=torch.bfloat16,
+                                                 attn_implementation="eager", device_map={"": 0}).eval()
+    return eager_loss(model, examples)
+
+
+@cuda
+@pytest.mark.parametrize("name, method", [(n, "lora") for n in GPU_RUNS] + [(n, "qlora") for n in GPU_QLORA])
+def test_each_family_trains_under_the_shipped_choices(tmp_path, name, method):
+    """A saved model of each family trains two steps on the GPU with what the decider chooses: compiled layers
+    for a dense model (sliding windows included), eager layers where the work changes with the data (a
+    mixture's routing, a model's own attention). The first loss (the adapters start as the identity) is
+    transformers' eager loss of the same 8 rows within bf16's tolerance: fp32 weights for LoRA, the same NF4
+    base for QLoRA."""
+    from test_architectures import RUN, config_path, eager_loss, family_config, family_model, family_run, saved_family
+
+    from ddptune import config, memory
     from ddptune.data import tokenized
 
-    for name in ("gemma3", "qwen3-moe"):
-        source = saved_family(name, tmp_path / name)
-        args = [f"model.source={source}", f"output_dir={tmp_path / (name + '-run')}", *RUN]
-        summary = family_run(args)  # in this process, as the other GPU runs here (a fork cannot start CUDA again)
-        cfg = config.load(str(config_path()), args)
-        train_set, _ = tokenized.load(tokenized.prepare(cfg.data, model_lib.load_tokenizer(cfg.model, cfg.data)))
-        examples = [train_set[i] for i in range(len(train_set))]
-        want = eager_loss(family_model(name), examples) / batches.target_tokens(examples)
-        rows_ = [json.loads(l) for l in (tmp_path / (name + "-run") / "metrics.jsonl").read_text().splitlines()]
-        losses = [r["loss"] for r in rows_ if "loss" in r]
-        assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
-        assert losses[0] == pytest.approx(want, rel=2e-2)
-        assert summary["compiled"] == (name == "gemma3"), summary["speed"]
+    source = saved_family(name, tmp_path / name)
+    args = [f"model.source={source}", f"output_dir={tmp_path / 'run'}", f"train.method={method}", *RUN]
+    summary = family_run(args)  # in this process, as the other GPU runs here (a fork cannot start CUDA again)
+    cfg = config.load(str(config_path()), args)
+    train_set, _ = tokenized.load(tokenized.prepare(cfg.data, model_lib.load_tokenizer(cfg.model, cfg.data)))
+    examples = [train_set[i] for i in range(len(train_set))]
+    summed = eager_loss(family_model(name), examples) if method == "lora" else _four_bit_eager_loss(source, examples)
+    rows_ = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows_ if "loss" in r]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert losses[0] == pytest.approx(summed / batches.target_tokens(examples), rel=2e-2)
+    dynamic = bool(memory.shape_of(family_config(name)).dynamic)
+    assert summary["compiled"] == (not dynamic), summary["speed"]
+    assert summary["cuda_graphs"] == ("off" if dynamic else "step"), summary["speed"]
