@@ -180,20 +180,21 @@ def test_several_validation_sources_are_scored_each_and_named_in_every_predictio
         assert m[k] == pytest.approx((3 * m["sources"]["a"][k] + 2 * m["sources"]["b"][k]) / 5)
 
 
-def test_a_run_trained_on_conversations_is_told_to_ask_with_one():
-    """The closing line's suggested predict input is a row of the format the run trained on: its
-    JSON parses as a messages row (a dialogue row would prompt differently from training)."""
+def test_a_run_is_told_to_ask_with_a_row_of_the_format_it_trained_on():
+    """The closing line's suggested predict input is a row of the format the run trained on (data.asked_sample):
+    its JSON parses as a row of that format, and of no format before it (a dialogue row would prompt a
+    conversation run differently from training)."""
     import re
     from pathlib import Path
 
-    from ddptune import runlog
+    from ddptune import data, runlog
     from ddptune.data import formats
 
     summary = {"wall_time_s": 10.0, "train_time_s": 5.0, "final_loss": 1.0, "val_loss": 1.0, "tokens_per_s_per_gpu": 1.0,
                "wall_split": {"startup_s": 2.0, "load_s": 1.0, "train_s": 5.0, "eval_s": 0.0, "other_s": 2.0}}
-    for chat, key in ((True, "messages"), (False, "dialogue")):
-        lines = runlog.closing_lines(Path("/tmp/run"), summary, Path("/tmp/run/adapter"), "lora", True, True, chat)
+    for fmt in formats.FORMATS:
+        d = config.DataConfig(format=fmt, dialogue_column="text")
+        lines = runlog.closing_lines(Path("/tmp/run"), summary, Path("/tmp/run/adapter"), "lora", True, True, data.asked_sample(d))
         row = json.loads(re.search(r"echo '(.*)' \| ddptune predict", lines[-1]).group(1))
-        assert list(row) == [key]
-        if chat:
-            assert formats.detect([row], config.DataConfig()) == "messages"
+        assert formats.asked_format(row, d) == fmt and formats.problem(row, fmt, answer=False) is None if fmt != "dialogue" \
+            else list(row) == ["text"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 
 import pytest
 
@@ -19,6 +20,27 @@ GEN = ["eval.max_new_tokens=8", "eval.batch_size=2", "data.max_length=4096"]
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     return train_run(tmp_path_factory.mktemp("predict") / "run")
+
+
+def trained_on(tmp_path_factory, name: str, rows: list[dict]):
+    """A finished run trained on `rows` (data.format auto: their keys name it)."""
+    folder = tmp_path_factory.mktemp(name)
+    (folder / "train.jsonl").write_text(jsonl(rows))
+    return train_run(folder / "run", f"data.train={folder / 'train.jsonl'}")
+
+
+@pytest.fixture(scope="module")
+def pc_run(tmp_path_factory):
+    """A run trained on prompt/completion rows."""
+    return trained_on(tmp_path_factory, "pc", [{"prompt": r["dialogue"], "completion": r["summary"]} for r in demo_rows(0, 40)])
+
+
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory):
+    """A run trained on conversations (messages rows)."""
+    return trained_on(tmp_path_factory, "chat", [{"messages": [{"role": "user", "content": r["dialogue"]},
+                                                               {"role": "assistant", "content": r["summary"]}]}
+                                                 for r in demo_rows(0, 40)])
 
 
 def demo_rows(a: int, b: int) -> list[dict]:
@@ -102,12 +124,12 @@ def test_a_row_whose_dialogue_is_not_text_is_refused_naming_the_row_and_the_valu
 
 @pytest.mark.parametrize("bad", [{"dialogue": "A: hi \ud800"}, {"messages": [{"role": "user", "content": "Hi \udfff"}]}],
                          ids=["dialogue", "messages"])
-def test_a_lone_surrogate_is_refused_naming_the_line_and_the_character(run, tmp_path, monkeypatch, capsys, bad):
+def test_a_lone_surrogate_is_refused_naming_the_line_and_the_character(run, chat_run, tmp_path, monkeypatch, capsys, bad):
     """Valid JSON that is not valid Unicode crashed the tokenizer; now one line, exit 2, nothing written."""
     out = tmp_path / "predictions.jsonl"
     first = demo_rows(0, 1)[0] if "dialogue" in bad else {"messages": [{"role": "user", "content": "Hello"}]}
     monkeypatch.setattr("sys.stdin", io.StringIO(jsonl([first, bad])))
-    assert cli.main(["predict", str(run), "-", "--out", str(out)]) == 2
+    assert cli.main(["predict", str(run if "dialogue" in bad else chat_run), "-", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("ddptune: invalid config: --input: line 2 of stdin"), err
     assert f"a lone surrogate at character {6 if 'dialogue' in bad else 3}" in err[0] and not out.exists()
@@ -130,9 +152,9 @@ def test_a_damaged_adapter_is_refused_by_predict_and_eval(run, tmp_path, capsys,
     assert not (copy / "eval").exists()
 
 
-def test_conversations_are_prompted_up_to_their_last_user_turn_and_eval_scores_their_last_reply(run, tmp_path, monkeypatch,
-                                                                                                  capsys):
-    """Rows of messages (the run's data.format is auto: their keys name it): predict answers the last
+def test_conversations_are_prompted_up_to_their_last_user_turn_and_eval_scores_their_last_reply(chat_run, tmp_path,
+                                                                                                  monkeypatch, capsys):
+    """Rows of messages, as the run trained on: predict answers the last
     user turn, dropping a reply that follows it; eval scores the generated last assistant turn of
     data.val's conversations against theirs, from the same prompts."""
     convs = []
@@ -146,13 +168,13 @@ def test_conversations_are_prompted_up_to_their_last_user_turn_and_eval_scores_t
     outputs = []
     for rows in (asked, answered):
         monkeypatch.setattr("sys.stdin", io.StringIO(jsonl(rows)))
-        assert cli.main(["predict", str(run), "-", *GEN]) == 0
+        assert cli.main(["predict", str(chat_run), "-", *GEN]) == 0
         outputs.append([json.loads(line) for line in capsys.readouterr().out.splitlines()])
     assert [r["prediction"] for r in outputs[0]] == [r["prediction"] for r in outputs[1]]
     assert [r["messages"] for r in outputs[1]] == [c for c in convs]  # the row's own fields pass through
     val = tmp_path / "val.jsonl"
     val.write_text(jsonl(answered))
-    assert cli.main(["eval", str(run), f"data.val={val}", "data.val_rows=null", *GEN, "--out", str(tmp_path / "eval")]) == 0
+    assert cli.main(["eval", str(chat_run), f"data.val={val}", "data.val_rows=null", *GEN, "--out", str(tmp_path / "eval")]) == 0
     scored = [json.loads(line) for line in (tmp_path / "eval" / "predictions.jsonl").read_text().splitlines()]
     assert [r["reference"] for r in scored] == [c[-1]["content"] for c in convs]
     assert [r["messages"] for r in scored] == [c[:-1] for c in convs]
@@ -160,7 +182,7 @@ def test_conversations_are_prompted_up_to_their_last_user_turn_and_eval_scores_t
     metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert metrics["n"] == 4 and 0 <= metrics["rouge1"] <= 100
     monkeypatch.setattr("sys.stdin", io.StringIO(jsonl([{"messages": [{"role": "assistant", "content": "hi"}]}])))
-    assert cli.main(["predict", str(run), "-"]) == 2
+    assert cli.main(["predict", str(chat_run), "-"]) == 2
     err = capsys.readouterr().err
     line = err.splitlines()[-1]  # after the progress bar's carriage returns
     assert err.count("\n") == 1 and field(line) == "--input", err  # line 1 of stdin, read as messages, opens with the assistant
@@ -198,3 +220,40 @@ def test_greedy_is_what_generate_gave_and_sampling_repeats_with_its_seed_for_any
     assert [json.loads(line)["prediction"] for line in (tmp_path / "two.jsonl").read_text().splitlines()] == outputs["seed 3"]
     assert all(len(tok(p, add_special_tokens=False)["input_ids"]) <= 3 for p in outputs["short"])
     assert [p[:1] for p in outputs["short"]] == [p[:1] for p in before]
+
+
+def test_a_run_takes_the_rows_it_trained_on_and_refuses_other_shapes(run, pc_run, chat_run, tmp_path, monkeypatch, capsys):
+    """The run keeps the format `auto` resolved to; predict and eval take rows of it, and a row of another
+    shape is refused with one line (exit 2, nothing written). The closing line's suggested row is one the
+    run takes. A run saved before it kept its format takes what it took before."""
+    from ddptune import config, rundir
+
+    assert [rundir.taken_formats(r) for r in (run, pc_run, chat_run)] == [("dialogue",), ("prompt_completion",), ("messages",)]
+    dialogue = {"dialogue": demo_rows(0, 1)[0]["dialogue"]}
+    messages = {"messages": [{"role": "user", "content": dialogue["dialogue"]}]}
+    prompt = {"prompt": dialogue["dialogue"]}
+    out = tmp_path / "predictions.jsonl"
+    for folder, taken, other in ((pc_run, prompt, dialogue), (chat_run, messages, dialogue), (run, dialogue, messages)):
+        suggested = json.loads(data.asked_sample(config.load(folder / "config.yaml").data))
+        assert suggested.keys() == taken.keys()
+        monkeypatch.setattr("sys.stdin", io.StringIO(jsonl([taken, suggested])))
+        assert cli.main(["predict", str(folder), "-", *GEN]) == 0
+        assert [json.loads(line).keys() - {"prediction"} for line in capsys.readouterr().out.splitlines()] == [taken.keys()] * 2
+        monkeypatch.setattr("sys.stdin", io.StringIO(jsonl([taken, other])))
+        assert cli.main(["predict", str(folder), "-", "--out", str(out), *GEN]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and field(err) == "--input" and "2" in words(err), err
+        assert not out.exists()
+    # eval likewise: validation rows of another shape than training's are refused before any model loads
+    assert cli.main(["eval", str(pc_run), "data.val=demo", "data.val_rows=0:2", *GEN]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and field(err) == "data.val", err
+    assert not (pc_run / "eval").exists()
+    # a run saved before its format was kept: the rows' keys name their format, as before
+    old = tmp_path / "old"
+    shutil.copytree(pc_run, old)
+    (old / rundir.DATA_RECORD).unlink()
+    assert rundir.taken_formats(old) is None
+    monkeypatch.setattr("sys.stdin", io.StringIO(jsonl([dialogue])))
+    assert cli.main(["predict", str(old), "-", *GEN]) == 0
+    assert json.loads(capsys.readouterr().out)["prediction"] is not None

@@ -47,6 +47,8 @@ def main(args) -> int:
         read once per job, not by every process."""
         found = [*found, *rundir.folder_problems("--out" if args.out else "eval", out)]
         found += data.check(cfg.data)[0] if data_ok else []
+        if data_ok and not found and run_dir is not None and (taken := rundir.taken_formats(run_dir)):
+            found += data.untaken(cfg.data, taken)  # the rows the run trained on, not another shape
         if found:
             return found + sources.source_problems(cfg.model)
         from ddptune import model as model_lib

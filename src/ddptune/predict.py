@@ -102,7 +102,7 @@ def sampling_flags(args) -> list[str]:
 def main(args) -> int:
     run_dir = Path(args.run)
     cfg, source, out, overrides = checked(args)
-    rows, asked = read_rows(source, cfg.data)
+    rows, asked = read_rows(source, cfg.data, rundir.taken_formats(run_dir))
 
     if args.nproc is not None and not launch.in_launched_process():
         path = source
@@ -152,18 +152,21 @@ def predict(cfg, run_dir: Path, rows: list[dict], asked: list[dict], out: Path |
     return 0
 
 
-def read_rows(source: str, d) -> tuple[list[dict], list[dict]]:
+def read_rows(source: str, d, taken: tuple[str, ...] | None = None) -> tuple[list[dict], list[dict]]:
     """The JSON-object rows of a .jsonl file or of stdin (`-`), and each as generation takes it: a
-    dialogue (d.dialogue_column) or, in a chat format (formats.py; d.format, or named by the rows'
-    keys), the turns up to the last user turn. ConfigError naming the first bad line."""
+    dialogue (d.dialogue_column) or, in a chat format (formats.py), the turns up to the last user turn.
+    `taken`: the formats the run trained on (rundir.taken_formats); a row of another shape is refused.
+    None (a run saved before it recorded them): d.format, or the format the rows' keys name. ConfigError
+    naming the first bad line."""
     where, column = "--input", d.dialogue_column
+    example = formats.sample(taken[0], d) if taken else f'{{"{column}": ...}}'
     if source == "-":
         text, name = sys.stdin.read(), "stdin"
     else:
         path = Path(source)
         if not path.is_file():
             raise ConfigError([f"{where}: {source} {config_lib.not_a_file(path)} (give a .jsonl file of "
-                               f"{{\"{column}\": ...}} rows, or - for stdin)"])
+                               f"{example} rows, or - for stdin)"])
         try:
             text, name = path.read_text(encoding="utf-8"), source
         except (OSError, UnicodeDecodeError) as e:
@@ -179,16 +182,28 @@ def read_rows(source: str, d) -> tuple[list[dict], list[dict]]:
                                "(one JSON object per line)"]) from None
         numbers.append(number)
     if not rows:
-        raise ConfigError([f"{where}: {name} holds no rows (give one JSON object per line, with a {column!r} field)"])
-    fmt = formats.detect(rows, d)
-    for number, row in zip(numbers, rows):
+        raise ConfigError([f"{where}: {name} holds no rows (give one JSON object per line, e.g. {example})"])
+    found = [formats.detect(rows, d)] * len(rows) if taken is None else \
+        [formats.asked_format(row, d, taken) or taken[0] for row in rows]
+    for number, row, fmt in zip(numbers, rows, found):
+        if taken is not None and isinstance(row, dict) and formats.asked_format(row, d, taken) is None:
+            raise ConfigError([f"{where}: line {number} of {name} {formats.shape_problem(row, d, taken)}"])
         if fmt != "dialogue" and (problem := formats.problem(row, fmt, answer=False)):
             raise ConfigError([f"{where}: line {number} of {name} ({fmt}): {problem}"])
         if fmt == "dialogue" and (problem := dialogue_problem(row, column)):
             raise ConfigError([f"{where}: line {number} of {name} {problem}"])
+    return rows, [asked_row(r, i, fmt, d) for i, (r, fmt) in enumerate(zip(rows, found))]
+
+
+def asked_row(row: dict, i: int, fmt: str, d) -> dict:
+    """A checked input row as generation prompts it: a dialogue, or a conversation whose last assistant turn
+    is the reply to write (generation prompts with the turns before it): an empty one after a final user turn."""
     if fmt == "dialogue":
-        return rows, [{"id": str(i), "dialogue": r[column], "summary": ""} for i, r in enumerate(rows)]
-    return rows, [formats.normalise(r, i, fmt, d) for i, r in enumerate(rows)]
+        return {"id": str(i), "dialogue": row[d.dialogue_column], "summary": ""}
+    found = formats.normalise(row, i, fmt, d)
+    if found["messages"][-1]["role"] == "user":  # not the reply to an earlier user turn: one to this one
+        found["messages"].append({"role": "assistant", "content": ""})
+    return found
 
 
 def dialogue_problem(row, column: str) -> str | None:

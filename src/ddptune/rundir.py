@@ -18,26 +18,44 @@ import tempfile
 import time
 from pathlib import Path
 
-from ddptune import batchplan, checkpoint, config as config_lib, lock
+from ddptune import batchplan, checkpoint, config as config_lib, data, lock, report
 from ddptune.config import Config, ConfigError
 
 MARKER = ".ddptune-run"  # written before anything else of a run; a folder without one is not treated as a run
+DATA_RECORD = "data.json"  # beside config.yaml: the formats data.format `auto` resolved to (data.record)
 # Everything a run writes into its output_dir (names, or fnmatch patterns). `--overwrite` deletes these only.
 RUN_ENTRIES = (
-    MARKER, "config.yaml", "metrics.jsonl", "ranks.jsonl", "summary.json", "profile.txt", "trace.json",
+    MARKER, "config.yaml", DATA_RECORD, "metrics.jsonl", "ranks.jsonl", "summary.json", "profile.txt", "trace.json",
     "trace-rank*.json", "checkpoints", "adapter", "model", "eval", "eval-base", "cache", "tensorboard",
     ".adapter.tmp-*", ".model.tmp-*", ".adapter.old", ".model.old", ".summary.json.tmp-*",
 )
 # what a run folder made before the marker existed held, besides a config.yaml: one of these
 _OLD_RUN_SIGNS = ("metrics.jsonl", "checkpoints", "summary.json", "adapter", "model")
 # what a run writes before its first step: a folder holding only these trained nothing
-BEFORE_TRAINING = (MARKER, "config.yaml", "cache", "eval-base", "tensorboard")
+BEFORE_TRAINING = (MARKER, "config.yaml", DATA_RECORD, "cache", "eval-base", "tensorboard")
 
 
 def mark(folder: Path) -> None:
     """Make `folder` a run folder: the marker first, so that even a run that stops at once is one."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / MARKER).write_text(json.dumps({"ddptune_run": True, "created": time.time()}) + "\n")
+
+
+def write_config(out: Path, cfg: Config) -> None:
+    """The run's resolved config (config.yaml) and what its data resolved to (DATA_RECORD)."""
+    (out / "config.yaml").write_text(config_lib.dump(cfg))
+    report.write_json(out / DATA_RECORD, data.record(cfg.data))
+
+
+def taken_formats(run_dir: Path) -> tuple[str, ...] | None:
+    """The row formats the run in `run_dir` trained and validated on (its DATA_RECORD): what predict and eval
+    take from it. None for a run saved before it recorded them (or whose record cannot be read): the rows'
+    keys name their format then, as they always did."""
+    try:
+        saved = json.loads((Path(run_dir) / DATA_RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data.recorded_formats(saved) if isinstance(saved, dict) else None
 
 
 def entries(folder: Path) -> list[Path]:

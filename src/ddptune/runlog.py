@@ -217,9 +217,10 @@ def wall_time(times: dict, steps: list[dict]) -> dict:
 
 
 def closing_lines(out: Path, summary: dict, final: Path, method: str, has_val: bool, eval_enabled: bool,
-                  chat: bool = False) -> list[str]:
+                  asked: str) -> list[str]:
     """What the end of a run prints: its wall time and where it went, its figures, where each
-    output is, and one command to try next (`chat`: a run trained on conversations is asked with one)."""
+    output is, and one command to try next (`asked`: a row of the format it trained on, as a JSON line,
+    data.asked_sample: predict takes that format from this run, and no other)."""
     part = {k: max(v, 0.0) for k, v in summary["wall_split"].items()}
     lines = [f"ddptune: done in {_duration(summary['wall_time_s'])}: start-up {part['startup_s']:.1f}s (imports, checks, "
              f"processes), load {part['load_s']:.1f}s, train {part['train_s']:.1f}s, eval {part['eval_s']:.1f}s "
@@ -233,12 +234,8 @@ def closing_lines(out: Path, summary: dict, final: Path, method: str, has_val: b
              ("eval/", "fine-tuned predictions and ROUGE"), ("eval-base/", "zero-shot predictions and ROUGE"),
              ("tensorboard/", "tensorboard --logdir " + str(out)), ("checkpoints/", "resumable with --resume")]
     lines.append(f"ddptune: wrote {out}/: " + ", ".join(f"{name} ({what})" for name, what in wrote if (out / name).exists()))
-    if (eval_enabled or not has_val) and chat:  # the prompt it was trained on: a conversation, not a dialogue row
-        lines.append("ddptune: next: answer a conversation with it: echo '{\"messages\": [{\"role\": \"user\", \"content\": "
-                     f"\"Summarize: Ann: lunch at 1? Bo: sure\"}}]}}' | ddptune predict {out} -")
-    elif eval_enabled or not has_val:
-        lines.append(f"ddptune: next: summarize a dialogue with it: echo '{{\"dialogue\": \"Ann: lunch at 1?\\nBo: sure\"}}' "
-                     f"| ddptune predict {out} -")
+    if eval_enabled or not has_val:
+        lines.append(f"ddptune: next: ask it with a row like those it trained on: echo '{asked}' | ddptune predict {out} -")
     else:
         lines.append(f"ddptune: next: score it with ROUGE: ddptune eval {out}")
     return lines

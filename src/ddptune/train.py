@@ -103,7 +103,7 @@ def setup(cfg: Config, resume: bool = False, started: float | None = None, admit
     out = Path(cfg.output_dir)
     if acc.is_main_process:
         rundir.mark(out)  # first: whatever happens next, this folder is a run that --overwrite may clear
-        (out / "config.yaml").write_text(config_lib.dump(cfg))
+        rundir.write_config(out, cfg)  # config.yaml, and the formats its data resolved to
     t0 = time.perf_counter()
     with model_lib.loading(cfg.model, "tokenizer"):  # a hub that cannot be reached: one line, not a traceback
         tokenizer = model_lib.load_tokenizer(cfg.model, cfg.data)
@@ -440,6 +440,6 @@ def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
         summary.update(eval_time_s=r.times["eval_s"], **runlog.wall_time(r.times, history))
         report.write_json(out / "summary.json", summary)
         acc.print("\n".join(runlog.closing_lines(out, summary, final, cfg.train.method, bool(r.val_set), cfg.eval.enabled,
-                                                 data.trains_conversations(cfg.data))))
+                                                 data.asked_sample(cfg.data))))
     acc.wait_for_everyone()
     return summary, r.model

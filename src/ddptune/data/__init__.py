@@ -284,6 +284,49 @@ def trains_conversations(d: DataConfig) -> bool:
         return False
 
 
+def record(d: DataConfig) -> dict:
+    """What a run's rows are, as data.format `auto` resolved them: each source's format (None where its rows
+    cannot be read now) and the keys that shape their prompts. Saved with the run (rundir.DATA_RECORD), so
+    that predict and eval take rows of the formats it trained on."""
+    def resolved(source: str) -> str | None:
+        try:
+            return format_of(source, d)
+        except (OSError, ValueError, ImportError):  # hub data out of reach: unknown, not a guess
+            return None
+
+    return {"formats": {split: [{"name": s.name, "source": s.source, "format": resolved(s.source)} for s in sources(d, split)]
+                        for split in ("train", "val")},
+            **{k: getattr(d, k) for k in ("template", "chat_template", "system_prompt", "instruction", "dialogue_column",
+                                          "summary_column", "loss_on", "max_length")}}
+
+
+def recorded_formats(saved: dict) -> tuple[str, ...] | None:
+    """The formats a `record` names (training's first, then validation's), once each; None where it names none."""
+    try:
+        found = [s["format"] for split in ("train", "val") for s in saved["formats"][split]]
+    except (KeyError, TypeError):
+        return None
+    taken = tuple(dict.fromkeys(f for f in found if f in formats.FORMATS))
+    return taken or None
+
+
+def untaken(d: DataConfig, taken: tuple[str, ...]) -> list[str]:
+    """data.val's local sources whose rows are of none of `taken`, the formats a run trained on (eval scores
+    a run on rows shaped as it trained on); call once data.check found their rows readable."""
+    return [f"{s.field}: {s.source} holds {fmt} rows, but the run trained on {' and '.join(taken)} rows (give data.val "
+            f"rows of that shape, e.g. {formats.sample(taken[0], d, answer=True)})"
+            for s in sources(d, "val") if not s.source.startswith("hub:") and (fmt := format_of(s.source, d)) not in taken]
+
+
+def asked_sample(d: DataConfig) -> str:
+    """A row predict takes from a run trained on `d`'s data (its first source's format), as a JSON line."""
+    try:
+        fmt = format_of(sources(d)[0].source, d) if d.format == "auto" else d.format
+    except (OSError, ValueError, ImportError, IndexError):  # gone since, or hub data out of reach
+        fmt = "dialogue"
+    return formats.sample(fmt, d)
+
+
 def template_problems(d: DataConfig, tokenizer) -> list[str]:
     """Chat data: the tokenizer's chat template can give conversations a loss mask (chat.template_problem's
     probe; every conversation's own mask is checked as it is tokenized); data.template=none takes

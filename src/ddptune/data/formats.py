@@ -12,6 +12,8 @@ generation (`answer=False`: predict's input) need no assistant turn.
 """
 from __future__ import annotations
 
+import json
+
 FORMATS = ("dialogue", "prompt_completion", "messages", "alpaca", "sharegpt")
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
@@ -24,6 +26,35 @@ def keys_of(fmt: str, d) -> tuple[str, ...]:
     """The keys a row of `fmt` must hold (`d`: the DataConfig, for the dialogue columns)."""
     return {"dialogue": (d.dialogue_column, d.summary_column), "prompt_completion": ("prompt", "completion"),
             "messages": ("messages",), "alpaca": ("instruction", "output"), "sharegpt": ("conversations",)}[fmt]
+
+
+def asked_keys(fmt: str, d) -> tuple[str, ...]:
+    """The keys a row of `fmt` must hold to be prompted (predict's input: no answer needed)."""
+    return {"dialogue": (d.dialogue_column,), "prompt_completion": ("prompt",), "messages": ("messages",),
+            "alpaca": ("instruction",), "sharegpt": ("conversations",)}[fmt]
+
+
+def sample(fmt: str, d, answer: bool = False) -> str:
+    """One row of `fmt` as a JSON line, e.g. what predict takes (`answer`: with what is trained, as eval's data.val)."""
+    row = {"dialogue": {d.dialogue_column: "A: hi\nB: hello", **({d.summary_column: "They greet."} if answer else {})},
+           "prompt_completion": {"prompt": "Capital of France?", **({"completion": "Paris."} if answer else {})},
+           "messages": {"messages": [{"role": "user", "content": "Hi"}] + [{"role": "assistant", "content": "Hello!"}] * answer},
+           "alpaca": {"instruction": "Summarize.", "input": "A: hi\nB: hey", **({"output": "They greet."} if answer else {})},
+           "sharegpt": {"conversations": [{"from": "human", "value": "Hi"}] + [{"from": "gpt", "value": "Hello!"}] * answer}}[fmt]
+    return json.dumps(row)
+
+
+def asked_format(row, d, among: tuple[str, ...] = FORMATS) -> str | None:
+    """The first format of `among` whose prompt keys (asked_keys) the row holds, or None."""
+    return next((f for f in among if isinstance(row, dict) and set(asked_keys(f, d)) <= row.keys()), None)
+
+
+def shape_problem(row: dict, d, taken: tuple[str, ...], answer: bool = False) -> str:
+    """For a row of none of the formats a run trained on (`taken`): what it is, the keys it lacks, and the rows the run takes."""
+    other, has = asked_format(row, d), ", ".join(sorted(map(str, row))) or "nothing"
+    need = "; ".join(f"{f} rows need {' and '.join(map(repr, keys_of(f, d) if answer else asked_keys(f, d)))}" for f in taken)
+    return (f"{f'is a {other} row' if other else 'is a row of no format the run takes'} (it has: {has}), but the run "
+            f"trained on {' and '.join(taken)} rows ({need}): give it rows of that shape, e.g. {sample(taken[0], d, answer)}")
 
 
 def detect(rows: list, d, fmt: str | None = None) -> str:
