@@ -407,3 +407,40 @@ def test_a_run_moved_to_another_folder_resumes_there(unbroken_4, tmp_path):
     assert losses(after) == pytest.approx(losses(unbroken_4), abs=1e-6)
     a, b = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (unbroken_4, after))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+
+def test_a_resume_on_a_cpu_takes_the_thread_count_its_checkpoint_was_written_with(tmp_path):
+    """A run made in a process allowed one core (this machine's choice there: 1 thread), resumed from
+    its step-1 checkpoint where the choice is a thread a core: the resume takes the checkpoint's 1
+    thread again, so the order of every sum, and every bit, is the unbroken run's (16 samples a forward:
+    sums long enough that torch splits them over threads; at 2 threads step 2 differs by some 1e-8)."""
+    from ddptune import dist
+
+    cores = os.sched_getaffinity(0)
+    if len(cores) < 2:
+        pytest.skip("needs 2 cores: the resume's own choice must differ from the checkpoint's")
+    args = ["train.max_steps=3", "train.save_every=1", "train.keep_checkpoints=3", "train.micro_batch_size=16",
+            "lora.dropout=0.0", "data.val=null", "eval.enabled=false"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    os.sched_setaffinity(0, {min(cores)})
+    try:
+        with checkpoints_kept():
+            train.run(config.load(TINY, [f"output_dir={full}", *args]))
+    finally:
+        os.sched_setaffinity(0, cores)
+    assert json.loads((full / "checkpoints" / "step-000001" / "state.json").read_text())["threads"] == 1
+    shutil.copytree(full, part, ignore=shutil.ignore_patterns("adapter", "summary.json", "ranks.jsonl", "step-000002",
+                                                              "step-000003"))
+    (part / "config.yaml").write_text((full / "config.yaml").read_text().replace(str(full), str(part)))
+    train.run(config.load(TINY, [f"output_dir={part}", *args]), resume=True)
+    assert torch.get_num_threads() == 1
+    losses = lambda d: [r["loss"] for r in metrics(d) if "loss" in r]  # noqa: E731
+    assert losses(part) == losses(full)
+    a, b = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (full, part))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # a count the user sets (OMP_NUM_THREADS) is kept, with a line that says the resume may differ
+    assert dist.resume_threads(2, 1, forced=False) == (2, None) and dist.resume_threads(None, 1, forced=False) == (1, None)
+    assert dist.resume_threads(2, 2, forced=True) == (2, None)
+    threads, note = dist.resume_threads(2, 1, forced=True)
+    assert threads == 1 and {"OMP_NUM_THREADS=1", "2", "OMP_NUM_THREADS=2"} <= words(note) and "\n" not in note, note

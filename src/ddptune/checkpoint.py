@@ -1,7 +1,8 @@
 """Atomic checkpoints and exact resume, in files that hold data only.
 
 A checkpoint is a folder `checkpoints/step-NNNNNN/` holding the trained weights (adapters only for
-LoRA), the optimizer and scheduler states, every process's RNG states and the step reached: tensors
+LoRA), the optimizer and scheduler states, every process's RNG states, the step reached and what wrote
+it (processes, global batch, CPU threads, which a resume on a CPU takes again for the same sums): tensors
 in safetensors files, everything else in JSON. Nothing read back is unpickled, so a crafted
 checkpoint cannot run code (`torch.load`'s pickle could). The folder is written under a temporary
 name, each file fsynced, and renamed when complete, so a crash never leaves a half-written
@@ -338,7 +339,7 @@ def _positive_int(value) -> bool:
 def state_problem(path: Path, state, total_steps: int | None = None) -> str | None:
     """What is wrong with a checkpoint's state.json (read from `path`), or None: its step must be a
     whole number equal to the folder's (step-000025: 25), within 1..total_steps when that is given;
-    its process and batch counts positive whole numbers."""
+    its process, batch and CPU thread counts positive whole numbers."""
     if not isinstance(state, dict):
         return f"has a state.json that holds a JSON {type(state).__name__}, not an object"
     step, number = state.get("step"), path.name.removeprefix(PREFIX)
@@ -348,7 +349,7 @@ def state_problem(path: Path, state, total_steps: int | None = None) -> str | No
         return f"says step {step} in state.json, but its folder is named {path.name}"
     if total_steps is not None and not 1 <= step <= total_steps:
         return f"is at step {step}, outside this run's steps 1..{total_steps}"
-    for key in ("world_size", "global_batch", "shards"):
+    for key in ("world_size", "global_batch", "shards", "threads"):
         if key in state and not _positive_int(state[key]):
             return f"has a {key} that is not a positive whole number ({_shown(state[key])} in state.json)"
     return None

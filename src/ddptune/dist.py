@@ -28,8 +28,8 @@ from accelerate import Accelerator, FullyShardedDataParallelPlugin
 from accelerate.state import AcceleratorState, GradientState, PartialState
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, broadcast_object_list, gather_object
 
-from ddptune.launch import (VALIDATED, cpu_threads, default_threads, in_launched_process, is_main_process,  # noqa: F401
-                            tell_launcher, validated_by_parent)
+from ddptune.launch import (THREADS_WHY, VALIDATED, cpu_threads, default_threads, in_launched_process,  # noqa: F401
+                            is_main_process, tell_launcher, validated_by_parent)
 
 # what setup() wrote into os.environ, for teardown(): name -> (value before, or None; value written, or None)
 _env_written: dict[str, tuple[str | None, str | None]] = {}
@@ -68,6 +68,8 @@ def _setup(precision: str, strategy: str, log_with: str, logging_dir) -> Acceler
     if not os.environ.get("OMP_NUM_THREADS"):  # in-process (no launcher set it): what --nproc 1 gives
         threads, threads_why = cpu_threads(1, cuda)
         torch.set_num_threads(threads)
+    else:  # the user's, or chosen by ddptune's launcher, which says why
+        threads_why = os.environ.get(THREADS_WHY, "OMP_NUM_THREADS")
     bf16 = precision == "bf16" or (precision == "auto" and cuda)
     # Buffers (rotary frequencies) never change: broadcasting them before every forward would be a
     # collective that makes every process wait for the slowest at each micro-step, not once a step.
@@ -106,6 +108,31 @@ def _setup(precision: str, strategy: str, log_with: str, logging_dir) -> Acceler
         logging.disable(logging.WARNING)
         warnings.filterwarnings("ignore")
     return accelerator
+
+
+def resume_threads(saved: int | None, now: int, forced: bool) -> tuple[int, str | None]:
+    """The CPU threads a process resuming a checkpoint written with `saved` threads a process (None: not
+    recorded) takes, where it has `now`: the checkpoint's, since the order of a step's sums, and so the
+    last bits of every result, depend on the thread count, unless the user set another (`forced`:
+    OMP_NUM_THREADS); then a line that says so."""
+    if not saved or saved == now:
+        return now, None
+    if forced:
+        return now, (f"OMP_NUM_THREADS={now} gives each process {now} CPU thread(s), the checkpoint was written with "
+                     f"{saved}: the resumed steps may differ from an unbroken run's in their last bits "
+                     f"(OMP_NUM_THREADS={saved}, or unset, resumes exactly)")
+    return saved, None
+
+
+def take_threads(saved: int | None) -> str | None:
+    """On a CPU, resume with the checkpoint's thread count (`resume_threads`); the line to say, if any."""
+    global threads_why
+    now = torch.get_num_threads()
+    threads, note = resume_threads(saved, now, threads_why == "OMP_NUM_THREADS")
+    if threads != now:
+        torch.set_num_threads(threads)
+        threads_why = f"the checkpoint's, for an exact resume; this machine's choice was {now}; OMP_NUM_THREADS=N sets it"
+    return note
 
 
 def set_bucket_mb(accelerator: Accelerator, mb: float | None) -> None:

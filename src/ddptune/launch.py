@@ -33,6 +33,7 @@ RUN = "DDPTUNE_RUN"  # set by `torchrun` for training: its output_dir, what a ki
 STARTED = "DDPTUNE_STARTED"  # set by `torchrun` for training: when the launching command began (time.time() seconds)
 SPAWNED = "DDPTUNE_SPAWNED"  # set by `torchrun`: when it gave torch's launcher its command (time.time() seconds)
 FORK_SERVER = "DDPTUNE_FORK_SERVER"  # set by `serve` for the fork server alone (ddptune.forked)
+THREADS_WHY = "DDPTUNE_THREADS_WHY"  # set by `torchrun` where it chose OMP_NUM_THREADS: why, in words (none: the user set it)
 WORKER_SCRIPT = os.path.join(os.path.dirname(__file__), "forked.py")  # each worker's: it takes the environment sent
 
 
@@ -295,7 +296,11 @@ def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = No
         rendezvous = [f"--nnodes={nnodes}", f"--node_rank={node_rank}", f"--master_addr={host}", f"--master_port={port}"]
     argv = [*rendezvous, f"--nproc_per_node={nproc}", f"--max_restarts={max_restarts}", "--start_method=forkserver", "--run_path"]
     child_env = dict(os.environ if env is None else env)
-    child_env.setdefault("OMP_NUM_THREADS", str(default_threads(nproc)))
+    if child_env.get("OMP_NUM_THREADS"):  # the caller's choice
+        child_env.pop(THREADS_WHY, None)
+    else:
+        threads, why = cpu_threads(nproc)
+        child_env.update({"OMP_NUM_THREADS": str(threads), THREADS_WHY: why})
     child_env.update({VALIDATED: "1", SPAWNED: repr(time.time())})
     if output_dir:
         child_env.update({RUN: output_dir} if started is None else {RUN: output_dir, STARTED: repr(started)})

@@ -38,7 +38,7 @@ class Checkpoints:
 def resume_from(accelerator: Accelerator, saved: Checkpoints, total_steps: int) -> int:
     """Restore the newest checkpoint that reads back whole and fits the run of `total_steps` steps (an
     older one, with a warning, when the newest is damaged); return its step. Any process count may
-    resume it with the run's global batch."""
+    resume it with the run's global batch; on a CPU, the same count takes the CPU threads it was written with."""
     acc, problems = accelerator, []
     for path in reversed(checkpoint.list_checkpoints(saved.folder)):
         try:
@@ -57,6 +57,9 @@ def resume_from(accelerator: Accelerator, saved: Checkpoints, total_steps: int) 
             raise ConfigError([f"--resume: {path} was written by {state['world_size']} processes with "
                                f"{state.get('global_batch', '?')} samples per optimizer step: set train.effective_batch_size to "
                                f"that, or resume with --nproc {state['world_size']}"])
+        if acc.device.type == "cpu" and state.get("world_size") == acc.num_processes:
+            if note := dist.take_threads(state.get("threads")):
+                acc.print(f"ddptune: note: {note}")
         return state["step"]
     raise ConfigError([f"--resume: no checkpoint in {saved.folder} can be read back"] + problems)
 
@@ -69,7 +72,8 @@ def save_checkpoint(accelerator: Accelerator, saved: Checkpoints, step: int, kee
     t0 = time.perf_counter()
     acc, folder = accelerator, saved.folder
     rngs = dist.gather(checkpoint.rng_state())  # every process's RNG, in rank order
-    extra = {"world_size": acc.num_processes, "global_batch": saved.global_batch}
+    # the thread count too: on a CPU a resume takes it again, for the same sums (dist.take_threads)
+    extra = {"world_size": acc.num_processes, "global_batch": saved.global_batch, "threads": torch.get_num_threads()}
     weights, optimizer, tmp = model_lib.trainable_state(saved.model), saved.optimizer, None
     if saved.sharded:
         tmp = dist.on_main(acc, lambda: checkpoint.atomic_dir(checkpoint.path_of(folder, step)))
