@@ -208,6 +208,11 @@ def test_killing_the_launcher_or_a_worker_ends_the_whole_job(tmp_path):
     os.kill(_workers(proc)[-1].pid, signal.SIGKILL)
     _, err = proc.communicate(timeout=90)
     assert proc.returncode != 0 and "Traceback" not in err, err[-3000:]
+    # the console holds ddptune's lines and the bar, no text of torch's or gloo's (that goes to a file they name)
+    console = [l for l in err.replace("\r", "\n").splitlines() if l.strip() and not l.startswith("train:")]
+    assert all(l.startswith("ddptune: ") for l in console), err[-3000:]
+    named = {w for l in console for w in words(l) if w.endswith(launch.RAW_LOG)}
+    assert named == {str(out / launch.RAW_LOG)} and (out / launch.RAW_LOG).stat().st_size > 0, err[-3000:]
     # rank 0 names the failed collective, or the launcher the killed worker (rank 0's line was missing
     # once in eight runs, when torchrun stopped it before its collective failed; the launcher names the
     # worker that failed first, which is rank 0 when both failed within the same second)

@@ -353,6 +353,12 @@ def first_line(e: BaseException) -> str:
     return line.split("] ", 1)[-1][:200]  # without gloo's source location
 
 
+def collective_error(e: BaseException) -> str:
+    """A failed collective's error in a few words: its first sentence ("Read error [127.0.0.1]:5050:
+    Connection reset by peer"), without gloo's advice after it; the whole text goes to launch.raw_log."""
+    return first_line(e).split(". ", 1)[0].rstrip(".")
+
+
 class ControlChannel:
     """What every process must agree on between steps: whether SIGINT or SIGTERM reached any of
     them (from `ControlChannel()` to `close()` these signals are caught, not fatal: a second one

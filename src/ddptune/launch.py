@@ -9,7 +9,7 @@ lines of its own (ChildFailedError, SignalException) around it. `main` exits wit
 worker's exit code instead (2: bad input, 130/143: stopped by SIGINT/SIGTERM after a checkpoint,
 1: anything else), prints a worker's one line that rank 0 has not printed (a process's own bad
 input, or every line on a node without rank 0), names a worker that a signal killed (and what its
-run saved), and keeps the elastic agent's warnings out of the console.
+run saved), and keeps torch's own warnings out of the console (a training run's go to its RAW_LOG).
 
 `stops_raise()`: while a command has no loop of its own that catches SIGINT and SIGTERM
 (dist.ControlChannel), either signal raises `Stopped`, so that the process ends through its
@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 VALIDATED = "DDPTUNE_VALIDATED"  # set by `torchrun` below: the parent process has validated the config
 RUN = "DDPTUNE_RUN"  # set by `torchrun` for training: its output_dir, what a killed worker's line reports on
@@ -34,6 +35,7 @@ STARTED = "DDPTUNE_STARTED"  # set by `torchrun` for training: when the launchin
 SPAWNED = "DDPTUNE_SPAWNED"  # set by `torchrun`: when it gave torch's launcher its command (time.time() seconds)
 FORK_SERVER = "DDPTUNE_FORK_SERVER"  # set by `serve` for the fork server alone (ddptune.forked)
 THREADS_WHY = "DDPTUNE_THREADS_WHY"  # set by `torchrun` where it chose OMP_NUM_THREADS: why, in words (none: the user set it)
+RAW_LOG = "torch.log"  # in a training run's output_dir: torch's and gloo's own words when a process fails (`raw_log`)
 WORKER_SCRIPT = os.path.join(os.path.dirname(__file__), "forked.py")  # each worker's: it takes the environment sent
 
 
@@ -53,6 +55,20 @@ def _stop(signum, _frame) -> None:
     global received
     received = signum
     raise Stopped(signum)
+
+
+def raw_log(run: str | os.PathLike, rank: int | None, text: str) -> Path | None:
+    """Append `text` (torch's or gloo's own words: a failed collective's whole message, the launcher's
+    warnings) to the run's RAW_LOG, which ddptune's one line then names; its path, or None where the
+    run's folder cannot be written here (a node without it)."""
+    path = Path(run, RAW_LOG)
+    who = "launcher" if rank is None else f"rank {rank}"
+    try:
+        with open(path, "a") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {who}: {text.rstrip()}\n")
+    except OSError:
+        return None
+    return path
 
 
 @contextlib.contextmanager
@@ -229,7 +245,10 @@ class Standby:
         read, write = os.pipe()
         try:
             # (-c, not -m: workers forked for torch's launcher would import a __main__ module again)
-            self.proc = subprocess.Popen([sys.executable, "-c", "import sys; from ddptune.launch import main; sys.exit(main(sys.argv[1:]))",
+            # (-W: a worker killed by a signal leaves its semaphores to multiprocessing's resource tracker,
+            # which the launcher starts with its own warning filters: it would warn of them on the console)
+            self.proc = subprocess.Popen([sys.executable, "-W", "ignore:resource_tracker:UserWarning", "-c",
+                                          "import sys; from ddptune.launch import main; sys.exit(main(sys.argv[1:]))",
                                           "--standby", str(read), "--preload", ",".join(preload)],
                                          pass_fds=(read,), start_new_session=True, preexec_fn=term_when_parent_dies)
         finally:
@@ -400,12 +419,11 @@ def main(argv: list[str]) -> int:
     if waiting:  # dismissed (or its launcher gone) before its command: exit now, through the clean-up of what it started
         signal.signal(signal.SIGTERM, lambda _signum, _frame: sys.exit(0))
     forking = serve([m for m in argv[3].split(",") if m] if waiting else [])  # its imports go on beside torch's below
-    os.environ.setdefault("LOGLEVEL", "CRITICAL")  # the elastic agent's own logger
+    os.environ.setdefault("LOGLEVEL", "WARNING")  # the elastic agent's own loggers: what reaches `torch_logs`
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # "Sending process ... SIGTERM", "failed (exitcode: 2)"
     if waiting:  # a Standby: its command comes once torch is imported, or nothing (dismissed)
         with os.fdopen(int(argv[1])) as f:
             sent = f.read()
@@ -414,8 +432,8 @@ def main(argv: list[str]) -> int:
         order = json.loads(sent)
         os.environ.clear()
         os.environ.update(order["env"])
-        os.environ.setdefault("LOGLEVEL", "CRITICAL")
         argv = order["argv"]
+    torch_logs(os.environ.get(RUN))
     if not forking and "--run_path" in argv:
         argv = unforked(argv)
 
@@ -432,6 +450,27 @@ def main(argv: list[str]) -> int:
         except SignalException as e:  # torchrun itself was signalled (e.g. its parent died): workers got it too
             return 128 + int(e.sigval)
     return 0
+
+
+class _RawLog(logging.Handler):
+    def __init__(self, run: str):
+        super().__init__()
+        self.run = run
+
+    def emit(self, record: logging.LogRecord) -> None:
+        raw_log(self.run, None, f"{record.levelname} {record.name}: {record.getMessage()}")
+
+
+def torch_logs(run: str | None) -> None:
+    """Where the launcher's torch loggers write: the elastic agent's ("Sending process ... SIGTERM",
+    "failed (exitcode: 2)", "Unable to shutdown process ... forcefully exiting via SIGKILL") and
+    multiprocessing's ("Terminating process N via signal SIGTERM") go to the run's RAW_LOG (for
+    training, `run`: its output_dir), never to the console, whose lines about a failed worker are
+    ddptune's own (`killed`, the workers' lines); without a run, nowhere."""
+    for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.multiprocessing"):
+        logger = logging.getLogger(name)
+        logger.handlers = [_RawLog(run) if run else logging.NullHandler()]
+        logger.propagate = False
 
 
 def untold(failures: dict) -> list[str]:
@@ -452,11 +491,11 @@ def killed(rank: int, failure) -> list[str]:
     line = (f"ddptune: rank {rank} was killed by {failure.signal_name()} and the job stopped (the kernel's "
             "out-of-memory killer sends SIGKILL: see dmesg)")
     if run := os.environ.get(RUN):  # training: whether its run saved a checkpoint to go on from
-        from pathlib import Path
-
         saved = sorted(p.parent for p in Path(run, "checkpoints").glob("step-*/state.json"))
         line += (f"; newest checkpoint: {saved[-1]} (continue with the same command and --resume)" if saved else
                  "; no checkpoint was saved (start the run again with the same command and --resume auto)")
+        if (log := Path(run, RAW_LOG)).is_file():
+            line += f"; torch's own messages: {log}"
     return [line]
 
 

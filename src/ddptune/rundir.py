@@ -26,13 +26,13 @@ DATA_RECORD = "data.json"  # beside config.yaml: the formats data.format `auto` 
 # Everything a run writes into its output_dir (names, or fnmatch patterns). `--overwrite` deletes these only.
 RUN_ENTRIES = (
     MARKER, "config.yaml", DATA_RECORD, "metrics.jsonl", "ranks.jsonl", "summary.json", "profile.txt", "trace.json",
-    "trace-rank*.json", "checkpoints", "adapter", "model", "eval", "eval-base", "cache", "tensorboard",
+    "trace-rank*.json", "checkpoints", "adapter", "model", "eval", "eval-base", "cache", "tensorboard", "torch.log",
     ".adapter.tmp-*", ".model.tmp-*", ".adapter.old", ".model.old", ".summary.json.tmp-*",
 )
 # what a run folder made before the marker existed held, besides a config.yaml: one of these
 _OLD_RUN_SIGNS = ("metrics.jsonl", "checkpoints", "summary.json", "adapter", "model")
 # what a run writes before its first step: a folder holding only these trained nothing
-BEFORE_TRAINING = (MARKER, "config.yaml", DATA_RECORD, "cache", "eval-base", "tensorboard")
+BEFORE_TRAINING = (MARKER, "config.yaml", DATA_RECORD, "cache", "eval-base", "tensorboard", "torch.log")
 
 
 def mark(folder: Path) -> None:

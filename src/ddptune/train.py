@@ -249,9 +249,10 @@ def fit(r: Run) -> tuple[list[dict], list[tuple[dict, dict]]]:
     except RuntimeError as e:
         if not dist.collective_failed(e):
             raise
-        raise dist.Stalled(f"step {step + 1}: {dist.first_line(e)}: another process hung (it waited more than "
+        log = launch.raw_log(r.out, r.accelerator.process_index, f"step {step + 1}: {e}")  # gloo's whole text
+        raise dist.Stalled(f"step {step + 1}: {dist.collective_error(e)}: another process hung (it waited more than "
                            f"train.timeout_minutes={cfg.train.timeout_minutes:g}) or died (see that process's output); "
-                           f"{rundir.saved_line(r.out)}") from None
+                           f"{rundir.saved_line(r.out)}" + (f"; torch's own message: {log}" if log else "")) from None
     finally:
         loop.close()
         gc.unfreeze()
