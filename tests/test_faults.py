@@ -1,7 +1,8 @@
 """Faults during training, in real gloo processes: a process that hangs ends the run with one clear
 error within train.timeout_minutes instead of a silent stall; a signal stops every process after a
-saved step; a killed launcher or worker ends the whole job; `--resume` then finishes with exactly
-the unbroken run's adapter; a straggler is named."""
+saved step, said at once; a killed launcher or worker ends the whole job, torch's and gloo's own
+words kept off the console; `--resume` then finishes with exactly the unbroken run's adapter; a
+straggler is named."""
 from __future__ import annotations
 
 import json
@@ -170,17 +171,23 @@ def _workers(proc) -> list:
     return launch.workers(proc.pid)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM], ids=lambda s: s.name)  # SIGINT: the same path (in-process test above)
+@pytest.mark.parametrize("sig", [signal.SIGINT], ids=lambda s: s.name)  # SIGTERM takes the same path (test_slurm)
 def test_a_signal_to_the_launcher_alone_stops_every_worker_after_a_checkpoint(tmp_path, sig, unbroken):
     out = tmp_path / "run"
     proc = _launch(out)
     workers = _workers(proc)
     logged = max(r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r)
-    proc.send_signal(sig)  # to the launcher only, as `kill` or a scheduler would
+    proc.send_signal(sig)  # to the launcher only, as Ctrl-C at its terminal, `kill` or a scheduler would
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + sig, err[-2000:]
     lines = [l for l in err.splitlines() if l.startswith("ddptune: stopped by")]  # a line of its own, not after the bar
     assert len(lines) == 1 and sig.name in words(lines[0]), err[-2000:]
+    # the launcher answered at once, once, before the step under way ended (rank 0 shows a step once the next ran)
+    text = err.replace("\r", "\n")
+    heard = [l for l in text.splitlines() if field(l) == sig.name]
+    assert len(heard) == 1 and text.index(heard[0]) < text.index(lines[0]), err[-2000:]
+    shown = [int(n) for n in re.findall(r"(\d+)/60 \[", text[:text.index(heard[0])])]
+    assert max(shown, default=0) <= logged + 1, (logged, shown)
     assert "Traceback" not in err and "ChildFailedError" not in err and "exitcode" not in err
     done, total = (int(w) for w in re.split(r"[\s,;()]+", lines[0]) if w.isdigit())  # the step saved, of the run's 60
     assert total == 60 and str(out / "checkpoints" / f"step-{done:06d}") in words(lines[0]), lines[0]

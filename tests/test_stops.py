@@ -2,12 +2,14 @@
 that nothing was saved and releases the lock, and a plain re-run (or --resume auto) starts the run;
 a failure after validation leaves a folder a plain re-run accepts; a kill in the final save keeps
 the run's figures; --resume auto starts, continues or starts again what it finds; a stop that
-lands as the run ends keeps the run's exit code."""
+lands as the run ends keeps the run's exit code; a stop is answered at once, a second aborts, and
+one from the last step on lets the run finish."""
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -280,3 +282,55 @@ def test_a_resubmission_never_replaces_a_run_of_another_config(left_runs, tmp_pa
         assert code == 2 and _digest(out) == before
         if change and not (mode == ["--resume"] and state == "unsaved"):  # (that one has nothing to resume from)
             assert change[0].split("=")[0] in capsys.readouterr().err  # the key that differs is named
+
+
+def _sigint_at(monkeypatch, steps: list[int]) -> None:
+    """SIGINT reaches this process as each of `steps` (0-based) begins, as Ctrl-C at the terminal would."""
+    real = train.train_step
+
+    def train_step(r, step):
+        if step in steps:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(r, step)
+
+    monkeypatch.setattr(train, "train_step", train_step)
+
+
+def _bar_before(text: str, marker: str) -> int:
+    """The highest step the progress bar had shown when `marker` was printed."""
+    return max((int(n) for n in re.findall(r"(\d+)/\d+ \[", text[:text.index(marker)])), default=0)
+
+
+def test_a_stop_is_heard_at_once_and_a_second_one_aborts_without_saving(tmp_path, monkeypatch, capfd):
+    """The first Ctrl-C is answered as it comes, in step 3, before that step ends (the bar then shows
+    step 2); the second, in step 4, ends the run before the stop's checkpoint of step 4 is saved."""
+    out = tmp_path / "run"
+    _sigint_at(monkeypatch, [2, 3])
+    assert cli.main(_train(out, "train.max_steps=8")) == 128 + signal.SIGINT
+    err = capfd.readouterr().err.replace("\r", "\n")
+    heard = [l for l in err.splitlines() if field(l) == "SIGINT"]
+    assert len(heard) == 1 and _bar_before(err, heard[0]) <= 1, err[-3000:]
+    assert not (out / "checkpoints").exists() and not (out / "adapter").exists()  # aborted: nothing saved since
+    assert [r["step"] for r in metrics(out) if "loss" in r] <= [1, 2, 3, 4] and not os.path.lexists(out / lock.NAME)
+
+
+@pytest.mark.parametrize("when", ["last step", "final save"])
+def test_a_stop_from_the_last_step_on_lets_the_run_finish(tmp_path, monkeypatch, when):
+    """A stop heard in step 3 of 4 is acted on after step 4, the last: the run finishes instead; so does
+    one that comes while the final weights are saved."""
+    from ddptune import saving
+
+    out = tmp_path / "run"
+    if when == "last step":
+        _sigint_at(monkeypatch, [2])
+    else:
+        real = saving.save_final
+
+        def save_final(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGINT)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(saving, "save_final", save_final)
+    assert cli.main(_train(out)) == 0
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4 and not (out / "checkpoints").exists()

@@ -14,6 +14,7 @@ Model and data code never see any of this.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -28,6 +29,7 @@ from accelerate import Accelerator, FullyShardedDataParallelPlugin
 from accelerate.state import AcceleratorState, GradientState, PartialState
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, broadcast_object_list, gather_object
 
+from ddptune import launch
 from ddptune.launch import (THREADS_WHY, VALIDATED, cpu_threads, default_threads, in_launched_process,  # noqa: F401
                             is_main_process, tell_launcher, validated_by_parent)
 
@@ -359,9 +361,46 @@ def collective_error(e: BaseException) -> str:
     return first_line(e).split(". ", 1)[0].rstrip(".")
 
 
+stop_heard = 0  # the stop signal (SIGINT, SIGTERM) this process caught while stops are heard; 0: none yet
+
+
+def _hear(signum, _frame) -> None:
+    """The first stop is heard, and said at once by the process that talks to the user where no launcher
+    of ddptune's says it for it; a second ends the process as a stop outside the loop does (launch.Stopped)."""
+    global stop_heard
+    if stop_heard:
+        launch.stop_now(signum)
+    stop_heard = signum
+    if is_main_process() and not validated_by_parent():
+        # below the progress bar's line; not print: this may interrupt a write to stderr
+        os.write(2, ("\n" + launch.heard_line(signum) + "\n").encode())
+
+
+def _heard_from_now(fresh: bool) -> dict:
+    """`_hear` handles SIGINT and SIGTERM (in the main thread; elsewhere nothing changes); the handlers it replaced."""
+    global stop_heard
+    if fresh:
+        stop_heard = 0
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {s: signal.signal(s, _hear) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+@contextlib.contextmanager
+def stops_heard():
+    """A stop signal within this block (the end of a run: its final save and evaluation) is heard and the
+    block goes on; a second, or one after a stop heard in the loop just before (ControlChannel), ends the process."""
+    old = _heard_from_now(fresh=False)
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
 class ControlChannel:
     """What every process must agree on between steps: whether SIGINT or SIGTERM reached any of
-    them (from `ControlChannel()` to `close()` these signals are caught, not fatal: a second one
+    them (from `ControlChannel()` to `close()` these signals are heard, not fatal: a second one
     is), whether a checkpoint is due, and each process's busy time in its newest recorded step
     (step less waiting for the others: it names a straggler). One small all-reduce on the host per step, over gloo (a
     gloo group beside NCCL on GPUs), so the device is never waited for; it travels while the next
@@ -369,28 +408,19 @@ class ControlChannel:
     (every process acts on the same answer after the same step, one step after it was asked)."""
 
     def __init__(self, timeout_minutes: float):
-        self.signum = 0
-        self.old = {}
-        if threading.current_thread() is threading.main_thread():
-            self.old = {s: signal.signal(s, self._catch) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.old = _heard_from_now(fresh=True)
         self.group = None
         self.pending = None  # the previous step's question, on its way
         self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         if self.world > 1 and torch.distributed.get_backend() != "gloo":
             self.group = torch.distributed.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes))
 
-    def _catch(self, signum, _frame) -> None:
-        if self.signum:  # a second signal: stop now
-            signal.signal(signum, self.old.get(signum, signal.SIG_DFL))
-            raise KeyboardInterrupt
-        self.signum = signum
-
     def agree(self, due: bool, seconds: float = 0.0) -> tuple[int, bool, list[float]]:
         """(a signal number if any process caught one, else 0; whether any process finds a save due;
         every process's `seconds`, by rank), all from the previous call ((0, False, []) at the first)."""
         rank = torch.distributed.get_rank() if self.world > 1 else 0
         flags = torch.zeros(2 + self.world, dtype=torch.int64)
-        flags[0], flags[1], flags[2 + rank] = self.signum, int(due), round(seconds * 1e6)
+        flags[0], flags[1], flags[2 + rank] = stop_heard, int(due), round(seconds * 1e6)
         work = None
         if self.world > 1:
             work = torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self.group, async_op=True)

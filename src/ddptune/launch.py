@@ -52,9 +52,22 @@ received: int | None = None  # the stop signal this process got inside stops_rai
 
 
 def _stop(signum, _frame) -> None:
+    stop_now(signum)
+
+
+def stop_now(signum: int) -> None:
+    """End this process through its `finally` blocks, as stopped by `signum` (raises Stopped)."""
     global received
     received = signum
     raise Stopped(signum)
+
+
+def heard_line(signum: int) -> str:
+    """What a training run says the moment a stop signal reaches it: what happens next, and how to abort."""
+    name = signal.Signals(signum).name
+    again = "Ctrl-C again" if signum == signal.SIGINT else f"a second {name}"
+    return (f"ddptune: {name}: stopping: training finishes the step under way and the next, saves a checkpoint and "
+            f"stops (a stop at the last step lets the run finish); {again} aborts at once, without saving")
 
 
 def raw_log(run: str | os.PathLike, rank: int | None, text: str) -> Path | None:
@@ -305,7 +318,8 @@ def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = No
 
     Signals: torchrun runs in a session of its own, so a Ctrl-C at the terminal reaches this process
     only, and SIGINT or SIGTERM sent to this process is passed to every worker exactly once (each
-    then finishes its step, saves and stops; torchrun's own handling would SIGKILL them 30 s later).
+    then finishes its step, saves and stops; torchrun's own handling would SIGKILL them 30 s later);
+    for training (`output_dir`) the first is answered at once with `heard_line`, a second aborts.
     If this process dies even by SIGKILL, the kernel sends torchrun SIGTERM, which it passes on.
     """
     if nnodes == 1:
@@ -330,9 +344,17 @@ def torchrun(nproc: int, module_args: list[str], env: dict[str, str] | None = No
         child_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     argv += [WORKER_SCRIPT, json.dumps(child_env), *module_args]
     proc = (standby or Standby()).send(argv, child_env)
+    heard = []
+
+    def stop(signum, _frame) -> None:
+        if output_dir and not heard:  # training: say at once that the stop was heard, and what comes
+            print("\n" + heard_line(signum), file=sys.stderr, flush=True)  # below a worker's progress bar
+        heard.append(signum)
+        _forward(proc, signum)
+
     old = {}
     if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
-        old = {s: signal.signal(s, lambda signum, _frame: _forward(proc, signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+        old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return proc.wait()
     finally:

@@ -86,7 +86,8 @@ def run(cfg: Config, resume: bool = False, started: float | None = None, admit=N
     r = setup(cfg, resume, started, admit)
     try:
         history, times = fit(r)
-        return finish(r, history, times)
+        with dist.stops_heard():  # a stop heard from the last step on lets the run finish; a second aborts
+            return finish(r, history, times)
     finally:
         r.trackers.close()
 
@@ -305,6 +306,7 @@ class Loop:
         busy = self.times[-1][0]["step_s"] - self.times[-1][0]["wait_s"] if self.times else 0.0
         due = t.save_every_minutes > 0 and time.monotonic() - self.last_save >= 60 * t.save_every_minutes
         stop, due, seconds = self.control.agree(due, busy)
+        stop = stop if done < r.total_steps else 0  # heard at the last step: the run finishes as usual
         self.asked, answered = (self.history[-1]["step"] if self.history else 0), self.asked
         if slow := metrics.slow_rank(seconds):
             self.progress.line({"step": answered, "slow_rank": slow[0], "slow_busy_s": slow[1], "others_median_s": slow[2]},
