@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,6 +19,32 @@ def test_sample_flops_follow_the_written_formula():
     # samples of 1 and 3 tokens: keys attended 1 | 1 + 2 + 3 -> 7
     assert metrics.attended_keys([1, 3]) == 7
     assert [metrics.per_weight_flops(m, c) for m, c in (("lora", False), ("qlora", True), ("full", False), ("full", True))] == [4, 6, 6, 8]
+
+
+def test_a_sliding_window_counts_the_keys_each_token_sees():
+    # window 2: tokens 1..5 see 1, 2, 2, 2, 2 keys; a sample shorter than the window is causal
+    assert metrics.attended_keys([5], window=2) == 9 and metrics.attended_keys([2, 1], window=4) == 4
+    lengths = np.array([1, 5, 40])
+    assert list(metrics.keys(lengths, 3)) == [sum(min(i, 3) for i in range(1, n + 1)) for n in lengths]
+    # one of two layers windowed: its attention term counts the window's keys, the other's all earlier keys
+    f = metrics.FlopModel(1000, 200, 10, 2, 8, "lora", windows=(2, None))
+    assert f.sample(5, 1) == pytest.approx(4 * (1000 * 5 + 200) + 6 * 10 * 5 + 3 * 4 * 8 * (9 + 15))
+    assert list(f.sample(np.array([5, 1]), np.array([1, 1]))) == pytest.approx([f.sample(5, 1), f.sample(1, 1)])
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3-moe", "gpt-oss"])
+def test_the_flop_model_of_a_loaded_family_is_the_one_its_config_gives(name):
+    """Before any weight is loaded (from the config's shape, as a run balances and reports) and from the
+    loaded model: the same FLOPs for windowed layers and for the experts a token meets."""
+    from test_architectures import family_config, family_model
+
+    from ddptune import memory
+
+    loaded = metrics.FlopModel.of(family_model(name), "full")
+    planned = metrics.FlopModel.of_shape(memory.shape_of(family_config(name)), "full", 8, ["all-linear"])
+    assert loaded.windows == planned.windows
+    for n in (4, 30, 200):
+        assert loaded.sample(n, 1) == pytest.approx(planned.sample(n, 1), rel=0.02), n  # routers: outside the shape
 
 
 def test_flop_model_of_a_real_model_splits_body_head_and_adapters():

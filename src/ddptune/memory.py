@@ -86,6 +86,7 @@ class Shape:
     tied: bool
     experts: int = 0              # a mixture of experts: the memory terms here do not model it
     dynamic: str = ""             # why no layer can be compiled for fixed shapes or recorded (empty: they can)
+    windows: tuple = ()           # each layer's sliding window (arch.Arch.windows); empty: none anywhere
 
     @property
     def attn_width(self) -> int:
@@ -137,7 +138,8 @@ def shape_of(hf_config) -> Shape:
         intermediate = a.experts_per_token * (getattr(c, "moe_intermediate_size", None) or intermediate)
     return Shape(c.num_hidden_layers, c.hidden_size, intermediate, heads,
                  getattr(c, "num_key_value_heads", None) or heads, head_dim, c.vocab_size,
-                 bool(getattr(c, "tie_word_embeddings", False)), experts=a.experts, dynamic=dynamic_reason(a))
+                 bool(getattr(c, "tie_word_embeddings", False)), experts=a.experts, dynamic=dynamic_reason(a),
+                 windows=a.windows if a.windowed else ())
 
 
 def dynamic_reason(a: arch.Arch) -> str:

@@ -4,12 +4,14 @@ FLOPs of one sample of n tokens, t of them loss targets (what MFU counts, and wh
 processes' shares of a step; recomputation is not counted):
 - N: weights of the decoder's linear layers; H: the output head's. A token that attends to c keys
   costs 4·c·h per layer forward (QK^T: 2·c·h, AV: 2·c·h; h = heads × head dim); in a causal sample
-  of n tokens the tokens attend to Σ c = n(n+1)/2 keys (`attended_keys`). Never across samples.
+  of n tokens the tokens attend to Σ c = n(n+1)/2 keys (`attended_keys`); in a layer with a sliding
+  window of w keys, to Σ min(i, w) over i = 1..n. Never across samples.
 - The head runs only at summary positions (the loss needs no other logits): H per target token.
 - full fine-tuning: forward 2 + backward 4 (input and weight gradients) = 6 per weight, attention ×3.
 - LoRA / QLoRA: frozen weights need forward 2 and input gradients 2 = 4 per weight; the adapters
   (r·(d_in+d_out) each) 6 per weight; attention ×3.
-So sample_flops = w·(N·n + H·t) + 6·A·n + 3·4·h·L·n(n+1)/2, with w = 4 (LoRA) or 6 (full).
+- A mixture of experts: N counts the experts a token meets (experts per token × one expert's weights).
+So sample_flops = w·(N·n + H·t) + 6·A·n + 3·4·h·Σ_layers keys(n), with w = 4 (LoRA) or 6 (full).
 """
 from __future__ import annotations
 
@@ -18,7 +20,10 @@ import os
 import statistics
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from ddptune import arch
 
 WARMUP_STEPS = 2  # steps left out of steady-state speed figures (compilation, allocator, kernel selection)
 # MFU's denominator: the datasheet's dense bf16 rate (TFLOP/s); DDPTUNE_PEAK_TFLOPS overrides it.
@@ -33,9 +38,19 @@ def per_weight_flops(method: str, checkpointing: bool = False) -> int:
     return 2 + (4 if method == "full" else 2) + (2 if checkpointing else 0)
 
 
-def attended_keys(lengths: list[int]) -> int:
-    """Keys attended, summed over all tokens of causal samples of these lengths (Σ n(n+1)/2)."""
-    return sum(n * (n + 1) // 2 for n in lengths)
+def attended_keys(lengths: list[int], window: int | None = None) -> int:
+    """Keys attended, summed over all tokens of causal samples of these lengths (Σ n(n+1)/2), or within a
+    sliding window of `window` keys."""
+    return int(sum(keys(n, window) for n in lengths))
+
+
+def keys(n, window: int | None = None):
+    """Keys the n tokens of one causal sample attend to, all together (n may be an array of lengths): n(n+1)/2,
+    or within a sliding window of w keys, Σ min(i, w) = m(m+1)/2 + (n - m)·w with m = min(n, w)."""
+    if window is None:
+        return n * (n + 1) / 2
+    m = np.minimum(n, window)
+    return m * (m + 1) / 2 + (n - m) * window
 
 
 @dataclass(frozen=True)
@@ -46,6 +61,7 @@ class FlopModel:
     n_layers: int
     hidden: int     # attention width: heads × head dim
     method: str
+    windows: tuple = ()  # each layer's sliding window in keys (None: every earlier key); empty: none anywhere
 
     @classmethod
     def of(cls, model, method: str) -> "FlopModel":
@@ -56,18 +72,23 @@ class FlopModel:
         n_adapter = 0 if method == "full" else sum(p.numel() for p in model.parameters() if p.requires_grad)
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         hidden = cfg.num_attention_heads * getattr(cfg, "head_dim", None) if getattr(cfg, "head_dim", None) else cfg.hidden_size
-        return cls(n_matrix, n_head, n_adapter, cfg.num_hidden_layers, hidden, method)
+        a = arch.of(model.config)
+        if a.moe:  # the experts' stacked (3-D) weights: a token meets experts_per_token of them
+            n_matrix += sum(p.numel() for p in model.parameters() if p.dim() == 3) * a.experts_per_token // a.experts
+        return cls(n_matrix, n_head, n_adapter, cfg.num_hidden_layers, hidden, method, a.windows if a.windowed else ())
 
     @classmethod
     def of_shape(cls, shape, method: str, lora_r: int, lora_targets: list[str]) -> "FlopModel":
         """The same counts from a memory.Shape (a Llama-style decoder), before any weight is loaded."""
         adapter = 0 if method == "full" else shape.lora_params(lora_r, lora_targets)
-        return cls(shape.matrix_params, shape.vocab * shape.hidden, adapter, shape.layers, shape.attn_width, method)
+        return cls(shape.matrix_params, shape.vocab * shape.hidden, adapter, shape.layers, shape.attn_width, method,
+                   shape.windows)
 
     def sample(self, tokens: int, targets: int) -> float:
         """Model FLOPs of training on one sample (the module docstring's formula)."""
         w = per_weight_flops(self.method)
-        attention = 3 * 4 * self.hidden * self.n_layers * tokens * (tokens + 1) / 2
+        windows = self.windows or (None,) * self.n_layers
+        attention = 3 * 4 * self.hidden * sum(windows.count(w) * keys(tokens, w) for w in set(windows))
         return w * (self.n_matrix * tokens + self.n_head * targets) + 6 * self.n_adapter * tokens + attention
 
 
