@@ -196,5 +196,5 @@ def test_a_run_is_told_to_ask_with_a_row_of_the_format_it_trained_on():
         d = config.DataConfig(format=fmt, dialogue_column="text")
         lines = runlog.closing_lines(Path("/tmp/run"), summary, Path("/tmp/run/adapter"), "lora", True, True, data.asked_sample(d))
         row = json.loads(re.search(r"echo '(.*)' \| ddptune predict", lines[-1]).group(1))
-        assert formats.asked_format(row, d) == fmt and formats.problem(row, fmt, answer=False) is None if fmt != "dialogue" \
+        assert formats.asked_format(row, d) == fmt and formats.problem(row, fmt, d, answer=False) is None if fmt != "dialogue" \
             else list(row) == ["text"]

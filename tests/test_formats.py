@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import multiproc
-from conftest import ROOT, SHARED_DATA, checkpoints_kept, field, metrics
+from conftest import ROOT, SHARED_DATA, checkpoints_kept, field, metrics, words
 from ddptune import batches, config, data, metrics as metrics_lib, model as model_lib, train
 from ddptune.data import chat, formats
 from ddptune.config import DataConfig, ModelConfig
@@ -234,3 +234,24 @@ def test_a_mixture_resumes_where_it_stopped(tmp_path):
     part = died_after(full, tmp_path / "part", checkpoint_step=3, metric_lines=3)
     train.run(config.load(TINY, [f"output_dir={part}", *args]), resume=True)
     assert_ended_as(full, part, loss_tol=1e-6, weight_tol=0.0)
+
+
+def test_a_row_without_its_formats_keys_is_told_the_key_that_names_its_column(tmp_path):
+    """A CSV of prompt/response columns reads as prompt/completion rows lacking 'completion', with data.format auto
+    or forced; the refusal names data.completion_column=response, and with that key the same file trains as
+    prompt/completion rows. Dialogue rows with another dialogue column are told data.dialogue_column likewise."""
+    csv = tmp_path / "pairs.csv"
+    csv.write_text("prompt,response\nCapital of France?,Paris.\nTwo and two?,Four.\n")
+    for fmt in ("auto", "prompt_completion"):
+        problems, _ = data.check(DataConfig(train=str(csv), format=fmt))
+        assert len(problems) == 1 and field(problems[0]) == "data.train", problems
+        assert {"prompt_completion", "'completion'", "data.completion_column=response"} <= words(problems[0]), problems
+    d = DataConfig(train=str(csv), completion_column="response")
+    assert data.check(d)[0] == [] and data.format_of(str(csv), d) == "prompt_completion"
+    assert data.load_split(str(csv), None, d)[1]["messages"] == [{"role": "user", "content": "Two and two?"},
+                                                                 {"role": "assistant", "content": "Four."}]
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text(json.dumps({"text": "A: hi\nB: hey", "summary": "They greet."}) + "\n")
+    (problem,), _ = data.check(DataConfig(train=str(texts)))
+    assert "data.dialogue_column=text" in words(problem), problem
+    assert data.check(DataConfig(train=str(texts), dialogue_column="text"))[0] == []

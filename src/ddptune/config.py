@@ -101,14 +101,19 @@ class DataConfig:
     val_rows: Optional[str] = None
     """Row slice of the validation data, e.g. "700:818"."""
     format: Literal["auto", "dialogue", "prompt_completion", "messages", "alpaca", "sharegpt"] = "auto"
-    """Rows: dialogue (dialogue and summary columns, data.instruction), prompt_completion, messages (turns of role and
-    content), alpaca (instruction, input, output), sharegpt (conversations of from, value); auto: by the first rows' keys."""
+    """Rows: dialogue (dialogue and summary columns, data.instruction), prompt_completion (prompt and completion columns),
+    messages (turns of role and content), alpaca (instruction, input, output), sharegpt (conversations of from, value);
+    auto: by the first rows' keys."""
     loss_on: Literal["assistant", "last_assistant"] = "assistant"
     """Chat formats (all but dialogue): train every assistant turn with its end-of-turn token, or the last one only."""
     dialogue_column: str = "dialogue"
     """Column holding the dialogue (the model's input; dialogue format)."""
     summary_column: str = "summary"
     """Column holding the reference summary (the loss targets; dialogue format)."""
+    prompt_column: str = "prompt"
+    """Column holding the prompt (the user's turn; prompt_completion format)."""
+    completion_column: str = "completion"
+    """Column holding the completion (the assistant's reply, the loss targets; prompt_completion format)."""
     instruction: str = "Summarize the following dialogue."
     """Put before the dialogue in the prompt (dialogue format)."""
     system_prompt: Optional[str] = None

@@ -188,7 +188,7 @@ def read_rows(source: str, d, taken: tuple[str, ...] | None = None) -> tuple[lis
     for number, row, fmt in zip(numbers, rows, found):
         if taken is not None and isinstance(row, dict) and formats.asked_format(row, d, taken) is None:
             raise ConfigError([f"{where}: line {number} of {name} {formats.shape_problem(row, d, taken)}"])
-        if fmt != "dialogue" and (problem := formats.problem(row, fmt, answer=False)):
+        if fmt != "dialogue" and (problem := formats.problem(row, fmt, d, answer=False)):
             raise ConfigError([f"{where}: line {number} of {name} ({fmt}): {problem}"])
         if fmt == "dialogue" and (problem := dialogue_problem(row, column)):
             raise ConfigError([f"{where}: line {number} of {name} {problem}"])

@@ -152,11 +152,13 @@ def read_problem(field: str, source: str, e: Exception) -> str:
 
 def row_problem(row, fmt: str, d: DataConfig) -> str | None:
     """What keeps one row from being used as `fmt`, said after "row N of SOURCE", or None."""
-    wrong = dialogue_problem(row, d) if fmt == "dialogue" else formats.problem(row, fmt)
+    wrong = dialogue_problem(row, d) if fmt == "dialogue" else formats.problem(row, fmt, d)
     if wrong is None:
         return None
     if other := formats.other_format(row, fmt, d):
         return f" {other}"
+    if lacks := formats.lacking(row, fmt, d):
+        return lacks
     return wrong if fmt == "dialogue" else f" ({fmt}): {wrong}"
 
 
@@ -297,7 +299,7 @@ def record(d: DataConfig) -> dict:
     return {"formats": {split: [{"name": s.name, "source": s.source, "format": resolved(s.source)} for s in sources(d, split)]
                         for split in ("train", "val")},
             **{k: getattr(d, k) for k in ("template", "chat_template", "system_prompt", "instruction", "dialogue_column",
-                                          "summary_column", "loss_on", "max_length")}}
+                                          "summary_column", "prompt_column", "completion_column", "loss_on", "max_length")}}
 
 
 def recorded_formats(saved: dict) -> tuple[str, ...] | None:

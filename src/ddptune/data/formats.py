@@ -18,26 +18,27 @@ FORMATS = ("dialogue", "prompt_completion", "messages", "alpaca", "sharegpt")
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 TOOLS = ("tool", "function", "ipython", "observation", "function_call", "tool_call")
+COLUMNS = {"dialogue": ("dialogue_column", "summary_column"), "prompt_completion": ("prompt_column", "completion_column")}
 AUTO_ROWS = 8  # data.format=auto reads the keys of this many first rows
 KINDS = {bool: "true/false", int: "a number", float: "a number", list: "a list", dict: "an object", type(None): "null"}
 
 
 def keys_of(fmt: str, d) -> tuple[str, ...]:
     """The keys a row of `fmt` must hold (`d`: the DataConfig, for the dialogue columns)."""
-    return {"dialogue": (d.dialogue_column, d.summary_column), "prompt_completion": ("prompt", "completion"),
+    return {"dialogue": (d.dialogue_column, d.summary_column), "prompt_completion": (d.prompt_column, d.completion_column),
             "messages": ("messages",), "alpaca": ("instruction", "output"), "sharegpt": ("conversations",)}[fmt]
 
 
 def asked_keys(fmt: str, d) -> tuple[str, ...]:
     """The keys a row of `fmt` must hold to be prompted (predict's input: no answer needed)."""
-    return {"dialogue": (d.dialogue_column,), "prompt_completion": ("prompt",), "messages": ("messages",),
+    return {"dialogue": (d.dialogue_column,), "prompt_completion": (d.prompt_column,), "messages": ("messages",),
             "alpaca": ("instruction",), "sharegpt": ("conversations",)}[fmt]
 
 
 def sample(fmt: str, d, answer: bool = False) -> str:
     """One row of `fmt` as a JSON line, e.g. what predict takes (`answer`: with what is trained, as eval's data.val)."""
     row = {"dialogue": {d.dialogue_column: "A: hi\nB: hello", **({d.summary_column: "They greet."} if answer else {})},
-           "prompt_completion": {"prompt": "Capital of France?", **({"completion": "Paris."} if answer else {})},
+           "prompt_completion": {d.prompt_column: "Capital of France?", **({d.completion_column: "Paris."} if answer else {})},
            "messages": {"messages": [{"role": "user", "content": "Hi"}] + [{"role": "assistant", "content": "Hello!"}] * answer},
            "alpaca": {"instruction": "Summarize.", "input": "A: hi\nB: hey", **({"output": "They greet."} if answer else {})},
            "sharegpt": {"conversations": [{"from": "human", "value": "Hi"}] + [{"from": "gpt", "value": "Hello!"}] * answer}}[fmt]
@@ -98,6 +99,34 @@ def other_format(row, fmt: str, d) -> str | None:
             "by format and give data.train a list of them)")
 
 
+def lacking(row, fmt: str, d) -> str | None:
+    """For an object row without every key of `fmt`: the format its keys name (data.format auto: the one whose
+    keys it holds most of), the keys it lacks, and the config key that fixes it (COLUMNS), as the rest of a line
+    after "row N of SOURCE"; None for a row that holds them all, or is no object."""
+    if not isinstance(row, dict) or set(keys_of(fmt, d)) <= row.keys():
+        return None
+    has = ", ".join(sorted(map(str, row))) or "nothing"
+    auto = d.format == "auto"
+    guess = max(FORMATS, key=lambda f: (len(set(keys_of(f, d)) & row.keys()), f == fmt)) if auto else fmt
+    need = keys_of(guess, d)
+    if auto and not set(need) & row.keys():
+        keys = ", or ".join(f"data.{a} and data.{b}" for a, b in COLUMNS.values())
+        return f" holds the keys of no format (it has: {has}): name its columns with {keys}; or set data.format to its format"
+    missing = [k for k in need if k not in row]
+    spare = [k for k in row if k not in need and k != "id" and isinstance(row[k], str)]
+    if full := of_row(row, d):
+        fix = f"its keys are a {full} row's: set data.format={full}, or auto"
+    elif guess in COLUMNS:
+        names = [f"data.{COLUMNS[guess][need.index(k)]}" for k in missing]
+        fix = (f"set {names[0]}={spare[0]}" if len(names) == len(spare) == 1 else
+               f"set {' and '.join(names)} to the column{'s' * (len(names) > 1)} holding {'them' if len(names) > 1 else 'it'}"
+               + (f": {', '.join(spare)}" if spare else ""))
+    else:
+        fix = f"rename {'their columns' if len(missing) > 1 else 'its column'} to {' and '.join(map(repr, missing))}"
+    what = f" is nearest to a {guess} row, but" if auto else f" ({fmt}):"
+    return f"{what} lacks {' and '.join(map(repr, missing))} (it has: {has}): {fix}"
+
+
 def text_problem(text: str) -> str | None:
     """What keeps a string from being tokenized: a lone surrogate (valid JSON, not valid Unicode)."""
     try:
@@ -113,10 +142,11 @@ def kind(value) -> str:
     return f"{KINDS.get(type(value), type(value).__name__)} ({shown if len(shown) <= 40 else shown[:37] + '...'})"
 
 
-def turns_of(row: dict, fmt: str) -> tuple[list | None, str | None]:
+def turns_of(row: dict, fmt: str, d) -> tuple[list | None, str | None]:
     """(the row's turns as [role, content, original] triples, None) or (None, what is wrong)."""
     if fmt == "prompt_completion":
-        return [["user", row.get("prompt"), "prompt"], ["assistant", row.get("completion"), "completion"]], None
+        return [["user", row.get(d.prompt_column), d.prompt_column], ["assistant", row.get(d.completion_column),
+                                                                         d.completion_column]], None
     if fmt == "alpaca":
         instruction, extra = row.get("instruction"), row.get("input") or ""
         if not isinstance(extra, str):
@@ -148,19 +178,19 @@ def turns_of(row: dict, fmt: str) -> tuple[list | None, str | None]:
     return out, None
 
 
-def problem(row, fmt: str, answer: bool = True) -> str | None:
+def problem(row, fmt: str, d, answer: bool = True) -> str | None:
     """What is wrong with one row of a chat format, or None (data.column_problem checks dialogue rows).
     `answer`: the row must hold what is trained (an assistant turn, a completion, an output); predict's need not."""
     if not isinstance(row, dict):
         return f"is {KINDS.get(type(row), type(row).__name__)}, not an object of fields"
-    turns, wrong = turns_of(row, fmt)
+    turns, wrong = turns_of(row, fmt, d)
     if wrong:
         return wrong
     if not answer:
         turns = [t for t in turns if t[0] != "assistant" or t[1] is not None]
     for role, text, where in turns:
         if not isinstance(text, str):
-            missing = text is None and where in ("prompt", "completion", "instruction", "output")
+            missing = text is None and where in (*keys_of("prompt_completion", d), "instruction", "output")
             return (f"has no text {where!r}" if missing else f"{where} holds {kind(text)}, not text") + " (write it as a string)"
         if not text.strip():
             return f"{where} is empty (give every turn its text, or remove the turn)"
@@ -184,7 +214,7 @@ def normalise(row: dict, i: int, fmt: str, d) -> dict:
     ident = str(row.get("id", i))
     if fmt == "dialogue":
         return {"id": ident, "dialogue": row[d.dialogue_column], "summary": row.get(d.summary_column, "")}
-    turns, _ = turns_of(row, fmt)
+    turns, _ = turns_of(row, fmt, d)
     messages = [{"role": r, "content": t} for r, t, _ in turns if isinstance(t, str)]
     if d.system_prompt is not None and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": d.system_prompt})

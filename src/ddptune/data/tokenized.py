@@ -100,8 +100,10 @@ def load(p: Prepared) -> tuple[store_lib.Examples, store_lib.Examples]:
 def key_parts(s: data.Source, d: DataConfig, tok_id: str) -> list:
     """What a source's store depends on: its content, its rows, the options that shape its examples, the tokenizer
     (its chat template, data.chat_template's where set, among them)."""
+    columns = (d.prompt_column, d.completion_column)  # named apart from the defaults only: stores made before stay found
     return ["examples", rows_lib.identity(s.source), s.rows, d.format, d.dialogue_column, d.summary_column,
-            d.instruction, d.loss_on, d.max_length, d.system_prompt, d.template, tok_id]
+            d.instruction, d.loss_on, d.max_length, d.system_prompt, d.template, tok_id] + \
+        ([*columns] if columns != (DataConfig.prompt_column, DataConfig.completion_column) else [])
 
 
 def note(s: data.Source, meta: dict, d: DataConfig) -> str | None:
