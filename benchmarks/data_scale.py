@@ -1,7 +1,7 @@
 """Data at scale: generated chat rows prepared for training, and what training processes hold of them.
 
     python benchmarks/data_scale.py --tokenizer TOKENIZER_DIR --rows 100000,1000000 [--before TREE]
-        [--before-rows 100000] [--nproc 1,2,8] [--samsum PATH] --out benchmarks/results/NAME.json
+        [--before-rows 100000] [--nproc 1,2,8] [--samsum PATH] [--check] --out benchmarks/results/NAME.json
 
 For each row count (and each of --kinds), one JSON-lines file of distinct rows made from SAMSum's
 validation rows: conversations (a system turn, the user's instruction and dialogue ending in the row's
@@ -33,6 +33,12 @@ Each tree (this checkout, and --before's, an older commit's worktree, for row co
   the first --cores-rows rows, in the chunks preparation hands its workers), done whole by each of K
   forked processes at once: rows/s over all K, what K cores give this work without a row read, sent
   or written; and first, in this process, µs a row of that work and of its parts (`parts`);
+- check (--check): the store's content check that every run's preparation makes before it trusts a
+  store (store.inspect: each file's crc32 against meta.json, then its bounds: ids inside the
+  vocabulary, masks 0 or 1, examples in order inside ids.bin), timed in this process on the store
+  `prepare` made: first from the disk (each file's pages dropped from the page cache), then from the
+  page cache (least of 3), each file's crc32 and the bounds alone, and what each training process
+  checks on opening it (sizes, the index's shape); with the machine's other load at the time;
 - the anchor, in this process: Hugging Face datasets' `Dataset.from_json`, then `map(batched=True,
   num_proc=cores)` with the tokenizer's batched `apply_chat_template(tokenize=True)`: rows/s of each.
 Each figure is printed, and written to --out, as soon as it is measured: a command stopped at a time
@@ -113,6 +119,44 @@ def as_json_list(lines: Path, path: Path) -> None:
         for k, line in enumerate(f):
             g.write((",\n" if k else "") + line.rstrip("\n"))
         g.write("\n]\n")
+
+
+def check(cache: Path) -> dict:
+    """The content check of each store in `cache` (module docstring), in seconds."""
+    from ddptune import launch
+    from ddptune.data import store
+
+    def timed(fn) -> float:
+        started = time.perf_counter()
+        fn()
+        return time.perf_counter() - started
+
+    def least(fn, n: int = 3) -> float:
+        return round(min(timed(fn) for _ in range(n)), 3)
+
+    load = {"load_avg_1m": round(os.getloadavg()[0], 2), "busy_cores": round(launch.busy_cores(1.0), 2)}
+    stores = []
+    for folder in sorted(p.parent for p in (cache / "tokens").glob("*/meta.json")):
+        meta = json.loads((folder / "meta.json").read_text())
+        for name in store.FILES:  # from the disk: none of its pages cached (a store made or read long before)
+            fd = os.open(folder / name, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        started = time.perf_counter()
+        found = store.inspect(folder)
+        cold = time.perf_counter() - started
+        if not isinstance(found, store.Store):
+            raise SystemExit(f"{folder}: {found}")
+        opened = store.Store(folder, meta)
+        size = sum(meta["bytes"].values())
+        crc = {name: least(lambda: store.checksum(folder / name)) for name in store.FILES}
+        stores.append({"examples": meta["examples"], "tokens": meta["tokens"], "bytes": size, "dtype": meta["dtype"],
+                       "whole_from_disk_s": round(cold, 3), "whole_cached_s": least(lambda: store.inspect(folder)),
+                       "crc32_s": crc, "crc32_cached_gb_per_s": round(size / sum(crc.values()) / 1e9, 2),
+                       "bounds_s": least(lambda: store.damage(opened)),
+                       "on_open_s": least(lambda: store.inspect(folder, whole=False))})
+    return {"stores": stores, "other_load_before": load,
+            "other_load_after": {"load_avg_1m": round(os.getloadavg()[0], 2), "busy_cores": round(launch.busy_cores(1.0), 2)}}
 
 
 def overrides(data: Path, args) -> list[str]:
@@ -381,6 +425,8 @@ def one_tree(tree: Path, args, data: Path, rows: int, work: Path, results: list)
         part("prepare_gzip", prepare(tree, args, data.with_suffix(".jsonl.gz"), work / f"cache-{tree.name}-{data.stem}-gz"))
     if tree == ROOT:
         part("store", store_bytes(cache))
+        if args.check:
+            part("check", check(cache))
         part("prepare_again", prepare(tree, args, data, cache))
     if not args.prepare_only:
         part("hold", [hold(tree, args, data, cache, n, work) for n in args.nproc])
@@ -414,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json-list", action="store_true", help="prepare the same rows written as one JSON list too")
     p.add_argument("--gzip", action="store_true", help="prepare the same JSON-lines file gzipped (.jsonl.gz) too")
     p.add_argument("--kinds", default="chat", help="chat and/or dialogue rows, e.g. chat,dialogue")
+    p.add_argument("--check", action="store_true", help="time the store's content check (crc32 and bounds) too")
     p.add_argument("--train-nproc", type=int, help="processes of the train runs (default: the largest --nproc)")
     p.add_argument("--commit", help="this checkout's commit, where its git history is not the one it was made from")
     p.add_argument("--out", required=True)
