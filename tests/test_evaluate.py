@@ -82,6 +82,33 @@ def test_zero_shot_base_and_compare_table(trained_run, tmp_path, capsys):
     assert base["processes"] is None and base["steps"] is None  # the base was not trained: no training columns
 
 
+def test_an_evaluation_of_other_settings_keeps_the_first_and_compare_marks_their_samples(trained_run, tmp_path, capsys):
+    """`eval RUN key=value` with settings other than those of the run's eval/ writes eval-2/ beside it (the same
+    settings again replace their own folder); compare marks rows scored on different samples."""
+    import shutil
+
+    from ddptune import cli, rundir
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run, ignore=shutil.ignore_patterns("eval*"))  # without what other tests scored there
+    first = ["eval", str(run), "data.val_rows=560:564", "eval.max_new_tokens=4"]
+    assert cli.main(first) == 0
+    kept = (run / "eval" / "metrics.json").read_text()
+    assert cli.main([*first, "eval.max_samples=2"]) == 0
+    assert (run / "eval" / "metrics.json").read_text() == kept
+    assert [json.loads((run / name / "metrics.json").read_text())["n"] for name in ("eval", "eval-2")] == [4, 2]
+    assert cli.main(first) == 0 and cli.main([*first, "eval.max_samples=2"]) == 0
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("eval")) == ["eval", "eval-2"]
+    assert rundir.is_own(run / "eval-2")  # --overwrite deletes it with the run
+    out = tmp_path / "cmp.json"
+    assert cli.main(["compare", str(run), "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert sorted(r["eval"] for r in rows) == ["eval", "eval-2"] and len({r["scored_on"] for r in rows}) == 2
+    assert [r["same_samples"] for r in rows] == [False, False]
+    assert cli.main(["compare", str(run / "eval"), str(run / "eval"), "--json", str(out)]) == 0
+    assert [r["same_samples"] for r in json.loads(out.read_text())] == [True, True]
+
+
 def test_compare_shows_the_config_keys_that_differ_and_plots_the_losses(tmp_path, capsys):
     from ddptune import cli
 

@@ -7,6 +7,7 @@ scores and losses side by side, with the config keys that differ.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -41,6 +42,10 @@ def main(args) -> int:
                         "(has the run finished? or pass --base for the zero-shot base model)")
     problems += trained_lib.trained_weights_problems(run_dir, cfg.train.method, "eval") if trained else []
     out = Path(args.out) if args.out else (run_dir or Path(cfg.output_dir)) / ("eval" if trained else "eval-base")
+    if not args.out:  # a folder of other settings is kept: this one goes beside it
+        out, note = free_folder(out, scored_with(cfg))
+        if note and launch.is_main_process():
+            print(f"ddptune: note: eval: {note}", file=sys.stderr)
 
     def checked_once(data_ok: bool = True, found: tuple = ()) -> list[str]:
         """The output folder, the data and the model (its code is imported only when all else holds):
@@ -91,8 +96,48 @@ def evaluate(cfg, run_dir: Path | None, trained: bool, out: Path, checked_once) 
     label = f"fine-tuned ({model_lib.trained_weights_dir(run_dir, t.method)})" if trained else "zero-shot"
     generation.evaluate(net, tokenizer, generation.eval_rows(cfg.data, cfg.eval.max_samples), cfg.eval, cfg.data, cfg.model.source,
                         accelerator, out, label)
+    if accelerator.is_main_process:
+        report.write_json(out / SETTINGS, scored_with(cfg))
     accelerator.wait_for_everyone()
     return 0
+
+
+SETTINGS = "settings.json"  # in an eval folder: the config keys its scores depend on (scored_with)
+NO_SCORE = {"data.train", "data.train_rows", "eval.enabled", "eval.zero_shot"}  # keys that change no evaluation
+
+
+def scored_with(cfg) -> dict:
+    """The config keys an evaluation's scores depend on: the model, data and eval sections but for the training
+    rows and evaluation's switches, as JSON reads them back."""
+    flat = config_lib.flatten(config_lib.to_dict(cfg))
+    kept = {k: v for k, v in flat.items() if k.split(".")[0] in ("model", "data", "eval") and k not in NO_SCORE}
+    return json.loads(json.dumps(kept))
+
+
+def folder_settings(folder: Path) -> dict | None:
+    """What the evaluation in `folder` was scored with: its SETTINGS, or, for one a training run wrote (eval/,
+    eval-base/), that run's config.yaml; None where neither can be read."""
+    try:
+        if (folder / SETTINGS).is_file():
+            return json.loads((folder / SETTINGS).read_text(encoding="utf-8"))
+        return scored_with(config_lib.load(folder.parent / "config.yaml"))
+    except (OSError, ValueError, ConfigError):
+        return None
+
+
+def free_folder(out: Path, settings: dict) -> tuple[Path, str | None]:
+    """`out`, unless it holds an evaluation scored with other settings: then the first of out-2, out-3, ... that
+    holds none (or one of these settings), and a line naming the keys that differ. Nothing is overwritten."""
+    first, n = out, 1
+    found = folder_settings(out) if (out / "metrics.json").is_file() else settings
+    if found == settings:
+        return out, None
+    while (out / "metrics.json").is_file() and folder_settings(out) != settings:
+        n += 1
+        out = first.with_name(f"{first.name}-{n}")
+    differ = [k for k in settings if (found or {}).get(k) != settings[k]]
+    keys = ", ".join(f"{k}={settings[k]!r}" for k in differ[:4]) or "its settings cannot be read"
+    return out, f"{first} holds an evaluation with other settings (here {keys}): it stays; this one goes to {out}"
 
 
 def find_metrics(path: Path) -> list[Path]:
@@ -144,11 +189,30 @@ def _compare_row(folder: Path, summary: dict, metrics_path: Path | None) -> dict
     trained = {} if base else summary  # the base model was not trained: the run's training columns do not describe it
     return {
         "run": str(folder), "eval": metrics_path.parent.name if metrics_path else None,
+        "scored_on": scored_on(folder_settings(metrics_path.parent), e["n"]) if metrics_path else None,
         "model": "zero-shot (base)" if base else "fine-tuned",
         "processes": trained.get("world_size"),
         **{k: trained.get(k) for k in ("global_batch", "steps", "final_loss", "val_loss", "train_time_s", "wall_time_s")},
         **{k: e.get(k) for k in (*ROUGE_KEYS, "n", "generation_time_s")},
     }
+
+
+def scored_on(settings: dict | None, n: int) -> str:
+    """The samples an evaluation scored, in words: "8 of demo rows 560:600" (the settings unknown: "8 of ?")."""
+    if settings is None:
+        return f"{n} of ?"
+    val = settings.get("data.val")
+    sources = [f"{s['source']}{' rows ' + s['rows'] if s.get('rows') else ''}" for s in val] if isinstance(val, list) else \
+        [f"{val}{' rows ' + settings['data.val_rows'] if settings.get('data.val_rows') else ''}"]
+    return f"{n} of {' + '.join(sources)}"
+
+
+def mark_samples(rows: list[dict]) -> bool:
+    """Whether every evaluated row scored the same samples; each row's `same_samples` says so (None: not evaluated)."""
+    same = len({r["scored_on"] for r in rows if r["scored_on"] is not None}) <= 1
+    for r in rows:
+        r["same_samples"] = same if r["scored_on"] is not None else None
+    return same
 
 
 def config_differences(rows: list[dict]) -> list[str]:
@@ -199,9 +263,14 @@ def compare_main(paths: list[str], json_path: str | None, plot_path: str | None 
             raise ConfigError(problems)
     rows = compare_rows(paths)
     differing = config_differences(rows)
+    same = mark_samples(rows)
     columns = COMPARE_COLUMNS[:2] + [(k, k) for k in differing] + COMPARE_COLUMNS[2:]
+    columns += [] if same else [("scored_on", "scored on")]
     # a column no run has (ROUGE where evaluation was off, training figures of a base model) is left out
     print(report.markdown_table(rows, [c for c in columns if any(r.get(c[0]) is not None for r in rows)]))
+    if not same:
+        print("ddptune compare: note: the ROUGE rows were scored on different samples (the `scored on` column): "
+              "compare them only with rows of the same samples", file=sys.stderr)
     if json_path:
         report.write_json(Path(json_path), rows)
     if plot_path:

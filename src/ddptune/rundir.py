@@ -26,7 +26,7 @@ DATA_RECORD = "data.json"  # beside config.yaml: the formats data.format `auto` 
 # Everything a run writes into its output_dir (names, or fnmatch patterns). `--overwrite` deletes these only.
 RUN_ENTRIES = (
     MARKER, "config.yaml", DATA_RECORD, "metrics.jsonl", "ranks.jsonl", "summary.json", "profile.txt", "trace.json",
-    "trace-rank*.json", "checkpoints", "adapter", "model", "eval", "eval-base", "cache", "tensorboard", "torch.log",
+    "trace-rank*.json", "checkpoints", "adapter", "model", "eval", "eval-*", "cache", "tensorboard", "torch.log",
     ".adapter.tmp-*", ".model.tmp-*", ".adapter.old", ".model.old", ".summary.json.tmp-*",
 )
 # what a run folder made before the marker existed held, besides a config.yaml: one of these
