@@ -390,7 +390,8 @@ def support_rows() -> list[list[str]]:
     return out
 
 
-GGUF_TESTED = {"llama", "mistral", "qwen2", "qwen3"}  # test_gguf_export: each reads back with its logits
+GGUF_TESTED = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"}  # test_gguf_export: each reads back
+# as llama.cpp reads it, with its logits
 SUPPORT_HEAD = ["family", "trains exactly (fp32, CPU)", "bf16 on a GPU", "2 processes = 1", "FSDP", "QLoRA",
                 "compiled layers", "CUDA graphs", "GGUF export"]
 
@@ -412,12 +413,17 @@ def test_the_support_table_in_config_md_is_what_the_tests_prove():
 
 @pytest.mark.parametrize("name", [n for n in FAMILIES if n not in GGUF_TESTED])
 def test_gguf_export_refuses_what_it_does_not_write_in_one_line(name):
-    """A family the GGUF writer has no mapping for, or whose sliding windows it would not record, is refused
-    before anything is written (the table's `refused`)."""
+    """A family the GGUF writer has no mapping for (its line lists those it has), or that a GGUF file would make
+    llama.cpp compute otherwise (a window on llama, experts' weights not renormalized), is refused before anything
+    is written (the table's `refused`)."""
+    from conftest import words
     from ddptune import gguf_export
 
-    problem = gguf_export.model_problem(family_config(name))
+    cfg = family_config(name)
+    problem = gguf_export.model_problem(cfg)
     assert problem is not None and problem.startswith("model: ") and "\n" not in problem
+    if cfg.model_type not in gguf_export.ARCHES:
+        assert {cfg.model_type, *gguf_export.ARCHES} <= words(problem), problem
 
 
 @pytest.mark.parametrize("name", ["qwen3-moe", "gpt-oss", "phi3"])

@@ -21,7 +21,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import ROOT, field, gguf_parsed_once, words
 from ddptune import cli, data, gguf_export, model as model_lib
+from ddptune.config import ConfigError
 from ddptune.data import chat
+from test_architectures import GGUF_TESTED, family_config
 from test_export import export, logits, train_run
 
 DEMO = [json.loads(line) for line in (ROOT / "src" / "ddptune" / "demo_data" / "demo.jsonl").read_text().splitlines()]
@@ -61,10 +63,11 @@ def prompt_ids(tokenizer, row) -> list[int]:
 
 
 def rounded_to_bf16(net):
-    """The model with every matrix rounded to bf16 as the GGUF file stores it (1-D tensors stay f32)."""
+    """The model with every matrix (and experts' 3-D weights) rounded to bf16 as the GGUF file stores it
+    (1-D tensors and routers stay f32)."""
     with torch.no_grad():
-        for p in net.parameters():
-            if p.dim() == 2:
+        for name, p in net.named_parameters():
+            if p.dim() >= 2 and not name.endswith("mlp.gate.weight"):
                 p.copy_(p.to(torch.bfloat16).float())
     return net
 
@@ -157,26 +160,88 @@ def test_the_modelfile_renders_conversations_as_the_chat_template_does(smollm2):
 # Architectures, on random tiny models
 
 
-def tiny(kind: str, **extra):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+def tiny_llama(**extra):
+    from transformers import LlamaConfig
 
-    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[kind]
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  vocab_size=320, max_position_embeddings=4096, head_dim=16, tie_word_embeddings=False)
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cls(**shape | extra), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_config(LlamaConfig(**shape | extra), dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("kind, extra", [("llama", {}), ("mistral", {"sliding_window": None}), ("qwen2", {}),
-                                         ("qwen3", {"tie_word_embeddings": True, "head_dim": 128})],
-                         ids=["llama", "mistral", "qwen2", "qwen3-tied"])  # transformers reads Qwen3 files with Qwen3's head_dim
-def test_each_architecture_reads_back_with_its_logits(kind, extra, tmp_path):
-    net = tiny(kind, **extra)
-    path = tmp_path / "m.gguf"
-    gguf_export.write(net, model_lib.byte_tokenizer(), path, "bf16", f"tiny-{kind}", None, None)
-    back = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
-    ids = torch.tensor([[256, 72, 105, 33, 10, 65, 66, 67]])
-    assert torch.allclose(logits(back, ids), logits(rounded_to_bf16(net), ids), atol=1e-5, rtol=0)
+RELEASED = {"qwen3-moe": {"norm_topk_prob": True}}  # as every released Qwen3-MoE routes, and llama.cpp's qwen3moe does
+
+
+def configured(name: str, **change):
+    """test_architectures' tiny config of the family (windows shorter than the samples, Gemma's soft-caps and a
+    query_pre_attn_scalar apart from head_dim, fused projections, experts), as released, with `change`."""
+    cfg = family_config(name)
+    for key, value in (RELEASED.get(name, {}) | change).items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def as_llama_cpp_reads(folder, name: str):
+    """The file's model through transformers' GGUF loader, with what llama.cpp reads from the file but
+    transformers' config mapping leaves at its config class's defaults set from the file: head_dim
+    (attention.key_length), the experts' width, Gemma 2's soft-caps, and the attention scale llama.cpp
+    derives (1/sqrt(head_dim): query_pre_attn_scalar = head_dim)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(folder, gguf_file=name)
+    fields = gguf.GGUFReader(folder / name).fields
+    arch = fields["general.architecture"].contents()
+    read = {key: fields[f"{arch}.{key}"].contents() for key in ("attention.key_length", "expert_feed_forward_length",
+            "attn_logit_softcapping", "final_logit_softcapping") if f"{arch}.{key}" in fields}
+    cfg.head_dim = read["attention.key_length"]
+    if hasattr(cfg, "query_pre_attn_scalar"):
+        cfg.query_pre_attn_scalar = cfg.head_dim
+    for key, attr in (("expert_feed_forward_length", "moe_intermediate_size"),
+                      ("attn_logit_softcapping", "attn_logit_softcapping"),
+                      ("final_logit_softcapping", "final_logit_softcapping")):
+        if key in read:
+            setattr(cfg, attr, read[key])
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=cfg, dtype=torch.float32,
+                                                attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("name", sorted(GGUF_TESTED | set(RELEASED)))
+def test_each_family_reads_back_as_llama_cpp_reads_it_with_its_logits(name, tmp_path):
+    """Each family's tiny model, written in bf16 (Gemma's norms plus one, its query_pre_attn_scalar folded into Q,
+    Llama's rope pairs, a mixture's experts stacked, Phi-3's fused projections as they are) and read back
+    as llama.cpp reads it, on a sample longer than the window: the logits of the model with its matrices
+    rounded to bf16, to f32's rounding of the norm shift and the folded scale."""
+    torch.manual_seed(0)
+    net = AutoModelForCausalLM.from_config(configured(name), dtype=torch.float32).eval()
+    gguf_export.write(net, model_lib.byte_tokenizer(), tmp_path / "m.gguf", "bf16", f"tiny-{name}", None, None)
+    ids = torch.tensor([[256, *range(65, 85)]])
+    want = logits(rounded_to_bf16(net), ids)
+    assert (logits(as_llama_cpp_reads(tmp_path, "m.gguf"), ids) - want).abs().max() < 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("name, change", [
+    ("gemma2", {"layer_types": ["sliding_attention"] * 4}),  # llama.cpp's gemma2 slides 1 layer of every 2
+    ("gemma3", {"layer_types": ["full_attention"] + ["sliding_attention"] * 3}),  # its gemma3 5 of every 6
+    ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 5e4}}}),  # fixed 1e4
+    ("gemma2", {"final_logit_softcapping": None}),  # its gemma2 caps both, always
+    ("gemma3", {"attn_logit_softcapping": 30.0}),  # its gemma3 caps neither
+    ("gemma2", {"tie_word_embeddings": False}),  # its gemma2 has no output tensor
+    ("phi3", {"sliding_window": 8}),  # its phi3 attends to every earlier token
+    ("phi3", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 256}}),  # no rope_freqs
+    ("qwen3-moe", {"norm_topk_prob": False}),  # its qwen3moe renormalizes the chosen experts' weights
+])
+def test_what_llama_cpp_would_compute_otherwise_is_refused_in_one_line(name, change, tmp_path):
+    assert gguf_export.model_problem(configured(name)) is None
+    problem = gguf_export.model_problem(configured(name, **change))
+    assert problem is not None and field(problem) == "model" and "\n" not in problem, problem
+    if name == "gemma2":  # write() asks the same before it opens the file
+        torch.manual_seed(0)
+        net = AutoModelForCausalLM.from_config(configured(name, **change), dtype=torch.float32)
+        with pytest.raises(ConfigError):
+            gguf_export.write(net, model_lib.byte_tokenizer(), tmp_path / "m.gguf", "bf16", "x", None, None)
+        assert not (tmp_path / "m.gguf").exists()
 
 
 def test_llama3_rope_scaling_becomes_the_rope_freqs_tensor(tmp_path):
@@ -186,7 +251,7 @@ def test_llama3_rope_scaling_becomes_the_rope_freqs_tensor(tmp_path):
 
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 1024, "rope_theta": 500000.0}
-    net = tiny("llama", rope_parameters=scaling)
+    net = tiny_llama(rope_parameters=scaling)
     path = tmp_path / "m.gguf"
     gguf_export.write(net, model_lib.byte_tokenizer(), path, "bf16", "llama3", None, None)
     factors = next(t for t in gguf.GGUFReader(path).tensors if t.name == "rope_freqs.weight").data
@@ -219,7 +284,7 @@ def test_pre_tokenizers_are_named_as_llama_cpp_names_them(smollm2, tmp_path):
     llama3.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(gguf_export.LLAMA3_SPLIT), behavior="isolated"),
          pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    net = tiny("llama", vocab_size=len(llama3), hidden_size=32, intermediate_size=64, num_hidden_layers=1, head_dim=8)
+    net = tiny_llama(vocab_size=len(llama3), hidden_size=32, intermediate_size=64, num_hidden_layers=1, head_dim=8)
     gguf_export.write(net, llama3, tmp_path / "m.gguf", "bf16", "llama3-split", None, None)
     back = AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
     texts = [r["dialogue"] + "\n" + r["summary"] + " 2024, 1999 km" for r in DEMO]

@@ -3,8 +3,9 @@
 transformers' model code is the reference for what an architecture computes. Its config names the
 attention each layer uses (`layer_types`, `sliding_window`, `use_sliding_window`, `attention_chunk_size`),
 soft-caps (`attn_logit_softcapping`, `final_logit_softcapping`), scales on the output head
-(`logits_scaling`, `logit_scale`), and experts (`num_local_experts` / `num_experts`, `num_experts_per_tok`,
-`output_router_logits`, `router_aux_loss_coef`); attention sinks are parameters of the attention modules.
+(`logits_scaling`, `logit_scale`), the attention's scale (`query_pre_attn_scalar`, `attention_multiplier`), and
+experts (`num_local_experts` / `num_experts`, `num_experts_per_tok`, `norm_topk_prob`, `output_router_logits`,
+`router_aux_loss_coef`); attention sinks are parameters of the attention modules.
 `of(config)` reads them into one frozen `Arch`; attention, the loss, the LoRA targets, the speed choices,
 `plan`, the banner and the GGUF writer ask it instead of testing `model_type`.
 """
@@ -27,9 +28,11 @@ class Arch:
     sinks: bool                      # attention sinks
     experts: int                     # experts per MoE layer; 0: dense
     experts_per_token: int
+    experts_normalized: bool         # the chosen experts' router weights renormalized to sum to 1 (norm_topk_prob)
     router_aux_coef: float | None    # router load-balancing loss coefficient, where the config asks for it
     tied_head: bool                  # the output head is the input embedding
     head_dim: int
+    attn_scale: float                # attention scores multiplied by this (query_pre_attn_scalar, attention_multiplier)
 
     @property
     def moe(self) -> bool:
@@ -84,6 +87,7 @@ def of(config) -> Arch:
     experts = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None) or 0
     scaling = getattr(text, "logits_scaling", None)
     scale = (1.0 / scaling if scaling else 1.0) * (getattr(text, "logit_scale", None) or 1.0)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
     return Arch(
         family=text.model_type,
         windows=windows,
@@ -94,9 +98,12 @@ def of(config) -> Arch:
         sinks=text.model_type in _SINKS,
         experts=int(experts),
         experts_per_token=int(getattr(text, "num_experts_per_tok", 0) or 0) if experts else 0,
+        experts_normalized=bool(experts) and bool(getattr(text, "norm_topk_prob", True)),
         router_aux_coef=(getattr(text, "router_aux_loss_coef", None) or None)
         if experts and getattr(text, "output_router_logits", False) else None,
         tied_head=bool(getattr(config, "tie_word_embeddings", False)),
-        head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads),
+        head_dim=head_dim,
+        attn_scale=float(getattr(text, "attention_multiplier", None)
+                         or (getattr(text, "query_pre_attn_scalar", None) or head_dim) ** -0.5),
     )
 

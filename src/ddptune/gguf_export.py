@@ -7,15 +7,29 @@ with its merges, token types and llama.cpp's name for its pre-tokenizer (recogni
 tokenizer's own pre-tokenizer, so that llama.cpp splits text as the run's tokenizer did), the
 bos/eos/end-of-turn ids and the chat template.
 
-Architectures: the Llama family (SmolLM2, Llama 3.x, with the `rope_freqs` tensor for llama3 rope
-scaling; tied embeddings write no output tensor), Mistral (llama.cpp runs it as llama), Qwen2 and
-Qwen3. llama.cpp's llama architecture rotates interleaved pairs (x0, x1), (x2, x3)... where
-transformers rotates the two halves of each head, so the Q and K rows of each head are reordered
-into pairs (row i with row i + head_dim/2); Qwen's rope reads halves, as transformers does.
+Architectures (`ARCHES`, one row per transformers model_type): the Llama family (SmolLM2, Llama 3.x,
+with the `rope_freqs` tensor for llama3 rope scaling; tied embeddings write no output tensor), Mistral
+(llama.cpp runs it as llama), Qwen2, Qwen3, Qwen3-MoE, Phi-3, Gemma 2 and Gemma 3 (text). What differs
+between transformers' model code and llama.cpp's is written into the tensors:
+- llama.cpp's llama architecture rotates interleaved pairs (x0, x1), (x2, x3)... where transformers
+  rotates the two halves of each head, so the Q and K rows of each head are reordered into pairs
+  (row i with row i + head_dim/2); the other architectures read halves, as transformers does.
+- Gemma's RMSNorms scale by 1 + w, llama.cpp's by w: each norm weight is written plus one.
+- llama.cpp scales attention scores by 1/sqrt(head_dim) (by 1/sqrt(hidden/heads) at Gemma 27B's depth);
+  a model whose own scale differs (Gemma's query_pre_attn_scalar) has the ratio folded into Q (its
+  q_norm where it has one).
+- A mixture's experts (transformers' 3-D `gate_up_proj`) become llama.cpp's stacked `ffn_gate_exps`
+  and `ffn_up_exps` (its first and second halves).
+Phi-3's fused `qkv_proj` and `gate_up_proj` are llama.cpp's `attn_qkv` and `ffn_up` as they are.
+Sliding windows: Gemma's architectures record one window, and llama.cpp derives which layers slide
+(Gemma 2: 1 of every 2, Gemma 3: 5 of every 6), so a model is written where its `layer_types` are that
+pattern; the other architectures record none. Gemma 2's soft-caps are written. What a file cannot
+record (another window pattern, a window or soft-caps elsewhere, experts not renormalized, a head
+apart from Gemma 2's embedding) is refused in one line by `model_problem`.
 
 Weights: bf16 and f16 as such, q8_0 through gguf's own quantizer (blocks of 32 with an f16 scale);
-1-D tensors (norms, rope factors) stay f32, as llama.cpp's converter keeps them. K-quants are
-llama.cpp's (`llama-quantize`) or Ollama's (`ollama create -q`): `quantize_command` finds one.
+1-D tensors (norms, biases, rope factors) and routers stay f32, as llama.cpp's converter keeps them.
+K-quants are llama.cpp's (`llama-quantize`) or Ollama's (`ollama create -q`): `quantize_command` finds one.
 `modelfile` writes Ollama's Modelfile: the chat template as a Go template, its stop tokens and
 greedy decoding, as `ddptune predict` generates.
 """
@@ -23,8 +37,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import gguf
@@ -35,10 +51,37 @@ from ddptune import arch
 from ddptune.data import chat
 from ddptune.config import ConfigError
 
-# transformers' model_type -> (GGUF architecture, whether Q and K rows are reordered into rope pairs)
-ARCHES = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
-SUPPORTED = "llama (SmolLM2, Llama 3.x), mistral, qwen2, qwen3"
 Q = gguf.GGMLQuantizationType
+T = gguf.MODEL_TENSOR
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one transformers model_type is written as one of llama.cpp's architectures."""
+    arch: str                  # llama.cpp's architecture (general.architecture)
+    label: str = ""            # what the list of supported families says beside the model_type
+    rope_pairs: bool = False   # Q and K rows reordered from transformers' halves into llama.cpp's pairs
+    norm_shift: float = 0.0    # added to every RMSNorm weight (Gemma's norms scale by 1 + w)
+    window_every: int = 0      # llama.cpp slides the file's window on n - 1 of every n layers; 0: on none
+    window_rope_theta: float | None = None  # llama.cpp's fixed rope base on windowed layers; None: the model's
+    softcapped: bool = False   # llama.cpp soft-caps attention and output logits by the file's caps (always)
+    big_depth: int = 0         # at this depth llama.cpp scales scores by hidden/heads, not head_dim (27B)
+    splits: dict = field(default_factory=dict)  # a fused tensor (name in its layer) -> llama.cpp's, in row order
+
+
+# transformers' model_type -> how llama.cpp holds it
+ARCHES = {
+    "llama": Family("llama", "SmolLM2, Llama 3.x", rope_pairs=True),
+    "mistral": Family("llama", rope_pairs=True),
+    "qwen2": Family("qwen2"),
+    "qwen3": Family("qwen3"),
+    "qwen3_moe": Family("qwen3moe", splits={"mlp.experts.gate_up_proj": (T.FFN_GATE_EXP, T.FFN_UP_EXP)}),
+    "phi3": Family("phi3"),
+    "gemma2": Family("gemma2", norm_shift=1.0, window_every=2, softcapped=True, big_depth=46),
+    "gemma3_text": Family("gemma3", "Gemma 3 text", norm_shift=1.0, window_every=6, window_rope_theta=10000.0,
+                          big_depth=62),
+}
+SUPPORTED = ", ".join(f"{t} ({f.label})" if f.label else t for t, f in ARCHES.items())
 OUTTYPES = {"bf16": (Q.BF16, gguf.LlamaFileType.MOSTLY_BF16), "f16": (Q.F16, gguf.LlamaFileType.MOSTLY_F16),
             "q8_0": (Q.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0)}
 K_QUANTS = ("q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k")
@@ -68,14 +111,54 @@ def model_problem(config) -> str | None:
     """Why this model config cannot be written (one line), or None."""
     if problem := architecture_problem(getattr(config, "model_type", None) or "unknown"):
         return problem
-    if (a := arch.of(config)).windowed:
-        return (f"model: {a.family} attends within a sliding window of {max(w for w in a.windows if w)} tokens, which is not "
-                "written to GGUF here (a reader would attend to every earlier token); export --merge for transformers instead")
+    fam, a = ARCHES[config.model_type], arch.of(config)
+    tensors = gguf.MODEL_TENSORS[_model_arch(fam.arch)]
+    window = max((w for w in a.windows if w), default=None)
+    instead = "; export --merge for transformers instead"
+    if not fam.window_every and a.windowed:
+        return (f"model: {a.family} attends within a sliding window of {window} tokens, which llama.cpp's {fam.arch} does "
+                f"not record (a reader would attend to every earlier token){instead}")
+    if fam.window_every and a.windows != _windows(fam, len(a.windows), window):
+        n = fam.window_every
+        return (f"model: {a.family} slides a window on layers {_slid(a.windows)} (layer_types), where llama.cpp's "
+                f"{fam.arch} slides one on {n - 1} of every {n} layers{instead}")
+    if (a.attn_softcap is not None, a.final_softcap is not None) != (fam.softcapped, fam.softcapped):
+        caps = f"attention {a.attn_softcap}, output {a.final_softcap}"
+        return (f"model: {a.family} soft-caps logits ({caps}), where llama.cpp's {fam.arch} caps "
+                f"{'both, always' if fam.softcapped else 'neither'}{instead}")
+    if a.sinks or a.logit_scale != 1.0:
+        return f"model: {a.family}'s attention sinks or output logit scale are not written to GGUF here{instead}"
+    if a.moe and not a.experts_normalized:
+        return (f"model: {a.family} weighs its chosen experts without renormalizing them (norm_topk_prob false), which "
+                f"llama.cpp's {fam.arch} always does{instead}")
+    if not a.tied_head and T.OUTPUT not in tensors:
+        return (f"model: {a.family}'s output head is apart from its embedding, which llama.cpp's {fam.arch} ties to it"
+                f"{instead}")
     scaling = _rope(config)[1]
-    if scaling.get("rope_type", "default") not in ROPE_SCALINGS:
-        return (f"model: rope scaling {scaling.get('rope_type')!r} is not written to GGUF here (supported: "
-                f"{', '.join(ROPE_SCALINGS)}); export --merge for transformers instead")
+    allowed = ROPE_SCALINGS if T.ROPE_FREQS in tensors else ("default", "linear")
+    if scaling["rope_type"] not in allowed:
+        return (f"model: rope scaling {scaling['rope_type']!r} is not written to GGUF for {fam.arch} here (supported: "
+                f"{', '.join(allowed)}){instead}")
+    theta, scaling = _rope(config, "sliding_attention")
+    if fam.window_rope_theta and a.windowed and (theta, scaling["rope_type"]) != (fam.window_rope_theta, "default"):
+        return (f"model: {a.family}'s windowed layers rotate with rope base {theta:g} ({scaling['rope_type']}), where "
+                f"llama.cpp's {fam.arch} uses {fam.window_rope_theta:g} unscaled{instead}")
     return None
+
+
+def _windows(fam: Family, layers: int, window: int | None) -> tuple:
+    """Each layer's window as llama.cpp derives it for the architecture from the file's one window."""
+    n = fam.window_every
+    return tuple(window if n and window and i % n < n - 1 else None for i in range(layers))
+
+
+def _slid(windows: tuple) -> str:
+    return ",".join(str(i) for i, w in enumerate(windows) if w) or "none"
+
+
+def _model_arch(name: str):
+    """gguf's MODEL_ARCH for llama.cpp's architecture name."""
+    return next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == name)
 
 
 def pre_tokenizer(tokenizer) -> str | None:
@@ -149,10 +232,10 @@ def write(model, tokenizer, path: Path, outtype: str, name: str, chat_template: 
     config = model.config
     if problem := model_problem(config) or tokenizer_problem(tokenizer):
         raise ConfigError([problem])
-    arch, permuted = ARCHES[config.model_type]
-    plan = tensor_plan(model, arch, permuted, OUTTYPES[outtype][0])
-    writer = gguf.GGUFWriter(path, arch)
-    _hparams(writer, config, OUTTYPES[outtype][1], name)
+    family = ARCHES[config.model_type]
+    plan = tensor_plan(model, family, OUTTYPES[outtype][0])
+    writer = gguf.GGUFWriter(path, family.arch)
+    _hparams(writer, config, family, OUTTYPES[outtype][1], name)
     _vocabulary(writer, tokenizer, config.vocab_size, chat_template, eot_id)
     for gguf_name, tensor, qtype, _ in plan:
         shape = tuple(tensor.shape)
@@ -172,24 +255,41 @@ def write(model, tokenizer, path: Path, outtype: str, name: str, chat_template: 
         writer.close()
 
 
-def tensor_plan(model, arch: str, permuted: bool, qtype) -> list[tuple]:
-    """(GGUF name, tensor, GGUF type, transform) for each tensor the file holds, in order."""
+LAYER = re.compile(r"\.layers\.(\d+)\.(.+)$")
+
+
+def tensor_plan(model, family: Family, qtype) -> list[tuple]:
+    """(GGUF name, tensor, GGUF type, transform) for each tensor the file holds, in order: a fused
+    tensor that llama.cpp holds as several is one entry per part (a view of its rows)."""
     c = model.config
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
-    heads, kv_heads = c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads
-    plan = []
+    names = gguf.get_tensor_name_map(_model_arch(family.arch), c.num_hidden_layers)
+    fold = _query_fold(c, family)
+    has_q_norm = any(n.endswith("self_attn.q_norm.weight") for n, _ in model.named_parameters())
+    fold_into = "self_attn.q_norm" if has_q_norm else "self_attn.q_proj"
+    plan, folded = [], False
     for hf_name, tensor in _named_tensors(model):
         stem, _, suffix = hf_name.rpartition(".")
-        mapped = names.get_name(stem)
-        if mapped is None:
-            raise ConfigError([f"model: tensor {hf_name} has no GGUF name for {arch} (supported: {SUPPORTED})"])
-        transform = _same
-        if permuted and stem.endswith(("self_attn.q_proj", "self_attn.k_proj")):
-            transform = _rope_pairs(heads if stem.endswith("q_proj") else kv_heads)
-        plan.append((f"{mapped}.{suffix}", tensor, _tensor_type(tensor, qtype), transform))
+        if suffix not in ("weight", "bias"):  # an experts' 3-D parameter, named without a suffix
+            stem, suffix = hf_name, "weight"
+        layer = LAYER.search(stem)
+        if layer and (parts := family.splits.get(layer[2])):
+            rows = tensor.shape[-2] // len(parts)
+            pieces = [(gguf.TENSOR_NAMES[t].format(bid=layer[1]), tensor.narrow(-2, i * rows, rows))
+                      for i, t in enumerate(parts)]
+        elif (mapped := names.get_name(stem)) is not None:
+            pieces = [(mapped, tensor)]
+        else:
+            raise ConfigError([f"model: tensor {hf_name} has no GGUF name for {family.arch} (supported: {SUPPORTED})"])
+        scale = fold if stem.endswith(fold_into) else 1.0
+        folded |= scale != 1.0
+        transform = _transform(stem, suffix, family, c, scale)
+        for gguf_name, part in pieces:
+            plan.append((f"{gguf_name}.{suffix}", part, _tensor_type(gguf_name, part, qtype), transform))
+    if fold != 1.0 and not folded:
+        raise ConfigError([f"model: its attention scale has no query tensor to be folded into for {family.arch}"])
     theta, scaling = _rope(c)
     if scaling.get("rope_type") == "llama3":
-        factors = llama3_rope_factors(theta, _head_dim(c), scaling)
+        factors = llama3_rope_factors(theta, arch.of(c).head_dim, scaling)
         plan.insert(0, (gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors, Q.F32, _same))
     return plan
 
@@ -203,9 +303,10 @@ def _named_tensors(model):
         yield name, tensor
 
 
-def _tensor_type(tensor, qtype):
-    """1-D tensors stay f32; a row that q8_0's blocks of 32 do not divide is written f16."""
-    if tensor.dim() == 1:
+def _tensor_type(gguf_name: str, tensor, qtype):
+    """1-D tensors and routers stay f32 (as llama.cpp's converter keeps them); a row that q8_0's
+    blocks of 32 do not divide is written f16."""
+    if tensor.dim() == 1 or gguf_name.endswith(".ffn_gate_inp"):
         return Q.F32
     if qtype == Q.Q8_0 and tensor.shape[-1] % gguf.GGML_QUANT_SIZES[Q.Q8_0][0]:
         return Q.F16
@@ -236,6 +337,35 @@ def _same(tensor):
     return tensor
 
 
+def _transform(stem: str, suffix: str, family: Family, c, scale: float):
+    """What turns this transformers tensor into llama.cpp's values: rope pairs, Gemma's norm shift, then
+    `scale` (the attention scale folded into Q)."""
+    steps = []
+    if family.rope_pairs and stem.endswith(("self_attn.q_proj", "self_attn.k_proj")):
+        kv_heads = c.num_key_value_heads or c.num_attention_heads
+        steps.append(_rope_pairs(c.num_attention_heads if stem.endswith("q_proj") else kv_heads))
+    if family.norm_shift and stem.endswith("norm") and suffix == "weight":
+        steps.append(lambda t: t + family.norm_shift)
+    if scale != 1.0:
+        steps.append(lambda t: t * scale)
+    if not steps:
+        return _same
+    def apply(t):
+        for step in steps:
+            t = step(t)
+        return t
+    return apply
+
+
+def _query_fold(c, family: Family) -> float:
+    """What Q is multiplied by so that llama.cpp's fixed attention scale, 1/sqrt(head_dim) (or
+    1/sqrt(hidden/heads) at `big_depth`), gives the model's own (`arch.Arch.attn_scale`)."""
+    a = arch.of(c)
+    base = c.hidden_size // c.num_attention_heads if c.num_hidden_layers == family.big_depth else a.head_dim
+    fold = a.attn_scale * math.sqrt(base)
+    return 1.0 if math.isclose(fold, 1.0, rel_tol=1e-9) else fold
+
+
 def _rope_pairs(heads: int):
     """Reorder each head's rows from transformers' halves to llama.cpp's pairs: row 2j takes row j
     and row 2j+1 takes row j + head_dim/2 (a bias's entries likewise)."""
@@ -244,14 +374,12 @@ def _rope_pairs(heads: int):
     return permute
 
 
-def _head_dim(c) -> int:
-    return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-
-
-def _rope(c) -> tuple[float, dict]:
-    """(rope theta, the rope scaling parameters; rope_type "default" when none), from transformers
-    5's `rope_parameters` or older configs' `rope_theta` and `rope_scaling`."""
+def _rope(c, layer_type: str = "full_attention") -> tuple[float, dict]:
+    """(rope theta, the rope scaling parameters; rope_type "default" when none) of `layer_type`'s
+    layers, from transformers 5's `rope_parameters` (per layer type, as Gemma 3 has them, or one for
+    all) or older configs' `rope_theta` and `rope_scaling`."""
     params = dict(getattr(c, "rope_parameters", None) or {})
+    params = dict(params.get(layer_type) or params)
     if not params:
         params = dict(getattr(c, "rope_scaling", None) or {}) | {"rope_theta": getattr(c, "rope_theta", 10000.0)}
     params.setdefault("rope_type", params.pop("type", "default"))
@@ -272,9 +400,10 @@ def llama3_rope_factors(theta: float, head_dim: int, s: dict) -> torch.Tensor:
     return out.float()
 
 
-def _hparams(writer, c, file_type, name: str) -> None:
-    head_dim = _head_dim(c)
-    theta, scaling = _rope(c)
+def _hparams(writer, c, family: Family, file_type, name: str) -> None:
+    a = arch.of(c)
+    head_dim, (theta, scaling) = a.head_dim, _rope(c)
+    rotated = scaling.get("partial_rotary_factor") or getattr(c, "partial_rotary_factor", None) or 1.0
     writer.add_name(name)
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
@@ -284,7 +413,7 @@ def _hparams(writer, c, file_type, name: str) -> None:
     writer.add_head_count_kv(c.num_key_value_heads or c.num_attention_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(int(head_dim * rotated))
     writer.add_rope_freq_base(theta)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_vocab_size(c.vocab_size)
@@ -294,6 +423,15 @@ def _hparams(writer, c, file_type, name: str) -> None:
     if scaling["rope_type"] == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(scaling["factor"]))
+    if a.windowed:
+        writer.add_sliding_window(max(w for w in a.windows if w))
+    if family.softcapped:
+        writer.add_attn_logit_softcapping(a.attn_softcap)
+        writer.add_final_logit_softcapping(a.final_softcap)
+    if a.moe:
+        writer.add_expert_count(a.experts)
+        writer.add_expert_used_count(a.experts_per_token)
+        writer.add_expert_feed_forward_length(c.moe_intermediate_size)
 
 
 # ---------------------------------------------------------------------------------------------
