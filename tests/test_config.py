@@ -226,3 +226,13 @@ def test_the_rows_a_run_trains_and_validates_on_are_counted_against_their_source
 
     assert [tuple(map(lambda x: int(x.replace(",", "")), m)) for m in re.findall(r"\(([\d,]+) of ([\d,]+)\)", data.selection(demo.data))] \
         == [(500, 600), (40, 600)]
+
+
+def test_a_misspelt_key_is_told_the_key_it_is_closest_to():
+    """difflib over the section's known keys, else the same name in another section."""
+    for override, meant in (("train.micro_batch=4", "train.micro_batch_size"), ("trian.lr=0.1", "train"),
+                            ("train.dialogue_column=text", "data.dialogue_column"), ("lora.alhpa=8", "lora.alpha")):
+        with pytest.raises(ConfigError) as e:
+            config.load(ROOT / "configs" / "tiny.yaml", [override])
+        (line,) = e.value.problems
+        assert f"{meant}?" in line.split(), line

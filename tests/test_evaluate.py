@@ -125,9 +125,10 @@ def test_compare_shows_the_config_keys_that_differ_and_plots_the_losses(tmp_path
         runs.append(str(run))
     png = tmp_path / "losses.png"
     assert cli.main(["compare", *runs, "--plot", str(png)]) == 0
-    header = capsys.readouterr().out.splitlines()[0]
+    printed = capsys.readouterr()
+    header = printed.out.splitlines()[0]
     assert "| train.lr |" in header and "output_dir" not in header and "train.max_steps" not in header
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(png) in printed.err.split()  # it says where it wrote
 
 
 def test_compare_runs_without_evaluation_plots_their_losses(tmp_path, capsys):

@@ -25,7 +25,7 @@ SKIP = {
         "2 GPUs, and SAMSum from the hub",
     "ddptune export runs/x out/adapter": "needs a finished run in runs/x (tests/test_export.py)",
     "echo '{\"dialogue\": \"Anna: are you coming tonight?\\nTom: yes, at 8. I will bring the cake.\"}' "
-    "| ddptune predict runs/demo -": "needs runs/demo from make demo (tests/test_predict.py)",
+    "| ddptune predict runs/x -": "needs the run the demo line above trains into runs/x (tests/test_predict.py)",
     "ddptune env": "its bandwidth figure starts 2 processes for 10-20 s here (tests/test_env.py); run with --no-bandwidth",
 }
 RUN_INSTEAD = {"ddptune env": ["env", "--no-bandwidth"]}
@@ -123,3 +123,23 @@ def test_every_command_of_using_it_runs_as_written(monkeypatch, tmp_path):
     for code in python:
         exec(compile(code, "README.md (From Python)", "exec"), {})
     assert (tmp_path / "runs" / "api" / "adapter").is_dir()
+
+
+def test_every_run_folder_an_example_reads_is_one_an_earlier_example_writes():
+    """On a fresh clone the examples run in order: a runs/NAME that a command reads was written by an
+    example above it (output_dir=runs/NAME), not by make demo, whose folder is named by the time."""
+    commands, python = examples(using_it())
+    written, unread = set(), []
+    code = [re.split(r"\s+#\s", line)[0] for body in python for line in body.splitlines()]  # its comments show output
+    for command in [c for c, _ in commands] + code:
+        named = re.findall(r"(output_dir=)?(runs/[\w.-]+)", command)
+        unread += [path for out, path in named if not out and path not in written]
+        written |= {path for out, path in named if out}
+    assert written and unread == [], unread
+
+
+def test_what_the_commands_write_is_ignored_by_git():
+    import subprocess
+
+    for path in ("runs/x/adapter/adapter_model.safetensors", "out/merged/model.safetensors"):
+        assert subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", path]).returncode == 0, path

@@ -74,3 +74,23 @@ def test_only_the_names_a_run_writes_are_its_own(tmp_path):
     assert [p.name for p in map(Path, ["adapter", "trace-rank3.json", ".adapter.tmp-x1", "eval-base"])
             if rundir.is_own(tmp_path / p)] == ["adapter", "trace-rank3.json", ".adapter.tmp-x1", "eval-base"]
     assert [n for n in ("src", ".git", "thesis.tex", "adapter.bak", "trace.json.old") if rundir.is_own(tmp_path / n)] == []
+
+
+def test_every_way_out_a_refusal_offers_for_a_finished_run_is_taken(tmp_path):
+    """A new run into the folder of a finished one is refused; each flag the refusal offers is one the
+    run is then admitted with (a finished run has nothing to resume: --resume is not offered)."""
+    from conftest import words
+    from ddptune import config
+
+    out = tmp_path / "run"
+    rundir.mark(out)
+    cfg = config.load(TINY, [f"output_dir={out}"])
+    (out / "config.yaml").write_text(config.dump(cfg))
+    (out / "summary.json").write_text("{}\n")
+    (out / "adapter").mkdir()
+    (line,) = rundir.output_problems(cfg, False)
+    offered = {w for w in words(line) if w.startswith("--")}
+    assert offered, line
+    for flag in offered:
+        resume, overwrite = rundir.resume_mode(cfg, "yes" if flag == "--resume" else None, flag == "--overwrite")
+        assert rundir.output_problems(cfg, resume, overwrite=overwrite) == [], (flag, line)

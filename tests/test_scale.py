@@ -91,6 +91,9 @@ def test_scale_both_modes_on_the_same_samples(both_modes, capsys):
                                                             ("same-global", "1"), ("same-global", "2")]
     md = (out / "scaling.md").read_text()
     assert "lost: imbalance" in md and "Predicted against measured" in md and "PCIe" in md
+    # the study in one line, at the top of the report and in its JSON; no ROUGE ran (evaluation off), and the plan said so
+    assert result["verdict"] and md.split("\n\n")[1] == f"**Verdict:** {result['verdict']}"
+    assert result["manifest"]["evaluation"] is None and "eval.enabled=false" in proc.stdout.split("\n")[0]
     assert "| same-global | 2 |" in proc.stdout  # the table is printed at the end
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest == result["manifest"] and manifest["threads_per_process"] >= 1
@@ -327,3 +330,21 @@ def test_one_bucket_exposes_the_whole_all_reduce_in_the_prediction():
     assert exposed(summary) == pytest.approx(comm.ring_allreduce_s(comm.DDP_BUCKET_BYTES, 2, 100e9))
     one_bucket = exposed(dict(summary, speed={"bucket_mb": 96}))
     assert one_bucket == pytest.approx(comm.ring_allreduce_s(grads * 4, 2, 100e9))
+
+
+def test_scale_names_its_folder_once_and_says_before_it_starts_what_every_run_evaluates():
+    """Without --out, scale writes beside output_dir (a folder named for scale already: into it, not
+    scale-scale); its plan line says that every run also scores ROUGE where eval.enabled, and it gives
+    the note train gives where data.val is still the config file's while data.train was replaced."""
+    from ddptune import config
+    from pathlib import Path
+
+    assert scale.default_out("runs/tiny") == Path("runs/tiny-scale") and scale.default_out("runs/scale") == Path("runs/scale")
+    runs = {"n1": {"nproc": 1}, "same-per-device-n2": {"nproc": 2}}
+    for enabled in (True, False):
+        cfg = config.load(TINY, [f"eval.enabled={str(enabled).lower()}"])
+        (plan,) = scale.plan_lines(cfg, [], runs, ["same-per-device"])
+        assert ("eval.enabled=true" in plan) == enabled, plan
+    overrides = ["data.train=mine.jsonl"]
+    lines = scale.plan_lines(config.load(TINY, overrides), overrides, runs, ["same-per-device"])
+    assert [field(line.replace("note: ", "")) for line in lines[1:]] == ["data.val"], lines

@@ -82,7 +82,7 @@ def _parser(with_reference: bool = False) -> argparse.ArgumentParser:
     s.add_argument("--nproc", required=True, help="comma-separated process counts, e.g. 1,2,4")
     s.add_argument("--mode", choices=["same-per-device", "same-global", "both"], default="same-per-device",
                    help="same-per-device: the global batch grows with n; same-global: it stays; both: each (n = 1 shared)")
-    s.add_argument("--out", default=None, help="output folder (default: <output_dir>-scale)")
+    s.add_argument("--out", default=None, help="output folder (default: <output_dir>-scale, or output_dir where its name ends in scale)")
     s.add_argument("--steps", type=int, default=None, help="measured steps of the largest batch (default 30)")
     s.add_argument("--warmup", type=int, default=None, help="steps of the largest batch before the measured window (default 3)")
     s.add_argument("--bandwidth-sizes", default="1MB,4MB,16MB,64MB,256MB,1GB", help="all-reduce sizes to time, or none (no predictions)")

@@ -7,6 +7,7 @@ and its fix. Field docstrings are the documentation (configref.py). Only the con
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import types
@@ -324,13 +325,22 @@ def _build(cls: type, data: Any, where: str, problems: list[str]) -> Any:
             problems.append(f"{path}: ddptune now decides this itself for each run (the run's banner says what it "
                             "chose and why): remove the key")
         elif key not in known:
-            problems.append(f"{shortened(path)}: unknown key (known: {', '.join(sorted(known))})")
+            problems.append(f"{shortened(path)}: unknown key{did_you_mean(where, str(key), known)} (known: {', '.join(sorted(known))})")
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name in data:
             path = f"{where}.{f.name}" if where else f.name
             kwargs[f.name] = _convert(data[f.name], hints[f.name], path, problems)
     return cls(**kwargs)
+
+
+def did_you_mean(where: str, key: str, known: set[str]) -> str:
+    """", did you mean SECTION.KEY?" for an unknown key: the known key of its section it is closest to (difflib),
+    else the key of that name in another section; "" where there is none."""
+    close = difflib.get_close_matches(key, sorted(known), n=1)
+    found = [f"{where}.{close[0]}" if where else close[0]] if close else \
+        [k for k in flatten(to_dict(Config())) if k.rsplit(".", 1)[-1] == key]
+    return f", did you mean {found[0]}?" if found else ""
 
 
 def apply_override(data: dict, override: str) -> str | None:

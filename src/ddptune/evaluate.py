@@ -275,4 +275,6 @@ def compare_main(paths: list[str], json_path: str | None, plot_path: str | None 
         report.write_json(Path(json_path), rows)
     if plot_path:
         report.plot_losses(Path(plot_path), loss_curves(rows))
+    for path in (p for p in (json_path, plot_path) if p):
+        print(f"ddptune compare: wrote {path}", file=sys.stderr)
     return 0

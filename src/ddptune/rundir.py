@@ -289,6 +289,9 @@ def fresh_start_problems(out: Path, overwrite: bool) -> list[str]:
     if overwrite and (theirs := foreign(out)):
         return [f"output_dir: {out} holds a ddptune run and files it did not write ({named(theirs)}): move them "
                 "out or choose another output_dir (--overwrite deletes only a run's own files; nothing was deleted)"]
+    if not overwrite and (weights := finished(out)):  # nothing of it is left to resume
+        return [f"output_dir: {out} already holds a finished ddptune run (it saved {weights.name}/ and summary.json): choose "
+                "a new output_dir, or pass --overwrite to delete it and train again (nothing was deleted)"]
     if not overwrite:
         return [f"output_dir: {out} already holds a ddptune run (choose a new output_dir, pass --resume to continue "
                 "that run, or --overwrite to delete it and start again)"]

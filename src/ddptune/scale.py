@@ -55,12 +55,13 @@ WHAT_IF_COLUMNS = [("gradients", "gradients"), ("link", "link"), ("nproc", "n"),
 def main(args) -> int:
     counts, modes = scaling.parse_counts(args.nproc), MODES[args.mode]
     cfg = config_lib.load(args.config, list(args.overrides))
-    out = Path(args.out or f"{cfg.output_dir}-scale")
+    out = Path(args.out) if args.out else default_out(cfg.output_dir)
     warmup = WARMUP if args.warmup is None else args.warmup
     measured = MEASURED if args.steps is None else args.steps
     sizes = scaling.parse_sizes(args.bandwidth_sizes)
     cuda = torch.cuda.is_available()
     runs, windows = plan_runs(args, cfg, out, counts, modes, warmup, measured, cuda)
+    print("\n".join(plan_lines(cfg, args.overrides, runs, modes)), flush=True)
     bandwidth = measure_bandwidth(max(counts), sizes, cuda)
     # as many threads per process at every count, those of the largest count, so that n = 1 is not
     # measured with threads that n = N could not have
@@ -86,6 +87,27 @@ def main(args) -> int:
             rows.append(row)
     write(args, cfg, out, rows, runs, windows, bandwidth, modes, warmup, measured, int(child_env["OMP_NUM_THREADS"]))
     return 0
+
+
+def default_out(output_dir: str) -> Path:
+    """Where scale writes without --out: `<output_dir>-scale`, or output_dir itself where its name says scale already."""
+    path = Path(output_dir)
+    return path if path.name.endswith("scale") else path.with_name(f"{path.name}-scale")
+
+
+def plan_lines(cfg, overrides: list[str], runs: dict, modes: list[str]) -> list[str]:
+    """What scale is about to do: its runs, and what each does beyond its measured steps (ROUGE with
+    eval.enabled, minutes at every count); the note train gives where data.val is still the config file's."""
+    e = cfg.eval
+    rows = f"the first {e.max_samples} data.val rows" if e.max_samples else "every data.val row"
+    base = " and the base model's, zero-shot" if e.zero_shot and cfg.train.method != "full" else ""
+    scored = (f"each run then generates for {rows} and scores ROUGE{base} (eval.enabled=true: outside the measured "
+              "steps, in each run's wall time; eval.enabled=false skips it)") if e.enabled else "no ROUGE (eval.enabled=false)"
+    lines = [f"ddptune scale: plan: {len(runs)} runs ({', '.join(str(r['nproc']) for r in runs.values())} process(es); "
+             f"{' and '.join(modes)}); {scored}"]
+    if note := config_lib.kept_validation(cfg, overrides):
+        lines.append(f"ddptune: note: {note}")
+    return lines
 
 
 def plan_runs(args, cfg, out: Path, counts: list[int], modes: list[str], warmup: int, measured: int,
@@ -152,6 +174,8 @@ def write(args, cfg, out: Path, rows: list[dict], runs: dict, windows: dict, ban
         "config": args.config, "overrides": list(args.overrides), "seed": cfg.train.seed,
         "sample_window": {m: list(w) for m, w in windows.items()},
         "threads_per_process": threads,  # what every run's processes were given
+        "evaluation": {"rouge": cfg.eval.enabled, "zero_shot": cfg.eval.enabled and cfg.eval.zero_shot,
+                       "max_samples": cfg.eval.max_samples} if cfg.eval.enabled else None,
         "batch": [{"nproc": r["nproc"], **dataclasses.asdict(r["plan"]), "global_batch": r["plan"].global_batch,
                    "describe": r["plan"].describe()} for r in runs.values()],
         "runs": {k: {"nproc": r["nproc"], "steps": r["steps"], "dir": str(r["dir"]),
@@ -160,7 +184,7 @@ def write(args, cfg, out: Path, rows: list[dict], runs: dict, windows: dict, ban
         "versions": {"python": info["python"], "torch": info["torch"], "cuda": info["cuda"], "nccl": info["nccl"], **info["packages"]},
         "environment": {k: v for k, v in info.items() if k != "bandwidth"},
     }
-    result = {"modes": modes, "rows": rows, "bandwidth": bandwidth, "interconnect": comm.interconnect(topo),
+    result = {"verdict": scaling.verdict(rows, modes), "modes": modes, "rows": rows, "bandwidth": bandwidth, "interconnect": comm.interconnect(topo),
               "topology": topo, "grad_bytes": predictions["grad_bytes"], "all_params": predictions["all_params"],
               "backward_fraction": predictions["backward_fraction"],
               "predictions": {k: predictions[k] for k in ("measured", "other_interconnects")}, "manifest": manifest}
@@ -174,7 +198,8 @@ def write(args, cfg, out: Path, rows: list[dict], runs: dict, windows: dict, ban
                         title=f"Data-parallel scaling ({predictions['method']}, {info['gpus'][0]['name'] if info['gpus'] else 'CPU'})",
                         gpus=bool(info["gpus"]))
     report.write_json(out / "manifest.json", scaling.clean(manifest))
-    print("\n" + table + f"\nddptune scale: wrote {out}/scaling.{{json,csv,md,png}} and manifest.json", flush=True)
+    print("\n" + table + f"\nddptune scale: {result['verdict']}\nddptune scale: wrote {out}/scaling.{{json,csv,md,png}} "
+          "and manifest.json", flush=True)
 
 
 def communication(rows: list[dict], summary: dict, bandwidth: dict, link_label: str, mode: str) -> dict:
@@ -259,7 +284,7 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
 def markdown(table: str, bandwidth: dict, result: dict) -> str:
     m = result["manifest"]
     window = "; ".join(f"{mode}: samples {a}-{b}" for mode, (a, b) in m["sample_window"].items())
-    parts = [f"# ddptune scale: {m['config']}, {' and '.join(result['modes'])}\n",
+    parts = [f"# ddptune scale: {m['config']}, {' and '.join(result['modes'])}\n", f"**Verdict:** {result['verdict']}\n",
              f"`{m['command']}`, {m['date']}. Every count trains on the same samples ({window} of the stream, after "
              f"{m['command'].split('--warmup ')[1].split()[0]} warm-up steps of the largest batch); figures are means over "
              "those steps. step = compute (mean process) + imbalance (slowest - mean) + exposed comm (the slowest process's "

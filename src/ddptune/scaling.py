@@ -159,6 +159,25 @@ def timing(times: list[float], tokens: int, samples: int, nproc: int, ranks: lis
 # Accounting: every finding as a code and its numbers
 
 
+def verdict(rows: list[dict], modes: list[str]) -> str:
+    """The study in one line: per mode, what its largest process count gives against one process, and the
+    part (`lost:` column) that took most of the rest."""
+    said = []
+    for mode in modes:
+        top = max((row for row in rows if row["mode"] == mode), key=lambda row: row["nproc"])
+        n, lost = top["nproc"], {k.removeprefix("lost_"): top[k] for k in LOST if top.get(k) is not None}
+        worst = max(lost, key=lost.get) if lost else None
+        if n == 1:
+            said.append(f"{mode}: one process only, nothing to compare")
+        elif top["speedup"] is None:
+            said.append(f"{mode}: {n} processes: no speedup published (they fought over the CPU cores; see the note)")
+        else:
+            said.append(f"{mode}: {n} processes train {top['speedup']:.2f}x the samples a second of 1 ({top['efficiency']:.0%} "
+                        "efficiency" + (f"; most lost to {worst}, {lost[worst]:.0%} of the step" if worst and lost[worst] > 0
+                                        else "") + ")")
+    return "; ".join(said)
+
+
 def account(row: dict, base: dict | None, cuda: bool) -> dict:
     """Speedup, efficiency and the lost efficiency split into its parts; `row["notes"]` lists the
     findings (noise, how the lost parts add up, imbalance from the devices, host-bound steps, padding, stalls...)."""
