@@ -38,9 +38,9 @@ def test_the_flop_model_of_a_loaded_family_is_the_one_its_config_gives(name):
     loaded model: the same FLOPs for windowed layers and for the experts a token meets."""
     from test_architectures import family_config, family_model
 
-    from ddptune import memory
+    from ddptune import arch, memory
 
-    loaded = metrics.FlopModel.of(family_model(name), "full")
+    loaded = metrics.FlopModel.of(family_model(name), "full", arch.of(family_config(name)))
     planned = metrics.FlopModel.of_shape(memory.shape_of(family_config(name)), "full", 8, ["all-linear"])
     assert loaded.windows == planned.windows
     for n in (4, 30, 200):

@@ -23,8 +23,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ddptune import arch
-
 WARMUP_STEPS = 2  # steps left out of steady-state speed figures (compilation, allocator, kernel selection)
 # MFU's denominator: the datasheet's dense bf16 rate (TFLOP/s); DDPTUNE_PEAK_TFLOPS overrides it.
 DATASHEET_TFLOPS = {"NVIDIA H200": 989.0, "NVIDIA H100 80GB HBM3": 989.0, "NVIDIA A100-SXM4-80GB": 312.0}
@@ -64,7 +62,8 @@ class FlopModel:
     windows: tuple = ()  # each layer's sliding window in keys (None: every earlier key); empty: none anywhere
 
     @classmethod
-    def of(cls, model, method: str) -> "FlopModel":
+    def of(cls, model, method: str, a=None) -> "FlopModel":
+        """The counts of a loaded model; `a`: its arch.Arch (sliding windows, experts), where it defines them."""
         head = model.get_output_embeddings()
         n_head = head.in_features * head.out_features
         n_matrix = sum(m.in_features * m.out_features for name, m in model.named_modules()
@@ -72,10 +71,10 @@ class FlopModel:
         n_adapter = 0 if method == "full" else sum(p.numel() for p in model.parameters() if p.requires_grad)
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         hidden = cfg.num_attention_heads * getattr(cfg, "head_dim", None) if getattr(cfg, "head_dim", None) else cfg.hidden_size
-        a = arch.of(model.config)
-        if a.moe:  # the experts' stacked (3-D) weights: a token meets experts_per_token of them
+        if a is not None and a.moe:  # the experts' stacked (3-D) weights: a token meets experts_per_token of them
             n_matrix += sum(p.numel() for p in model.parameters() if p.dim() == 3) * a.experts_per_token // a.experts
-        return cls(n_matrix, n_head, n_adapter, cfg.num_hidden_layers, hidden, method, a.windows if a.windowed else ())
+        windows = a.windows if a is not None and a.windowed else ()
+        return cls(n_matrix, n_head, n_adapter, cfg.num_hidden_layers, hidden, method, windows)
 
     @classmethod
     def of_shape(cls, shape, method: str, lora_r: int, lora_targets: list[str]) -> "FlopModel":
