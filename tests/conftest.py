@@ -100,6 +100,23 @@ def unreadable(folder: Path) -> list[str]:
     return found
 
 
+def adapter_folder(folder: Path) -> None:
+    """What a finished LoRA run leaves in `folder` as far as the commands check before loading: an adapter config,
+    its tensors (one adapted q_proj of rank 8) and the tokenizer beside them."""
+    import torch
+    from safetensors.torch import save_file
+
+    from ddptune import model as model_lib
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16,
+                                                            "target_modules": ["q_proj"]}))
+    q = "base_model.model.model.layers.0.self_attn.q_proj"
+    save_file({f"{q}.lora_A.weight": torch.zeros(8, 4), f"{q}.lora_B.weight": torch.zeros(4, 8)},
+              str(folder / "adapter_model.safetensors"))
+    model_lib.byte_tokenizer().save_pretrained(folder)
+
+
 @contextlib.contextmanager
 def checkpoints_kept():
     """Runs that finish meanwhile, in this process, keep their checkpoints, as a run killed right

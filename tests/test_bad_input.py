@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, field, words
+from conftest import ROOT, adapter_folder, field, words
 from ddptune import cli, config, dist, launch, runlog, scale
 
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -69,14 +69,9 @@ def checkpoint_at(run: Path, state: dict) -> None:
 
 
 def make_runs(tmp: Path) -> None:
-    from safetensors.torch import save_file
-
     done = run_dir(tmp, "done", [])  # a finished run
     (done / "summary.json").write_text(json.dumps({"steps": 30, "world_size": 1}))
-    (done / "adapter").mkdir()
-    (done / "adapter" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16,
-                                                                      "target_modules": ["q_proj"]}))
-    save_file({"w": torch.zeros(1)}, done / "adapter" / "adapter_model.safetensors")
+    adapter_folder(done / "adapter")
     (done / "eval").mkdir()
     (done / "eval" / "metrics.json").write_text(json.dumps({"label": "fine-tuned", "rouge1": 1.0, "rouge2": 1.0, "rougeL": 1.0,
                                                             "rougeLsum": 1.0, "n": 4, "generation_time_s": 1.0}))

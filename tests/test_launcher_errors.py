@@ -10,7 +10,7 @@ import re
 import subprocess
 import sys
 
-from conftest import ROOT, field, words
+from conftest import ROOT, adapter_folder, field, words
 
 
 def test_bad_input_found_inside_torchrun_workers_is_one_line_also_at_the_end(tmp_path):
@@ -91,13 +91,7 @@ def test_a_missing_model_is_one_line_under_a_launcher_for_predict_and_eval(tmp_p
     from ddptune import config
 
     run = tmp_path / "run"  # a finished run as far as predict and eval look before loading
-    (run / "adapter").mkdir(parents=True)
-    (run / "adapter" / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}))
-    import torch
-    from safetensors.torch import save_file
-
-    save_file({"base_model.model.x.lora_A.weight": torch.zeros(8, 4)}, str(run / "adapter" / "adapter_model.safetensors"))
+    adapter_folder(run / "adapter")
     (run / "config.yaml").write_text(config.dump(config.load(ROOT / "configs" / "tiny.yaml", [f"output_dir={run}"])))
     (tmp_path / "in.jsonl").write_text(json.dumps({"dialogue": "A: hi\nB: hello"}) + "\n")
     missing = f"model.source={tmp_path / 'gone'}"

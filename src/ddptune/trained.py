@@ -144,7 +144,7 @@ TOKENIZER_JSON = ("tokenizer_config.json", "special_tokens_map.json", "added_tok
 def tokenizer_problems(weights: Path, where: str) -> list[str]:
     """The tokenizer saved beside the trained weights parses (it is loaded from there by export):
     tokenizer.json (unless a sentencepiece tokenizer.model stands for it) is a JSON object with a
-    model, tokenizer_config.json and the other JSON files present are JSON objects. One line per
+    model, and tokenizer_config.json and the other JSON files, where present, are JSON objects. One line per
     damaged file."""
     problems = []
     if (weights / "tokenizer.json").exists() or not (weights / "tokenizer.model").is_file():
@@ -153,7 +153,7 @@ def tokenizer_problems(weights: Path, where: str) -> list[str]:
             problem = f"{where}: {weights / 'tokenizer.json'} is not a tokenizer (it has no model) {RESTORE}"
         problems += [problem] if problem else []
     for name in TOKENIZER_JSON:
-        if name == "tokenizer_config.json" or (weights / name).exists():
+        if (weights / name).exists():
             _, problem = json_object(weights / name, where)
             problems += [problem] if problem else []
     return problems
