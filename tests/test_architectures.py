@@ -35,9 +35,12 @@ FAMILIES = {
     "mixtral": (T.MixtralConfig, {"num_local_experts": 4, **MOE, "sliding_window": None}),
     "qwen2": (T.Qwen2Config, {}),
     "qwen3": (T.Qwen3Config, {"head_dim": 32}),
-    "qwen3-moe": (T.Qwen3MoeConfig, {"num_experts": 4, **MOE, "moe_intermediate_size": 32, "head_dim": 16}),
+    # the chosen experts' weights renormalized, as every released Qwen3-MoE routes (the config class's default does not)
+    "qwen3-moe": (T.Qwen3MoeConfig, {"num_experts": 4, **MOE, "moe_intermediate_size": 32, "head_dim": 16,
+                                     "norm_topk_prob": True}),
     "qwen3-moe-routed": (T.Qwen3MoeConfig, {"num_experts": 4, **MOE, "moe_intermediate_size": 32, "head_dim": 16,
-                                            "output_router_logits": True, "router_aux_loss_coef": 0.5}),
+                                            "norm_topk_prob": True, "output_router_logits": True,
+                                            "router_aux_loss_coef": 0.5}),
     "gemma2": (T.Gemma2Config, {"sliding_window": WINDOW, "head_dim": 16, "attn_logit_softcapping": 2.0, "query_pre_attn_scalar": 1,
                                 "final_logit_softcapping": 1.5}),
     "gemma3": (T.Gemma3TextConfig, {"sliding_window": WINDOW, "head_dim": 16, "query_pre_attn_scalar": 8}),
@@ -390,7 +393,7 @@ def support_rows() -> list[list[str]]:
     return out
 
 
-GGUF_TESTED = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"}  # test_gguf_export: each reads back
+GGUF_TESTED = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3-moe", "qwen3-moe-routed"}  # test_gguf_export: each reads back
 # as llama.cpp reads it, with its logits
 SUPPORT_HEAD = ["family", "trains exactly (fp32, CPU)", "bf16 on a GPU", "2 processes = 1", "FSDP", "QLoRA",
                 "compiled layers", "CUDA graphs", "GGUF export"]

@@ -169,14 +169,11 @@ def tiny_llama(**extra):
     return AutoModelForCausalLM.from_config(LlamaConfig(**shape | extra), dtype=torch.float32).eval()
 
 
-RELEASED = {"qwen3-moe": {"norm_topk_prob": True}}  # as every released Qwen3-MoE routes, and llama.cpp's qwen3moe does
-
-
 def configured(name: str, **change):
     """test_architectures' tiny config of the family (windows shorter than the samples, Gemma's soft-caps and a
-    query_pre_attn_scalar apart from head_dim, fused projections, experts), as released, with `change`."""
+    query_pre_attn_scalar apart from head_dim, fused projections, experts), with `change`."""
     cfg = family_config(name)
-    for key, value in (RELEASED.get(name, {}) | change).items():
+    for key, value in change.items():
         setattr(cfg, key, value)
     return cfg
 
@@ -205,7 +202,7 @@ def as_llama_cpp_reads(folder, name: str):
                                                 attn_implementation="eager").eval()
 
 
-@pytest.mark.parametrize("name", sorted(GGUF_TESTED | set(RELEASED)))
+@pytest.mark.parametrize("name", sorted(GGUF_TESTED))
 def test_each_family_reads_back_as_llama_cpp_reads_it_with_its_logits(name, tmp_path):
     """Each family's tiny model, written in bf16 (Gemma's norms plus one, its query_pre_attn_scalar folded into Q,
     Llama's rope pairs, a mixture's experts stacked, Phi-3's fused projections as they are) and read back
