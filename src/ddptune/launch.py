@@ -70,11 +70,11 @@ def heard_line(signum: int) -> str:
             f"stops (a stop at the last step lets the run finish); {again} aborts at once, without saving")
 
 
-def raw_log(run: str | os.PathLike, rank: int | None, text: str) -> Path | None:
+def raw_log(run_dir: str | os.PathLike, rank: int | None, text: str) -> Path | None:
     """Append `text` (torch's or gloo's own words: a failed collective's whole message, the launcher's
     warnings) to the run's RAW_LOG, which ddptune's one line then names; its path, or None where the
     run's folder cannot be written here (a node without it)."""
-    path = Path(run, RAW_LOG)
+    path = Path(run_dir, RAW_LOG)
     who = "launcher" if rank is None else f"rank {rank}"
     try:
         with open(path, "a") as f:
@@ -475,23 +475,23 @@ def main(argv: list[str]) -> int:
 
 
 class _RawLog(logging.Handler):
-    def __init__(self, run: str):
+    def __init__(self, run_dir: str):
         super().__init__()
-        self.run = run
+        self.run_dir = run_dir
 
     def emit(self, record: logging.LogRecord) -> None:
-        raw_log(self.run, None, f"{record.levelname} {record.name}: {record.getMessage()}")
+        raw_log(self.run_dir, None, f"{record.levelname} {record.name}: {record.getMessage()}")
 
 
-def torch_logs(run: str | None) -> None:
+def torch_logs(run_dir: str | None) -> None:
     """Where the launcher's torch loggers write: the elastic agent's ("Sending process ... SIGTERM",
     "failed (exitcode: 2)", "Unable to shutdown process ... forcefully exiting via SIGKILL") and
     multiprocessing's ("Terminating process N via signal SIGTERM") go to the run's RAW_LOG (for
-    training, `run`: its output_dir), never to the console, whose lines about a failed worker are
+    training, `run_dir`: its output_dir), never to the console, whose lines about a failed worker are
     ddptune's own (`killed`, the workers' lines); without a run, nowhere."""
     for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.multiprocessing"):
         logger = logging.getLogger(name)
-        logger.handlers = [_RawLog(run) if run else logging.NullHandler()]
+        logger.handlers = [_RawLog(run_dir) if run_dir else logging.NullHandler()]
         logger.propagate = False
 
 
