@@ -50,8 +50,9 @@ def test_cli_two_processes_end_to_end(tmp_path):
     out = tmp_path / "run"
     proc = check(ddptune("train", TINY, f"output_dir={out}", "--nproc", "2", "train.profile_steps=2", "train.save_every=10"))
     # a checkpoint every 10 steps, removed by rank 0 once the run finished (nothing resumes a finished run)
-    assert sorted(p.name for p in out.iterdir()) == [".ddptune-run", "adapter", "config.yaml", "metrics.jsonl", "profile.txt",
-                                                     "ranks.jsonl", "summary.json", "trace-rank1.json", "trace.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".ddptune-run", "adapter", "config.yaml", "data.json", "metrics.jsonl",
+                                                     "profile.txt", "ranks.jsonl", "summary.json", "trace-rank1.json",
+                                                     "trace.json"]
 
     for name in ("config.yaml", "metrics.jsonl", "ranks.jsonl", "summary.json", "adapter/adapter_model.safetensors",
                  "adapter/adapter_config.json", "adapter/tokenizer.json", "adapter/ddptune.yaml", "profile.txt"):
