@@ -66,6 +66,54 @@ def test_ddptunes_launcher_prints_once_each_line_rank_0_did_not(tmp_path, monkey
     assert launch.killed(0, failure(0, bad)) == [] and launch.killed(0, failure(0, None, 130)) == []
 
 
+def test_ddptunes_launcher_names_a_worker_that_died_and_logs_the_collectives_that_failed_after_it(tmp_path, monkeypatch):
+    """--nproc: a worker that dies (killed, or exiting without a word) makes the others' collectives fail
+    within the same seconds; the console gets one line, naming it, and their lines go to the run's log.
+    Where no worker died first (one hung: torchrun kills it 30 s after the others failed), the lines of
+    the failed collectives are the console's, one per process that saw one."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from ddptune import launch
+
+    run = tmp_path / "run"
+    run.mkdir()
+    monkeypatch.setenv(launch.RUN, str(run))
+
+    def failure(rank: int, exitcode: int, at: int, stalled: bool = False) -> ProcessFailure:
+        path = tmp_path / f"error-{rank}-{exitcode}-{at}.json"
+        if stalled:  # as a worker whose collective failed leaves it under ddptune's launcher
+            monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+            monkeypatch.setenv(launch.VALIDATED, "1")
+            launch.say_stalled(f"ddptune: rank {rank}: step 4: Connection closed by peer: another process hung or died")
+        f = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(path))
+        f.timestamp = at  # whole seconds, from the error file or when torch's launcher noticed the exit
+        return f
+
+    def ranks(lines: list[str]) -> list[list[int]]:
+        return [[int(n) for n in re.findall(r"\brank (\d+)", line)] for line in lines]
+
+    t = 1_000_000
+    for noticed in (t - 1, t, t + 1):  # the killed worker noticed before, with or after the collective failed
+        failures = {0: failure(0, 1, t, stalled=True), 1: failure(1, -9, noticed), 2: failure(2, -15, noticed)}
+        rank, first = launch.cause(failures)
+        assert (rank, first.exitcode) == (1, -9)
+        assert ranks(launch.report(failures, rank, first)) == [[1]]
+    logged = (run / launch.RAW_LOG).read_text().splitlines()
+    assert len(logged) == 3 and all(re.search(r"\brank 0\b", l) for l in logged)
+    # exited with an error of its own (its traceback is above), no line left: named too
+    failures = {0: failure(0, 1, t, stalled=True), 1: failure(1, 3, t)}
+    rank, first = launch.cause(failures)
+    lines = launch.report(failures, rank, first)
+    assert rank == 1 and ranks(lines) == [[1]] and "3" in words(lines[0])
+    # a hang: the failed collectives are said; the hung worker, killed 30 s later, is not the cause
+    failures = {0: failure(0, 1, t, stalled=True), 1: failure(1, -9, t + 30), 2: failure(2, 1, t, stalled=True)}
+    rank, first = launch.cause(failures)
+    assert (rank, first.exitcode) == (0, 1) and ranks(launch.report(failures, rank, first)) == [[0], [2]]
+    # every worker stopped together and rank 0 said why (a stop, a non-finite loss): nothing more
+    failures = {0: failure(0, 130, t), 1: failure(1, 130, t)}
+    assert launch.report(failures, *launch.cause(failures)) == []
+
+
 def _commands_with_stderr(commands: list[tuple[list[str], int]]) -> list[tuple[int, str]]:
     """In one launched process: each command's exit code and what it wrote to stderr, each command
     on its own rendezvous port (the same in every process)."""

@@ -5,11 +5,13 @@
 a pipe; its workers are forked from a fork server that imported what they need meanwhile too
 (ddptune.forked, which runs `python -m ddptune ...` in each). It is torch's launcher without its tracebacks:
 when a worker fails, the worker has already told the user why in one line; torchrun would add 30-40
-lines of its own (ChildFailedError, SignalException) around it. `main` exits with the first failed
-worker's exit code instead (2: bad input, 130/143: stopped by SIGINT/SIGTERM after a checkpoint,
+lines of its own (ChildFailedError, SignalException) around it. `main` exits with the exit code of
+the worker that failed first (`cause`) instead (2: bad input, 130/143: stopped by SIGINT/SIGTERM after a checkpoint,
 1: anything else), prints a worker's one line that rank 0 has not printed (a process's own bad
-input, or every line on a node without rank 0), names a worker that a signal killed (and what its
-run saved), and keeps torch's own warnings out of the console (a training run's go to its RAW_LOG).
+input, or every line on a node without rank 0), names in one line a worker that a signal killed or
+that exited without a word (and what its run saved) while the others' failed collectives go to the
+run's RAW_LOG (they are said only where no worker died first: a hang), and keeps torch's own
+warnings out of the console (a training run's go to its RAW_LOG too).
 
 `stops_raise()`: while a command has no loop of its own that catches SIGINT and SIGTERM
 (dist.ControlChannel), either signal raises `Stopped`, so that the process ends through its
@@ -35,6 +37,8 @@ STARTED = "DDPTUNE_STARTED"  # set by `torchrun` for training: when the launchin
 SPAWNED = "DDPTUNE_SPAWNED"  # set by `torchrun`: when it gave torch's launcher its command (time.time() seconds)
 FORK_SERVER = "DDPTUNE_FORK_SERVER"  # set by `serve` for the fork server alone (ddptune.forked)
 THREADS_WHY = "DDPTUNE_THREADS_WHY"  # set by `torchrun` where it chose OMP_NUM_THREADS: why, in words (none: the user set it)
+FOLLOWS = "ddptune_follows"  # in a worker's error file (`tell_launcher`): its line tells of a failed collective
+SAME_FAILURE_S = 5  # workers that failed this close together failed of one cause (torchrun SIGKILLs a hung one 30 s later)
 RAW_LOG = "torch.log"  # in a training run's output_dir: torch's and gloo's own words when a process fails (`raw_log`)
 WORKER_SCRIPT = os.path.join(os.path.dirname(__file__), "forked.py")  # each worker's: it takes the environment sent
 
@@ -115,22 +119,36 @@ def validated_by_parent() -> bool:
     return os.environ.get(VALIDATED) == "1"
 
 
-def tell_launcher(line: str) -> None:
+def tell_launcher(line: str, follows: bool = False) -> None:
     """Leave `line`, why this worker fails, where torchrun looks for it: the error file it names in
     TORCHELASTIC_ERROR_FILE (torchrun's own `@record` writes a traceback there). `accelerate launch`
     runs torchrun's agent too. Its closing ChildFailedError report then shows `line` as the failed
     rank's "traceback" rather than a pointer to its docs, so the reason is also at the end of the
-    output. A no-op without such a launcher."""
+    output. `follows`: the line tells of a failed collective, which follows from another process's
+    failure (`follows`, `cause`). A no-op without such a launcher."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     # the layout torchrun's @record writes, with the line where it puts the traceback
-    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    info = {"py_callstack": line, "timestamp": str(int(time.time()))} | ({FOLLOWS: "1"} if follows else {})
+    data = {"message": {"message": line, "extraInfo": info}}
     try:
         with open(path, "w") as f:
             json.dump(data, f)
     except OSError:
         pass  # the line is on stderr already
+
+
+def say_stalled(line: str) -> None:
+    """This process's line for a collective that failed (dist.Stalled: another process hung or died).
+    Under ddptune's own launcher it is left to the launcher (`tell_launcher`), which says it unless a
+    worker died first: then the launcher's one line names that worker, and this line goes to the RAW_LOG.
+    Elsewhere, or where torch's launcher may restart the workers (it reports only their last round),
+    it is printed here: every process that saw it says so, as the one that hung may be rank 0."""
+    if validated_by_parent() and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0":
+        tell_launcher(line, follows=True)
+    else:
+        print(line, file=sys.stderr)
 
 
 def process_started() -> float:
@@ -464,8 +482,8 @@ def main(argv: list[str]) -> int:
         try:
             run(parse_args(["--log-dir", logs, *argv]))
         except ChildFailedError as e:
-            rank, failure = e.get_first_failure()
-            for line in untold(e.failures) + killed(rank, failure):
+            rank, failure = cause(e.failures)
+            for line in report(e.failures, rank, failure):
                 print(line, file=sys.stderr)
             code = failure.exitcode
             return code if 0 < code < 256 else 128 - code if code < 0 else 1  # a worker killed by signal N: 128 + N
@@ -495,13 +513,51 @@ def torch_logs(run_dir: str | None) -> None:
         logger.propagate = False
 
 
+def follows(failure) -> bool:
+    """Whether a failed worker's line (`say_stalled`) tells of a collective that failed: of another's failure."""
+    return isinstance(failure.message, dict) and failure.message.get("extraInfo", {}).get(FOLLOWS) == "1"
+
+
+def cause(failures: dict) -> tuple:
+    """The failed worker (rank, ProcessFailure) that the others' failures follow from: the first to fail,
+    except that workers whose collective failed (`follows`) give way to one that failed within
+    SAME_FAILURE_S of the first without such a line (killed by a signal, say): a collective fails
+    because a peer died, and torch's launcher may notice the death after it (a poll later; whole seconds).
+    Among those, one that torchrun's own SIGTERM did not end."""
+    first = min(f.timestamp for f in failures.values())
+    pool = {r: f for r, f in failures.items() if f.timestamp - first <= SAME_FAILURE_S and not follows(f)} or failures
+    rank = min(pool, key=lambda r: (pool[r].timestamp, pool[r].exitcode == -signal.SIGTERM, r))
+    return rank, failures[rank]
+
+
+def report(failures: dict, rank: int, failure) -> list[str]:
+    """The console's lines once workers failed, `rank` (`failure`) first (`cause`). Where it was a
+    collective that failed (a process hung), every line of a failed collective, as each worker would
+    have said it. Otherwise the lines that rank 0 has not printed (`untold`), and ddptune's one line for
+    a worker that died without a word (`killed`, `exited`); the lines of the collectives that failed
+    after it go to the run's RAW_LOG (console noise: they say no more than that a peer died)."""
+    after = {r: f for r, f in failures.items() if follows(f)}
+    own = untold({r: f for r, f in failures.items() if r not in after})
+    if rank in after:
+        return own + [said(f) for _, f in sorted(after.items())]
+    if run := os.environ.get(RUN):
+        for r, f in sorted(after.items()):
+            raw_log(run, r, said(f))
+    return own + (killed(rank, failure) or (exited(rank, failure) if after else []))
+
+
 def untold(failures: dict) -> list[str]:
     """The lines failed workers left in their error files (dist.tell_launcher) that rank 0 has not
     printed itself, each once: rank 0 prints its own; another rank's differs only when that process
     alone met it, and on another node than rank 0's every line is untold."""
-    lines = {rank: f.message.get("message") if isinstance(f.message, dict) else None for rank, f in failures.items()}
+    lines = {rank: said(f) for rank, f in failures.items()}
     told = lines.get(0)
     return list(dict.fromkeys(line for rank, line in sorted(lines.items()) if line and line != told))
+
+
+def said(failure) -> str | None:
+    """The line a failed worker left for the launcher (`tell_launcher`); None where it left none."""
+    return failure.message.get("message") if isinstance(failure.message, dict) else None
 
 
 def killed(rank: int, failure) -> list[str]:
@@ -510,15 +566,28 @@ def killed(rank: int, failure) -> list[str]:
     torchrun may stop the others before they notice that it is gone."""
     if failure.exitcode >= 0:
         return []
-    line = (f"ddptune: rank {rank} was killed by {failure.signal_name()} and the job stopped (the kernel's "
-            "out-of-memory killer sends SIGKILL: see dmesg)")
+    return [_ended(f"ddptune: rank {rank} was killed by {failure.signal_name()} and the job stopped (the kernel's "
+                   "out-of-memory killer sends SIGKILL: see dmesg)")]
+
+
+def exited(rank: int, failure) -> list[str]:
+    """A line when the first worker to fail exited with an error of its own and left no line for the
+    launcher (a crash its own output shows), while the others' collectives failed after it."""
+    if failure.exitcode <= 0 or said(failure) or failure.exitcode in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+        return []
+    return [_ended(f"ddptune: rank {rank} exited with code {failure.exitcode} and the job stopped (its own output "
+                   "above says why)")]
+
+
+def _ended(line: str) -> str:
+    """`line` with, for training, what its run saved to go on from and where torch's own words are."""
     if run := os.environ.get(RUN):  # training: whether its run saved a checkpoint to go on from
         saved = sorted(p.parent for p in Path(run, "checkpoints").glob("step-*/state.json"))
         line += (f"; newest checkpoint: {saved[-1]} (continue with the same command and --resume)" if saved else
                  "; no checkpoint was saved (start the run again with the same command and --resume auto)")
         if (log := Path(run, RAW_LOG)).is_file():
             line += f"; torch's own messages: {log}"
-    return [line]
+    return line
 
 
 if __name__ == "__main__":

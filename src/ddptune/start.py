@@ -143,8 +143,8 @@ def _trained(trainer, cfg: Config, started: float, admit) -> int:
         if dist.is_main_process():
             print(f"ddptune: {e}", file=sys.stderr)
         return 128 + e.signum
-    except dist.Stalled as e:  # every process that saw it says so: the one that hung may be rank 0
-        print(f"ddptune: rank {os.environ.get('RANK', '0')}: {e}", file=sys.stderr)
+    except dist.Stalled as e:  # every process that saw it says so, unless ddptune's launcher names a worker that died
+        launch.say_stalled(f"ddptune: rank {os.environ.get('RANK', '0')}: {e}")
         return 1
     return 0
 
