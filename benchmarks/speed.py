@@ -28,10 +28,8 @@ job takes about 8 minutes on an H200 with the recipe at --steps 30:
     python benchmarks/speed.py --epoch --name h200_llama31_8b_qlora_epoch --preset llama-3.1-8b \
         --tokenizer .tok/smollm2 --data .devdata/samsum_validation.json --steps 30 --warmup 5 --runs "" --run shipped=
 
-Every ddptune run is a window of the tutorial's job: the speed decider makes its choices for the job
-the config describes, train.epochs over the training rows, whatever train.max_steps, so each run sets
-train.epochs to the passes over --rows that make the tutorial's 921 steps of 16 samples (`job_epochs`:
-18.0153 over 818 rows), and --steps of that one program are timed. Several `env:` values for one variable
+Every ddptune run is the shipped config's program: the speed decider's choices do not depend on how
+many steps a run takes, so --steps of a run time the program of the whole epoch. Several `env:` values for one variable
 are joined with commas: `--run plain=env:DDPTUNE_SPEED=graphs=off,env:DDPTUNE_SPEED=combo=false`.
 
 `recipe` runs the tutorial's recipe alone, the way the comparison above runs it: HF Trainer + Accelerate +
@@ -71,15 +69,6 @@ def epoch_steps(samples: int = TUTORIAL_SAMPLES, per_step: int = 16) -> int:
 
 
 EPOCH_STEPS = epoch_steps()
-
-
-def job_epochs(rows: str, steps: int = EPOCH_STEPS, per_step: int = 16) -> str | None:
-    """The train.epochs that makes the tutorial's job, `steps` steps of `per_step` samples, of the row
-    slice `rows` ("a:b"): the job the speed decider chooses for. None for a slice it cannot count."""
-    start, _, stop = rows.partition(":")
-    if not (start or "0").isdigit() or not stop.isdigit() or int(stop) <= int(start or 0):
-        return None
-    return f"{(steps * per_step + 0.5) / (int(stop) - int(start or 0)):.6g}"
 
 
 def sh(cmd: list[str], log: Path, env: dict | None = None) -> float:
@@ -431,7 +420,6 @@ def ddptune_run(args, name: str, overrides: list[str], work: Path) -> dict:
     cmd = [sys.executable, "-m", "ddptune", "train", str(CONFIG), f"output_dir={out}",
            f"model.source=preset:{args.preset}", f"model.tokenizer={args.tokenizer}", f"data.train={args.data}",
            f"data.train_rows={args.rows}", "data.val=null", f"train.max_steps={steps_of(args)}",
-           *([f"train.epochs={job_epochs(args.rows)}"] if job_epochs(args.rows) else []),
            f"train.warmup_steps={args.lr_warmup}", f"train.method={args.method}", *args.override, *overrides, "--nproc", "1"]
     wall = sh(cmd, work / f"{name}.log", env)
     summary = json.loads((out / "summary.json").read_text())

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from conftest import ROOT, field, words
-from ddptune import batches, config, memory, model as model_lib, speed
+from conftest import ROOT, SHARED_DATA, field, words
+from ddptune import batches, batchplan, config, memory, metrics, model as model_lib, speed
 from ddptune.config import ConfigError
 
 CONFIG_8B = ROOT / "configs" / "samsum_qlora_llama31_8b.yaml"
@@ -17,14 +17,14 @@ def shape(preset: str) -> memory.Shape:
     return memory.shape_of(model_lib.preset_config(preset, "sdpa"))
 
 
-def samsum_like(steps: int, parts: int = 1, seed: int = 0) -> speed.Work:
+def samsum_like(parts: int = 1, seed: int = 0) -> speed.Work:
     """16 samples a step of 120-360 tokens, a quarter of them summary (SAMSum's sizes), one packed row per share."""
     rng = random.Random(seed)
     examples = [{"input_ids": [0] * (n := rng.randint(120, 360)), "labels": [-100] * (n - n // 4) + [1] * (n // 4)}
                 for _ in range(818)]
     stream = batches.Stream(examples, [len(e["input_ids"]) for e in examples], [batches.target_tokens([e]) for e in examples],
                             16, parts, 0, True, 4, 8192, 512)
-    return speed.Work.of(stream, 0, steps)
+    return speed.Work.of(stream)
 
 
 def decide(overrides: list[str], free: float | None, work: speed.Work, preset: str = "llama-3.1-8b", world: int = 1,
@@ -36,7 +36,7 @@ def decide(overrides: list[str], free: float | None, work: speed.Work, preset: s
 def test_the_8b_qlora_job_on_an_h200_runs_without_checkpointing_on_a_dequantized_base():
     """Measured on an H200, 30 steps of 16: dequantized 0.209 s a step and 47.9 GiB, 4-bit 0.279 s and
     34.9 GiB, both without checkpointing; CUDA graphs bought 2 % on the 4-bit base."""
-    chosen = decide([], 139.3, samsum_like(51))
+    chosen = decide([], 139.3, samsum_like())
     assert (chosen.checkpointing, chosen.dequantize, chosen.compiled) == (False, True, True)
     plain = next(o for o in chosen.estimate["options"] if (o["checkpointing"], o["dequantize"], o["graphs"]) == (False, True, "off"))
     assert 0.18 < plain["step_s"] < 0.28 and 40 < plain["memory_gib"] < 60
@@ -47,73 +47,100 @@ def test_the_8b_qlora_job_on_an_h200_runs_without_checkpointing_on_a_dequantized
 def test_kernels_are_combined_only_where_the_host_launches_them(monkeypatch):
     """Combo kernels cut launches, which only a step the host issues kernel by kernel pays for: not a
     recorded step, nor layers left uncompiled (a CPU run)."""
-    plain = decide(["train.gradient_checkpointing=true"], 139.3, samsum_like(921))  # compiled layers, no graphs
-    never = decide(["train.cuda_graphs=false"], 139.3, samsum_like(51))
+    plain = decide(["train.gradient_checkpointing=true"], 139.3, samsum_like())  # compiled layers, no graphs
+    never = decide(["train.cuda_graphs=false"], 139.3, samsum_like())
     assert (plain.graphs, never.graphs) == ("off", "off") and plain.combo and never.combo
-    recorded = decide(["train.method=lora"], 139.3, samsum_like(102), preset="smollm2-135m")
+    recorded = decide(["train.method=lora"], 139.3, samsum_like(), preset="smollm2-135m")
     assert recorded.graphs == "step" and not recorded.combo
-    cpu = decide(["train.method=lora"], None, samsum_like(15), preset="tiny", cuda=False)
+    cpu = decide(["train.method=lora"], None, samsum_like(), preset="tiny", cuda=False)
     assert not cpu.combo and not cpu.compiled
     monkeypatch.setenv(speed.FORCE_ENV, "combo=false")
-    forced = decide(["train.cuda_graphs=false"], 139.3, samsum_like(51))
+    forced = decide(["train.cuda_graphs=false"], 139.3, samsum_like())
     assert forced.graphs == "off" and not forced.combo and forced.forced["combo"] is False
 
 
 def test_a_smaller_gpu_turns_checkpointing_on_and_keeps_the_base_in_4_bits():
-    chosen = decide([], 22.0, samsum_like(51))
+    chosen = decide([], 22.0, samsum_like())
     assert (chosen.checkpointing, chosen.dequantize) == (True, False)
     assert chosen.estimate["memory_gib"] < 22.0 * (1 - speed.MARGIN)
 
 
-def test_a_small_model_records_the_whole_step_at_one_length_even_for_15_steps():
-    """SmolLM2-135M's shape: 0.152 s a step with compiled layers, 26.5 ms with the whole step recorded;
-    recording one length (21.7 s) starts sooner than compiling for changing shapes (75.4 s)."""
-    for steps in (15, 102, 1000):
-        chosen = decide(["train.method=lora"], 139.3, samsum_like(steps), preset="smollm2-135m")
-        assert (chosen.graphs, chosen.lengths) == ("step", 1) and chosen.estimate["step_s"] < 0.03
-        assert chosen.estimate["setup_s"] == pytest.approx(speed.LENGTH_S, abs=1.0)
-    never = decide(["train.method=lora", "train.cuda_graphs=false"], 139.3, samsum_like(1000), preset="smollm2-135m")
-    assert never.graphs == "off" and "train.cuda_graphs=false" in never.reasons["CUDA graphs"]
-    layers = decide(["train.method=lora", "train.optimizer=adamw_8bit"], 139.3, samsum_like(1000), preset="smollm2-135m")
+def test_a_small_model_records_the_whole_step_at_one_length():
+    """SmolLM2-135M's shape: 0.152 s a step with compiled layers, 26.5 ms with the whole step recorded.
+    Its step is bound by kernel latency, where padding costs nothing by the estimate: more lengths
+    give no shorter a step, so the one that records least (one length, 21.7 s) wins."""
+    chosen = decide(["train.method=lora"], 139.3, samsum_like(), preset="smollm2-135m")
+    assert (chosen.graphs, chosen.lengths, len(chosen.sizes)) == ("step", 1, 1) and chosen.estimate["step_s"] < 0.03
+    assert chosen.estimate["setup_s"] == pytest.approx(speed.LENGTH_S, abs=1.0)
+    assert chosen.sizes[0] % batches.GRAPH_PAD == 0 and chosen.sizes[0] >= max(t for t, _ in samsum_like().rows)
+    never = decide(["train.method=lora", "train.cuda_graphs=false"], 139.3, samsum_like(), preset="smollm2-135m")
+    assert never.graphs == "off" and never.sizes == () and "train.cuda_graphs=false" in never.reasons["CUDA graphs"]
+    layers = decide(["train.method=lora", "train.optimizer=adamw_8bit"], 139.3, samsum_like(), preset="smollm2-135m")
     assert layers.graphs == "layers"  # an 8-bit optimizer's update cannot be recorded
 
 
-def test_set_up_is_weighed_against_the_run_s_steps():
-    """8B QLoRA with checkpointing, the step bound by the GPU: 30 steps start sooner with one recorded
-    length (measured 42.0 s against 96.6 s end to end); over 921 the padding costs more than the
-    plain path's compile, which is then chosen. The run's total is what is minimised."""
-    short = decide(["train.gradient_checkpointing=true"], 139.3, samsum_like(30))
-    assert (short.graphs, short.lengths) == ("step", 1)
-    long = decide(["train.gradient_checkpointing=true"], 139.3, samsum_like(921))
+def test_the_shortest_step_wins_and_set_up_only_breaks_ties():
+    """8B QLoRA with checkpointing is bound by the GPU's FLOPs, where padding rows to recorded lengths
+    costs more than the launches graphs save: the unpadded path has the shortest step and is chosen,
+    however long the run. Of options within TIE of the shortest step, the least set-up wins."""
+    for overrides, free in ((["train.gradient_checkpointing=true"], 139.3), ([], 139.3), ([], 22.0),
+                            (["train.method=lora"], 139.3)):
+        for preset in ("llama-3.1-8b", "smollm2-135m"):
+            chosen = decide(overrides, free, samsum_like(), preset=preset)
+            fits = [o for o in chosen.estimate["options"] if o["memory_gib"] <= free * (1 - speed.MARGIN)]
+            quickest = min(o["step_s"] for o in fits)
+            assert chosen.estimate["step_s"] <= quickest * (1 + speed.TIE)
+            assert chosen.estimate["setup_s"] == min(o["setup_s"] for o in fits if o["step_s"] <= quickest * (1 + speed.TIE))
+    long = decide(["train.gradient_checkpointing=true"], 139.3, samsum_like())
     assert long.graphs == "off" and long.estimate["setup_s"] == speed.DYNAMIC_COMPILE_S
-    for chosen in (short, long):
-        total = chosen.estimate["step_s"] * chosen.estimate["steps"] + chosen.estimate["setup_s"]
-        fits = [o for o in chosen.estimate["options"] if o["memory_gib"] <= 139.3 * (1 - speed.MARGIN)]
-        assert total == pytest.approx(min(o["step_s"] * chosen.estimate["steps"] + o["setup_s"] for o in fits))
 
 
-def test_a_window_of_the_job_and_the_whole_job_run_one_program(monkeypatch):
-    """The choices are made for the job the config describes, train.epochs over its examples at its
-    global batch (SAMSum's 14,732 at 16: 920 steps), whatever train.max_steps: a 30-step window of the
-    job runs the job's program, and says so. A horizon is no longer something DDPTUNE_SPEED can set."""
-    whole = config.load(CONFIG_8B, ["model.source=preset:llama-3.1-8b", "train.gradient_checkpointing=true"])
-    window = config.load(CONFIG_8B, ["model.source=preset:llama-3.1-8b", "train.gradient_checkpointing=true",
-                                     "train.max_steps=30"])
-    assert speed.horizon(whole.train, 14732, 16) == speed.horizon(window.train, 14732, 16) == 920
-    assert speed.horizon(config.load(CONFIG_8B, ["train.epochs=2"]).train, 14732, 16) == 1841
-    work = samsum_like(920)
-    chosen = [speed.decide(c, True, shape("llama-3.1-8b"), 1, 139.3, work, 750.0) for c in (whole, window)]
-    assert [dataclasses.replace(c, reasons={}) for c in chosen] == [dataclasses.replace(chosen[0], reasons={})] * 2
-    assert chosen[0].graphs == "off" and chosen[0].estimate["steps"] == 920
-    assert "train.max_steps=30" in chosen[1].reasons["CUDA graphs"] and "max_steps" not in chosen[0].reasons["CUDA graphs"]
+def test_a_benchmark_cannot_force_a_job_length(monkeypatch):
+    """The choices do not depend on the run's length, so DDPTUNE_SPEED has no job length to set."""
     for job in ("samples=14736", "epochs=18", "samples=0"):
         monkeypatch.setenv(speed.FORCE_ENV, job)
         with pytest.raises(ConfigError):
             speed.forced()
 
 
+@pytest.fixture(scope="module")
+def byte_tok():
+    return model_lib.byte_tokenizer()
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
+def test_each_config_runs_one_program_at_every_length_and_process_count(name, byte_tok):
+    """For each shipped config on an H100 (79 GiB free, 989 TFLOP/s), with its own data (SAMSum's
+    validation rows for the 8B config's hub SAMSum): the choices for a 30-step trial, one epoch and
+    three epochs are one program, and so are those at 1 and 2 processes with the same batch a
+    process, apart from DDP's buckets. The work is sampled as a run samples it (train.stream_of)."""
+    from ddptune import train
+    from ddptune.data import tokenized
+
+    data = [f"data.train={SHARED_DATA / 'samsum_validation.json'}", "data.val=null"] if "8b" in name else []
+    preset = "llama-3.1-8b" if "8b" in name else "smollm2-135m"
+    programs, buckets = {}, {}
+    for key, extra, world in (("trial", ["train.max_steps=30"], 1), ("epoch", ["train.epochs=1", "train.max_steps=null"], 1),
+                              ("three", ["train.epochs=3", "train.max_steps=null"], 1), ("n2", ["train.max_steps=30"], 2)):
+        cfg = config.load(ROOT / "configs" / name, [*data, "train.effective_batch_size=null", "train.micro_batch_size=4",
+                                                    "train.grad_accum=2", *extra])
+        train_set, _ = tokenized.load(tokenized.prepare(cfg.data, byte_tok))
+        flops = metrics.FlopModel.of_shape(shape(preset), cfg.train.method, cfg.lora.r, list(cfg.lora.target_modules))
+        stream = train.stream_of(cfg, train_set, flops, world, batchplan.batch_plan(cfg.train, world).global_batch)
+        chosen = speed.decide(cfg, True, shape(preset), world, 79.1, speed.Work.of(stream), 989.0, "NVLink")
+        programs[key], buckets[key] = _program(chosen), chosen.bucket_mb
+    assert programs["trial"] == programs["epoch"] == programs["three"], programs
+    assert programs["n2"][:-1] == programs["trial"][:-1]  # memory apart: DDP's gradient buckets
+    assert buckets["trial"] is None and buckets["n2"] is not None  # LoRA's gradients in one bucket over NVLink
+
+
+def _program(chosen: speed.Speed) -> tuple:
+    return (chosen.compiled, chosen.graphs, chosen.lengths, chosen.sizes, chosen.checkpointing, chosen.dequantize,
+            chosen.combo, chosen.estimate["step_s"], chosen.estimate["memory_gib"])
+
+
 def test_a_cpu_run_compiles_nothing_records_nothing_and_checkpoints_nothing():
-    chosen = decide(["train.method=lora"], None, samsum_like(15), preset="tiny", cuda=False)
+    chosen = decide(["train.method=lora"], None, samsum_like(), preset="tiny", cuda=False)
     assert (chosen.compiled, chosen.graphs, chosen.checkpointing, chosen.dequantize) == (False, "off", False, False)
     assert chosen.bucket_mb is None
 
@@ -123,7 +150,7 @@ def test_a_cpu_process_checkpoints_only_where_its_share_of_host_memory_is_short(
     activations counted (SmolLM2-135M LoRA, 16 samples a step in one packed row of about 3,800 tokens:
     about 11 GiB without checkpointing, 3.6 with); checkpointing costs a forward, so it is chosen only
     where the run would not fit."""
-    work = samsum_like(50)
+    work = samsum_like()
     roomy = decide(["train.method=lora"], 20.0, work, preset="smollm2-135m", cuda=False)
     tight = decide(["train.method=lora"], 5.0, work, preset="smollm2-135m", cuda=False)
     assert (roomy.checkpointing, tight.checkpointing) == (False, True)
@@ -135,16 +162,16 @@ def test_a_cpu_process_checkpoints_only_where_its_share_of_host_memory_is_short(
 
 
 def test_one_bucket_on_nvlink_and_torchs_buckets_elsewhere():
-    work = samsum_like(51, parts=2)
+    work = samsum_like(parts=2)
     nvlink = decide([], 139.3, work, world=2, link="NVLink")
     assert nvlink.bucket_mb == 161  # LoRA r=16 on 8B: 160 MiB of fp32 gradients, all in one
     assert decide([], 139.3, work, world=2, link="PCIe").bucket_mb is None
-    assert decide([], 139.3, samsum_like(51), world=1, link="NVLink").bucket_mb is None
+    assert decide([], 139.3, samsum_like(), world=1, link="NVLink").bucket_mb is None
 
 
 def test_a_benchmark_forces_choices_through_one_variable(monkeypatch):
     monkeypatch.setenv(speed.FORCE_ENV, "graphs=step,lengths=4,checkpointing=true,dequantize=false,bucket_mb=64")
-    chosen = decide([], 139.3, samsum_like(51), world=2)
+    chosen = decide([], 139.3, samsum_like(), world=2)
     assert (chosen.graphs, chosen.lengths, chosen.checkpointing, chosen.dequantize, chosen.bucket_mb) == ("step", 4, True, False, 64)
     assert chosen.forced == {"graphs": "step", "lengths": 4, "checkpointing": True, "dequantize": False, "bucket_mb": 64.0}
     for bad in ("graphs=sometimes", "lengths=0", "speedy=true", "bucket_mb=nan"):
@@ -153,7 +180,7 @@ def test_a_benchmark_forces_choices_through_one_variable(monkeypatch):
             speed.forced()
     monkeypatch.setenv(speed.FORCE_ENV, "graphs=step")
     with pytest.raises(ConfigError):  # no CUDA device to record on
-        decide(["train.method=lora"], None, samsum_like(15), preset="tiny", cuda=False)
+        decide(["train.method=lora"], None, samsum_like(), preset="tiny", cuda=False)
 
 
 def test_fsdp_qlora_keeps_its_base_4_bit_and_checkpoints_where_the_sharded_run_needs_it(monkeypatch):
@@ -161,15 +188,15 @@ def test_fsdp_qlora_keeps_its_base_4_bit_and_checkpoints_where_the_sharded_run_n
     dequantized one (it would be dequantized whole on every GPU before sharding), and turns
     checkpointing on because without it the activations do not fit. 8B over one process: the
     whole 4-bit base plus FSDP's gathered copies, checkpointing off on an H200."""
-    work = samsum_like(51, parts=2)
+    work = samsum_like(parts=2)
     big = decide(["train.strategy=fsdp"], 47.0, work, preset="llama-3.1-70b", world=2)
     assert (big.checkpointing, big.dequantize, big.graphs) == (True, False, "off")
     assert big.reasons["4-bit base"].startswith("4-bit (train.strategy=fsdp shards the 4-bit base")
     assert {o["dequantize"] for o in big.estimate["options"]} == {False}
     assert 24 < big.estimate["memory_gib"] < 47 * (1 - speed.MARGIN)
     assert min(o["memory_gib"] for o in big.estimate["options"] if not o["checkpointing"]) > 47
-    one = decide(["train.strategy=fsdp"], 139.3, samsum_like(51), world=1)
-    ddp = decide(["train.strategy=ddp"], 22.0, samsum_like(51), world=1)  # the 4-bit base with DDP
+    one = decide(["train.strategy=fsdp"], 139.3, samsum_like(), world=1)
+    ddp = decide(["train.strategy=ddp"], 22.0, samsum_like(), world=1)  # the 4-bit base with DDP
     assert (one.checkpointing, one.dequantize) == (False, False)
     ddp_4bit = next(o for o in ddp.estimate["options"] if not o["dequantize"] and not o["checkpointing"] and o["graphs"] == "off")
     assert one.estimate["memory_gib"] - ddp_4bit["memory_gib"] == pytest.approx(

@@ -435,42 +435,36 @@ def test_the_graphs_survey_is_every_steps_rows_as_numbers_without_their_tokens(t
 
 
 def test_the_graphs_layout_from_numbers_is_the_layout_from_the_rows(tmp_path, byte_tok):
-    """graphs.Layout, made from the survey, picks what the rows of every step held in memory gave:
-    the job's padded lengths (over its steps from 0, whatever part of it the run takes), and for the
-    run's steps the row each length is compiled on, the target counts, every step shape of this
-    process with its first step's rows, and the real and padded tokens. A window of the job pads as
-    the whole job does."""
+    """graphs.Layout, made from the survey of the run's steps, picks what their rows held in memory
+    gave: the decider's padded lengths (one more, the longest row rounded up, where a row is longer than
+    all of them), and for the run's steps the row each length is compiled on, the target counts, every
+    step shape of this process with its first step's rows, and the real and padded tokens."""
     from ddptune import batches, graphs
 
     train, _ = tokenized.load(tokenized.prepare(DataConfig(train=jsonl(tmp_path / "rows.jsonl", many_rows(600)),
                                                            max_length=512), byte_tok))
     stream = batches.Stream(train, [float(n) for n in train.lengths], train.targets, 16, 3, 0, True, 4, 1024, 512)
-    first, last, horizon, process = 5, 40, 36, 1
-    rows_of = lambda a, b: [g for s in range(a, b) for forwards in stream.share(s).forwards for g in forwards]  # noqa: E731
-    rows = rows_of(first, last)
-    padded = stream.with_lengths(batches.pad_lengths([batches.tokens_of(g) for g in rows_of(0, last)], 2, batches.GRAPH_PAD))
+    first, last, process = 5, 40, 1
+    rows = [g for s in range(first, last) for forwards in stream.share(s).forwards for g in forwards]
+    sizes = tuple(batches.pad_lengths([batches.tokens_of(g) for g in rows], 2, batches.GRAPH_PAD))
+    padded = stream.with_lengths(sizes)
     shapes = {}
     for k in range(first, last):
         mine = padded.share(k).forwards[process]
         shapes.setdefault(padded.shape(mine), mine)
-    lay = graphs.Layout.of(stream, first, last, 2, True, process, horizon)
+    lay = graphs.Layout.of(stream, first, last, sizes, True, process)
     assert lay.stream == padded and len(padded.graph_lengths) == 2
     assert lay.by_length == {padded.padded_length(batches.tokens_of(g)): g for g in rows}
     assert lay.target_rows == sorted({batches.padded_targets(g) for g in rows})
     assert lay.shapes == shapes and len(shapes) > 1
     assert (lay.tokens, lay.padded) == (sum(map(batches.tokens_of, rows)),
                                         sum(padded.padded_length(batches.tokens_of(g)) for g in rows))
-    assert graphs.Layout.of(stream, first, last, 2, False, process, horizon).shapes == {}  # layer graphs record no step
-    one_row = dataclasses.replace(stream, tokens_per_forward=8192)  # a share a step: rows of every length
-    window = graphs.Layout.of(one_row, 0, 2, 2, True, process, 60)
-    whole = graphs.Layout.of(one_row, 0, 60, 2, True, process, 60)
-    assert window.stream.graph_lengths == whole.stream.graph_lengths
-    assert window.tokens < whole.tokens and len(window.shapes) <= 2
-    alone = graphs.Layout.of(one_row, 0, 2, 2, True, process, 2)  # as if the window were the job: other lengths
-    assert alone.stream.graph_lengths != whole.stream.graph_lengths
+    assert graphs.Layout.of(stream, first, last, sizes, False, process).shapes == {}  # layer graphs record no step
+    short = graphs.Layout.of(stream, first, last, (sizes[0],), True, process)  # a row longer than the decider's lengths
+    assert short.stream.graph_lengths == sizes and short.tokens == lay.tokens
 
 
-def _layouts(prepared, first: int, last: int, horizon: int) -> tuple:
+def _layouts(prepared, first: int, last: int) -> tuple:
     """One process of two: its graphs.Layout with the steps surveyed by both (dist.gather), and the
     Layout it makes surveying every step alone, each as numbers and row lengths."""
     from accelerate import Accelerator
@@ -483,17 +477,17 @@ def _layouts(prepared, first: int, last: int, horizon: int) -> tuple:
     seen = lambda lay: (lay.stream.graph_lengths, {n: [len(e["input_ids"]) for e in g] for n, g in lay.by_length.items()},  # noqa: E731
                         lay.target_rows, {k: [[len(e["input_ids"]) for e in g] for g in v] for k, v in lay.shapes.items()},
                         lay.tokens, lay.padded)
-    shared = graphs.Layout.of(stream, first, last, 2, True, acc.process_index, horizon, dist.gather)
-    return seen(shared), seen(graphs.Layout.of(stream, first, last, 2, True, acc.process_index, horizon))
+    shared = graphs.Layout.of(stream, first, last, (256,), True, acc.process_index, dist.gather)
+    return seen(shared), seen(graphs.Layout.of(stream, first, last, (256,), True, acc.process_index))
 
 
-def test_two_processes_survey_the_job_in_halves_and_get_the_layout_one_process_gets(tmp_path, byte_tok):
-    """Each process surveys every other step of the job and the halves are gathered: the padded
-    lengths, the rows compiled on, the target counts, each process's own step shapes and the tokens
-    are those that one process surveying every step finds."""
+def test_two_processes_survey_the_run_in_halves_and_get_the_layout_one_process_gets(tmp_path, byte_tok):
+    """Each process surveys every other step of the run and the halves are gathered: the padded
+    lengths (the longest row among them), the rows compiled on, the target counts, each process's own
+    step shapes and the tokens are those that one process surveying every step finds."""
     prepared = tokenized.prepare(DataConfig(train=jsonl(tmp_path / "rows.jsonl", many_rows(600)), max_length=512), byte_tok)
-    for first, last, horizon in ((0, 37, 37), (5, 20, 37)):  # the whole job (an odd step count), and a window of it
-        (shared0, alone0), (shared1, alone1) = multiproc.run(_layouts, 2, prepared, first, last, horizon)
+    for first, last in ((0, 37), (5, 20)):  # a run from the start (an odd step count), and a resumed one
+        (shared0, alone0), (shared1, alone1) = multiproc.run(_layouts, 2, prepared, first, last)
         assert shared0 == alone0 and shared1 == alone1
         assert len(shared0[0]) == 2 and len(shared0[3]) > 1 and shared0[3] != shared1[3]  # each process its own shapes
 

@@ -1,8 +1,8 @@
 """CUDA graphs: the padded lengths, the compile-and-record warm-up, and whole steps recorded.
 
 Graphs replay fixed shapes, so every packed row is padded to one of a few lengths chosen before the
-first step (`lengths`): those that leave the least padding over the rows of the job (a window of it
-pads alike). Before the first step every layer is compiled (and, for layer graphs, recorded) at every length
+first step: the speed decider's (speed.Speed.sizes, those that leave the least padding over its
+sample of the rows), with one more where the run meets a row longer than the longest of them. Before the first step every layer is compiled (and, for layer graphs, recorded) at every length
 (`warm_layers`), so no step pays for a new shape. With the whole step recorded (`StepGraphs`), each
 step shape this process will meet is recorded too: the forwards and backwards (step.forward_backward,
 DDP's all-reduce inside the last), and one graph for all shapes of step.clip_and_update. Nothing of
@@ -73,13 +73,12 @@ def _end_failed_recording(graph: torch.cuda.CUDAGraph, side: torch.cuda.Stream, 
     generator.graphsafe_set_state(generator.clone_state())
 
 
-def prepare(parts: step_lib.Parts, loss_model, stream: Stream, first: int, last: int, horizon: int, speed, process: int,
+def prepare(parts: step_lib.Parts, loss_model, stream: Stream, first: int, last: int, speed, process: int,
             pad_id: int, side, clock: dist.StepClock) -> tuple[Stream, "StepGraphs | None", str, str | None]:
-    """For the run's steps [first, last) of a job of `horizon` steps: the stream with the job's padded
-    lengths, gradients allocated once outside the graphs' memory (every replay writes them), every
+    """For the run's steps [first, last): the stream with the decider's padded lengths, gradients allocated once outside the graphs' memory (every replay writes them), every
     layer compiled at every length the run meets, and with the whole step recorded every step shape
     this process will meet (`Layout`); what was done, in words; and why recording failed (None: it did not)."""
-    lay = Layout.of(stream, first, last, speed.lengths, speed.graphs == "step", process, horizon, dist.gather)
+    lay = Layout.of(stream, first, last, speed.sizes, speed.graphs == "step", process, dist.gather)
     for p in parts.params:
         p.grad = torch.zeros_like(p)
     warm_layers(parts, loss_model, lay.stream, lay.by_length, lay.target_rows, pad_id)
@@ -96,10 +95,9 @@ def prepare(parts: step_lib.Parts, loss_model, stream: Stream, first: int, last:
 
 @dataclass(frozen=True)
 class Layout:
-    """What the graphs of steps [first, last) are prepared with: the stream with the job's padded
-    lengths (those that leave the least padding over every packed row of the job's steps, [0, horizon),
-    of every process: a window of the job and the whole job pad alike, and each process records them
-    all), one row of each length those steps meet to compile the layers on (the last of that length),
+    """What the graphs of steps [first, last) are prepared with: the stream with the padded lengths
+    `sizes` (and the longest row of those steps, of every process, rounded up, where it is longer than
+    all of them), one row of each length those steps meet to compile the layers on (the last of that length),
     every padded target count, each step shape this process will meet with its first step's rows,
     and the rows' real and padded tokens. The steps are surveyed as numbers (`survey`), each process
     its share of them where `gather` is given (every process's value, in rank order: a collective that
@@ -112,15 +110,15 @@ class Layout:
     padded: int
 
     @classmethod
-    def of(cls, stream: Stream, first: int, last: int, lengths: int, whole_step: bool, process: int,
-           horizon: int, gather=None) -> "Layout":
+    def of(cls, stream: Stream, first: int, last: int, sizes: tuple[int, ...], whole_step: bool, process: int,
+           gather=None) -> "Layout":
         part, parts = (process, stream.parts) if gather else (0, 1)
-        job = survey(stream, 0, max(last, horizon), part, parts)
+        rows = survey(stream, first, last, part, parts)
         if gather:  # each process surveyed every parts-th step: all of them, in step order
-            job = np.concatenate(gather(job))
-            job = job[np.argsort(job[:, 3], kind="stable")]
-        stream = stream.with_lengths(batches.pad_lengths(job[:, 0], lengths, batches.GRAPH_PAD))
-        rows = job[(job[:, 3] >= first) & (job[:, 3] < last)]
+            rows = np.concatenate(gather(rows))
+            rows = rows[np.argsort(rows[:, 3], kind="stable")]
+        longest = -(-int(rows[:, 0].max(initial=0)) // batches.GRAPH_PAD) * batches.GRAPH_PAD
+        stream = stream.with_lengths(sorted({*sizes, *([longest] if longest > max(sizes, default=0) else [])}))
         tokens, samples, targets, steps, procs, _ = rows.T
         sizes = np.asarray(stream.graph_lengths)
         padded = sizes[np.searchsorted(sizes, tokens)]  # each row's: the shortest length that holds it

@@ -447,7 +447,7 @@ def load_gib(s: Shape, method: str) -> float:
 def memory_problems(cfg: Config, world_size: int, gpu_gib: float) -> list[str]:
     """`ddptune plan`'s verdict for GPUs of `gpu_gib` GiB, as one line naming the way out when the run
     will not fit; none when it fits as configured, when checkpointing is `auto` and turning it on is
-    enough (build_model does), or when train.memory_check is off. Reads the model's config only; a hub model's that cannot be fetched is not checked."""
+    enough (the speed decider turns it on), or when train.memory_check is off. Reads the model's config only; a hub model's that cannot be fetched is not checked."""
     if not cfg.train.memory_check:
         return []
     try:
@@ -467,7 +467,7 @@ def memory_problems(cfg: Config, world_size: int, gpu_gib: float) -> list[str]:
     if p["options"][0]["fits"] or (cfg.train.gradient_checkpointing == "auto" and chosen is not None
                                    and chosen["gradient_checkpointing"] and chosen["shards"] == shards
                                    and chosen["method"] == cfg.train.method):
-        return []  # as configured, or with the checkpointing that `auto` turns on (build_model does)
+        return []  # as configured, or with the checkpointing that `auto` turns on (speed.decide)
     fix = p["recommendation"] + (f" ({chosen['total']:.1f} GiB per GPU)" if chosen else "")
     return [f"memory: {cfg.train.method} fine-tuning of {cfg.model.source} needs about {need:.1f} GiB per GPU, more than "
             f"{gpu_gib:.1f} GiB; the way out: {fix} (`ddptune plan` shows each term; train.memory_check=false tries anyway)"]

@@ -6,8 +6,9 @@ process takes the samples per step that n = 1 takes, so the global batch grows w
 tutorial's way); same-global, the global batch of n = 1 at every n, each process taking 1/n of it.
 Every run trains over the same window of the sample stream (scaling.py: rows, the time split and
 its findings), after --warmup steps of the largest batch. Each run is the config as a user runs it:
-its speed choices are made for the job the config describes (speed.horizon), not for the window's
-few steps, so each window runs the job's program.
+the speed decider's choices do not depend on how many steps a run takes, so a window runs the
+program of the whole job, and with the same batch a process (same-per-device) n = 1 and n = 2 run
+one program apart from what the count itself changes (DDP's buckets, FSDP's shards).
 
 Gradient bytes per optimizer step = trainable parameters x 4 (DDP all-reduces fp32 gradients);
 comm.predict models the all-reduce overlapped with backward (a FLOP share of the step:

@@ -1,7 +1,7 @@
 """The speed decider: the one place that decides how a run goes fast on its device.
 
 From the config, the device, the model's shape, the process count, the free memory and a bounded
-sample of the job's steps (`Work`: their rows and tokens, known before the first step), `decide` chooses
+sample of one process's steps (`Work`: their rows and tokens, known before the first step), `decide` chooses
 - compiled decoder layers (train.compile: auto is on with CUDA, off on CPU, where compiling costs
   more than a short run saves);
 - CUDA graphs: off, each layer recorded (8-bit optimizers, which cannot be recorded), or the whole
@@ -12,9 +12,11 @@ sample of the job's steps (`Work`: their rows and tokens, known before the first
 - Inductor's combo kernels (independent kernels launched as one) where compiled layers run without
   graphs: there the host issues every launch, and the 8B step is bound by it (a steady-state profile:
   the GPU idles after launches that came late, and no launch call waits for room in the queue).
-Every combination the config allows is costed, memory by `memory.estimate` and time by the model
-below over the job's steps (`horizon`), set-up included; the fastest one whose memory fits the free
-GPU memory with `MARGIN` to spare wins. Nothing else in ddptune makes these choices. Each choice
+Every combination the config allows is costed, memory by `memory.estimate` and time a step by the
+model below; of those whose memory fits the free GPU memory with `MARGIN` to spare, the shortest step
+wins, and of steps within `TIE` of it the least set-up (`fastest`). How long the run is does not enter:
+a trial of 30 steps, an epoch and three epochs run one program, and so does each process count with
+the same batch a process (buckets and shards apart). Nothing else in ddptune makes these choices. Each choice
 comes with its reason (the run's banner, summary.json's `speed`).
 
 The time model, per process and step (constants measured on an H200, 16-core host, torch 2.11):
@@ -34,9 +36,9 @@ The time model, per process and step (constants measured on an H200, 16-core hos
   without graphs compile for changing shapes in the first step (`DYNAMIC_COMPILE_S`: SmolLM2-135M
   75.4 s, 8B QLoRA with checkpointing 74 s, without 88-103 s); with graphs each padded length is
   compiled for its static shapes and recorded instead (`LENGTH_S`: SmolLM2's 4 step shapes at one
-  length in 21.7 s, 8B's 5 in 21.7 s), plus DDP's warm-up steps. So one recorded length starts
-  sooner than the plain path, and more lengths pay only over longer runs; eager layers (the CPU)
-  have no set-up. (8B, checkpointing, 30 steps: 42.0 s end to end recorded, 96.6 s not.)
+  length in 21.7 s, 8B's 5 in 21.7 s), plus DDP's warm-up steps; eager layers (the CPU) have no
+  set-up. Set-up only breaks ties: where padding costs nothing (a step bound by kernel latency) one
+  recorded length wins; where it costs (a step bound by the GPU's FLOPs) the unpadded path does.
 Gradient checkpointing costs one more forward (FLOPs, launches and dequantization), so it is
 chosen only where the run would not fit without it. A dequantized base costs 2 bytes a weight
 instead of about 0.5; with checkpointing and graphs it measured 15 % slower a step, so it is not
@@ -49,11 +51,6 @@ on two NVLink H200s; elsewhere (PCIe, several machines) torch's overlapping buck
 
 `DDPTUNE_SPEED` forces choices for a benchmark (`graphs=off|layers|step,lengths=N,checkpointing=
 true|false,dequantize=true|false,bucket_mb=N,compile=true|false,combo=true|false`); summary.json records what it forced.
-The job is what the config describes, `train.epochs` over the training examples at the global batch,
-whatever `train.max_steps` and wherever a resumed run starts: a window of the job (a benchmark's 30
-steps, `ddptune scale`'s runs), a resumed run and the whole job run one program. The one difference
-this makes: a run cut short by train.max_steps pays the set-up chosen for the whole job (the banner's
-CUDA graphs line names the job's steps).
 """
 from __future__ import annotations
 
@@ -63,8 +60,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from ddptune import batches, batchplan, memory
-from ddptune.config import Config, ConfigError, TrainConfig
+from ddptune import batches, memory
+from ddptune.config import Config, ConfigError
 from ddptune.graphs import DDP_WARMUP
 
 MARGIN = 0.10                 # free memory kept spare: the plan has been up to 8 % under measured peaks
@@ -83,32 +80,34 @@ FORCE_ENV = "DDPTUNE_SPEED"
 FORCE_KEYS = {"graphs": ("off", "layers", "step"), "lengths": int, "checkpointing": bool, "dequantize": bool,
               "bucket_mb": float, "compile": bool, "combo": bool}
 WORK_STEPS = 64  # steps whose shares the choices are estimated from (Work.of)
+TIE = 0.01       # step estimates this close are equal: the one with less set-up wins
 
 
 @dataclass(frozen=True)
 class Work:
-    """What the run's remaining steps compute on one process: each step's packed rows' tokens and
-    targets (the busiest process's), from the same split the steps will use."""
-    steps: int
-    rows: list[tuple[int, int]]    # (tokens, targets) of every packed row of the sampled steps, every process
-    forwards: float                # forwards a step, per process
-    tokens: float                  # real tokens a step, per process
-    targets: float                 # loss targets a step, per process
+    """What one process computes a step: each step's packed rows' tokens and targets, from the same
+    split the steps will use."""
+    rows: list[tuple[int, int]]    # (tokens, targets) of every packed row of the sampled steps
+    forwards: float                # forwards a step
+    tokens: float                  # real tokens a step
+    targets: float                 # loss targets a step
 
     @classmethod
-    def of(cls, stream: batches.Stream, first: int, last: int) -> "Work":
-        """Over at most WORK_STEPS of the steps, spread evenly (all of them in a shorter run): a long
-        run's choices are made in the same time as a short one's, from the same kind of sample."""
-        picked = sorted({first + (last - first) * k // WORK_STEPS for k in range(WORK_STEPS)}) \
-            if last - first > WORK_STEPS else range(first, last)
+    def of(cls, stream: batches.Stream) -> "Work":
+        """From at most WORK_STEPS steps spread evenly over one pass of the data, as one process meets
+        them (the examples at one process's batch): the same sample, and so the same program, for a
+        trial of a few steps, one epoch or several, and at each process count with the same batch a
+        process (`scale`'s same-per-device runs). A long run's choices take the time a short one's do."""
+        one = dataclasses.replace(stream, global_batch=max(stream.global_batch // stream.parts, 1), parts=1)
+        steps = max(len(stream.examples) // one.global_batch, 1)  # a mixture's epoch draws as many
+        picked = sorted({steps * k // WORK_STEPS for k in range(WORK_STEPS)}) if steps > WORK_STEPS else range(steps)
         rows, forwards = [], 0
         for s in picked:
-            share = stream.share(s)
-            forwards += max(len(f) for f in share.forwards)
-            rows += [(batches.tokens_of(g), batches.target_tokens(g)) for f in share.forwards for g in f]
-        steps, parts = max(len(picked), 1), stream.parts
-        return cls(last - first, rows, forwards / steps, sum(t for t, _ in rows) / steps / parts,
-                   sum(t for _, t in rows) / steps / parts)
+            share = one.share(s)
+            forwards += len(share.forwards[0])
+            rows += [(batches.tokens_of(g), batches.target_tokens(g)) for g in share.forwards[0]]
+        n = max(len(picked), 1)
+        return cls(rows, forwards / n, sum(t for t, _ in rows) / n, sum(t for _, t in rows) / n)
 
 
 @dataclass(frozen=True)
@@ -117,6 +116,7 @@ class Speed:
     compiled: bool
     graphs: str                    # off | layers | step
     lengths: int                   # padded lengths with graphs, else 0
+    sizes: tuple[int, ...]         # those lengths in tokens (from the sampled rows), else ()
     checkpointing: bool
     dequantize: bool
     bucket_mb: float | None        # None: torch's default
@@ -160,12 +160,6 @@ def forced() -> dict:
     return out
 
 
-def horizon(t: TrainConfig, examples: int, global_batch: int) -> int:
-    """The steps the choices are made for: the job's, `train.epochs` over `examples` at `global_batch`,
-    whatever train.max_steps (batchplan.total_steps without it)."""
-    return batchplan.total_steps(dataclasses.replace(t, max_steps=None), examples, global_batch)
-
-
 def _value(kind, raw: str):
     if isinstance(kind, tuple):
         return raw if raw in kind else None
@@ -193,22 +187,31 @@ def decide(cfg: Config, cuda: bool, shape: memory.Shape, world: int, free_gib: f
               for o in options]
     budget = None if free_gib is None else free_gib * (1 - MARGIN)
     fitting = [c for c in costed if budget is None or c[1] <= budget]
-    best = min(fitting, key=lambda c: (c[2] * work.steps + c[3], c[1])) if fitting else min(costed, key=lambda c: c[1])
+    best = fastest(fitting) if fitting else min(costed, key=lambda c: c[1])
     choice = best[0]
     bucket_mb, bucket_why = bucket(cfg, shape, world, cuda, link, one_machine, force)
     reasons = {"compiled layers": compile_reason(t.compile, compiled, cuda, "compile" in force, shape.dynamic)}
     reasons["gradient checkpointing"] = checkpoint_reason(t.gradient_checkpointing, choice, costed, free_gib, force)
     if t.method == "qlora":
         reasons["4-bit base"] = dequantize_reason(choice, costed, budget, force, t.strategy, cuda)
-    reasons["CUDA graphs"] = graphs_reason(cfg, cuda, compiled, choice, best, fitting, work, force, shape.dynamic)
+    reasons["CUDA graphs"] = graphs_reason(cfg, cuda, compiled, choice, best, fitting, force, shape.dynamic)
     reasons["DDP gradient buckets"] = bucket_why
     combo = force.get("combo", compiled and cuda and choice.graphs == "off")
     reasons["combined kernels"] = combo_reason(combo, compiled, cuda, force)
     estimate = {"step_s": best[2], "setup_s": best[3], "memory_gib": best[1], "free_gib": free_gib,
-                "steps": work.steps, "options": [{**dataclasses.asdict(o), "memory_gib": m, "step_s": s, "setup_s": u}
+                "options": [{**dataclasses.asdict(o), "memory_gib": m, "step_s": s, "setup_s": u}
                                                  for o, m, s, u in costed]}
-    return Speed(compiled, choice.graphs, choice.lengths, choice.checkpointing, choice.dequantize, bucket_mb,
+    sizes = tuple(padded(work, choice.lengths)[3]) if choice.graphs != "off" else ()
+    return Speed(compiled, choice.graphs, choice.lengths, sizes, choice.checkpointing, choice.dequantize, bucket_mb,
                  combo, reasons, force, estimate)
+
+
+def fastest(costed: list) -> tuple:
+    """The option of the shortest step: estimates within TIE of it count as equal, and of those the one
+    that compiles and records least (then the one that needs least memory) wins. A run's length does not
+    enter: a trial of a few steps, an epoch and three epochs run one program."""
+    quickest = min(c[2] for c in costed)
+    return min((c for c in costed if c[2] <= quickest * (1 + TIE)), key=lambda c: (c[3], c[1]))
 
 
 def candidates(cfg: Config, cuda: bool, compiled: bool, force: dict, dynamic: str = "") -> list[Option]:
@@ -244,22 +247,22 @@ def candidates(cfg: Config, cuda: bool, compiled: bool, force: dict, dynamic: st
     return out
 
 
-def padded(work: Work, lengths: int) -> tuple[float, int, int]:
+def padded(work: Work, lengths: int) -> tuple[float, int, int, list[int]]:
     """With `lengths` padded lengths: (computed tokens over real ones, the longest padded row, its
-    padded target rows); without (0): (1, the longest row, its targets)."""
+    padded target rows, the lengths); without (0): (1, the longest row, its targets, [])."""
     if not work.rows:
-        return 1.0, 0, 0
+        return 1.0, 0, 0, []
     tokens = [t for t, _ in work.rows]
     targets = max(n for _, n in work.rows)
     if not lengths:
-        return 1.0, max(tokens), targets
+        return 1.0, max(tokens), targets, []
     sizes = batches.pad_lengths(tokens, lengths, batches.GRAPH_PAD)
     total = sum(min(s for s in sizes if s >= n) for n in tokens)
-    return total / max(sum(tokens), 1), max(sizes), batches.target_rows(targets)
+    return total / max(sum(tokens), 1), max(sizes), batches.target_rows(targets), sizes
 
 
 def memory_gib(cfg: Config, shape: memory.Shape, world: int, o: Option, work: Work, compiled: bool, cpu: bool = False) -> float:
-    _, tokens, targets = padded(work, o.lengths)
+    _, tokens, targets, _ = padded(work, o.lengths)
     shards = world if cfg.train.strategy == "fsdp" else 1
     job = memory.job_of(cfg, world, checkpointing=o.checkpointing, shards=shards, tokens=tokens or None,
                         targets=targets or None, compiled=compiled, cpu=cpu)
@@ -274,7 +277,7 @@ def time_s(cfg: Config, shape: memory.Shape, o: Option, work: Work, rate: float,
     t = cfg.train
     passes = 3 if o.checkpointing else 2  # forward, backward, and the forward checkpointing repeats
     per_weight = 2 * passes + (2 if t.method == "full" else 0)
-    stretch, _, _ = padded(work, o.lengths)
+    stretch = padded(work, o.lengths)[0]
     tokens, head = work.tokens * stretch, shape.vocab * shape.hidden
     trained = 0 if t.method == "full" else shape.lora_params(cfg.lora.r, list(cfg.lora.target_modules))
     flops = per_weight * (shape.matrix_params * tokens + head * work.targets) + 6 * trained * tokens
@@ -361,7 +364,7 @@ def dequantize_reason(choice: Option, costed: list, budget: float | None, force:
     return f"4-bit (an estimated {mine[2]:.3g} s a step against {other[2]:.3g} s dequantized)"
 
 
-def graphs_reason(cfg: Config, cuda: bool, compiled: bool, choice: Option, best: tuple, fitting: list, work: Work,
+def graphs_reason(cfg: Config, cuda: bool, compiled: bool, choice: Option, best: tuple, fitting: list,
                   force: dict, dynamic: str = "") -> str:
     t = cfg.train
     if "graphs" in force:
@@ -371,28 +374,16 @@ def graphs_reason(cfg: Config, cuda: bool, compiled: bool, choice: Option, best:
                "train.cuda_graphs=false" if t.cuda_graphs is False else None)
     if why_not:
         return f"off ({why_not})"
-    reason = _graphs_choice(choice, best, fitting, work, f"the job's {work.steps} steps")
-    return reason + (f" [chosen for the job: train.epochs={t.epochs:g}, {work.steps} steps; train.max_steps={t.max_steps} "
-                     "does not change the choices]" if t.max_steps and t.max_steps != work.steps else "")
-
-
-def _graphs_choice(choice: Option, best: tuple, fitting: list, work: Work, steps: str) -> str:
-    """Why graphs are on or off where they could be either, the whole job's time weighed."""
     what = {"step": "the whole step", "layers": "each layer (an 8-bit optimizer cannot be recorded)"}
     off = [c for c in fitting if c[0].graphs == "off"]
     on = [c for c in fitting if c[0].graphs != "off"]
     if choice.graphs != "off":
-        vs = (f" against {min(c[2] for c in off):.3g} s without" if off else "")
-        start = (f" against {min(c[3] for c in off):.0f} s to compile for changing shapes" if off else "")
+        vs = f" against {min(c[2] for c in off):.3g} s without" if off else ""
         return (f"{what[choice.graphs]}, {choice.lengths} padded length{'s' if choice.lengths > 1 else ''} (an estimated "
-                f"{best[2]:.3g} s a step{vs}; about {best[3]:.0f} s to compile and record{start}; over {steps})")
+                f"{best[2]:.3g} s a step{vs}; about {best[3]:.0f} s to compile and record before the first step)")
     if not on:
         return "off (with them the run would not fit the free memory)"
-    alt = min(on, key=lambda c: c[2] * work.steps + c[3])
-    if alt[2] >= best[2]:
-        return f"off (no shorter a step with them by the estimate: {best[2]:.3g} s either way)"
-    return (f"off (over {steps}: an estimated {best[2] * work.steps + best[3]:.0f} s without, "
-            f"against {alt[2] * work.steps + alt[3]:.0f} s with them, {alt[3]:.0f} s of it compiling and recording)")
+    return f"off (an estimated {best[2]:.3g} s a step without them against {min(c[2] for c in on):.3g} s with them)"
 
 
 def bucket(cfg: Config, shape: memory.Shape, world: int, cuda: bool, link: str, one_machine: bool,

@@ -120,6 +120,14 @@ def setup(cfg: Config, resume: bool = False, started: float | None = None, admit
     total = batchplan.total_steps(cfg.train, len(train_set), plan.global_batch)
     if problems := batchplan.profile_problems(cfg.train, total) + config_lib.schedule_problems(cfg.train, total):
         raise ConfigError(problems)
+    # the speed choices, once, before any weight is loaded: from the model's config, the device and a
+    # sample of the steps
+    with model_lib.loading(cfg.model, "model"):
+        shape = memory.model_shape(cfg)
+    flops = metrics.FlopModel.of_shape(shape, cfg.train.method, cfg.lora.r, list(cfg.lora.target_modules))
+    stream = stream_of(cfg, train_set, flops, world, plan.global_batch)
+    chosen = dist.on_main(acc, lambda: speed_lib.decide(cfg, acc.device.type == "cuda", shape, world, free, speed_lib.Work.of(stream),
+                                                        metrics.matrix_tflops(acc.device), comm.link(acc.device, world), dist.one_machine()))
     t1 = time.perf_counter()
     # what loading downloads or writes is made once, by the first process, before the others read it;
     # otherwise every process loads at once
@@ -129,15 +137,6 @@ def setup(cfg: Config, resume: bool = False, started: float | None = None, admit
                                     sharded=cfg.train.strategy == "fsdp")
     if problems := model_lib.arch_problems(arch.of(base.config), cfg.lora, cfg.train.method, cfg.train.packing):
         raise ConfigError(problems)  # a hub model's or a GGUF file's architecture, known only now
-    shape = memory.shape_of(base.config)
-    flops = metrics.FlopModel.of_shape(shape, cfg.train.method, cfg.lora.r, list(cfg.lora.target_modules))
-    stream = batches.Stream(train_set, flops.sample(train_set.lengths, train_set.targets), train_set.targets,
-                            plan.global_batch, world, cfg.train.seed, cfg.train.packing, cfg.train.micro_batch_size,
-                            cfg.train.tokens_per_forward, cfg.data.max_length, lockstep=cfg.train.strategy == "fsdp",
-                            mix=data.mixture(cfg.data, train_set.sizes))
-    work = speed_lib.Work.of(stream, 0, speed_lib.horizon(cfg.train, len(train_set), plan.global_batch))
-    chosen = dist.on_main(acc, lambda: speed_lib.decide(cfg, acc.device.type == "cuda", shape, world, free, work,
-                                                        metrics.matrix_tflops(acc.device), comm.link(acc.device, world), dist.one_machine()))
     model = build_model(cfg, base, chosen, acc.device)
     acc.print(f"ddptune: model loaded in {time.perf_counter() - t1:.1f}s")
     r = prepare(cfg, plan, acc, out, tokenizer, train_set, val_set, model, stream, chosen, flops, total)
@@ -150,6 +149,14 @@ def setup(cfg: Config, resume: bool = False, started: float | None = None, admit
     acc.print("\n".join(runlog.opening_lines(r.outline(), cfg.model, cfg.train, acc, r.model)))
     r.trackers = runlog.Trackers(acc, cfg.train.log_with, config_lib.flatten(config_lib.to_dict(cfg)), out)
     return r
+
+
+def stream_of(cfg: Config, train_set, flops: metrics.FlopModel, world: int, global_batch: int) -> batches.Stream:
+    """The run's steps over `world` processes: the training examples, each costed by the FLOPs it takes."""
+    return batches.Stream(train_set, flops.sample(train_set.lengths, train_set.targets), train_set.targets,
+                          global_batch, world, cfg.train.seed, cfg.train.packing, cfg.train.micro_batch_size,
+                          cfg.train.tokens_per_forward, cfg.data.max_length, lockstep=cfg.train.strategy == "fsdp",
+                          mix=data.mixture(cfg.data, train_set.sizes))
 
 
 def prepare(cfg, plan, acc, out, tokenizer, train_set, val_set, model, stream, chosen, flops, total) -> Run:
@@ -203,8 +210,7 @@ def prepare_graphs(r: Run) -> None:
     acc, level, t0 = r.accelerator, r.level, time.perf_counter()
     try:
         with graphs.on_stream(r.side):
-            horizon = speed_lib.horizon(r.cfg.train, len(r.train_set), r.plan.global_batch)  # the job's steps: its padded lengths
-            stream, engine, note, failed = graphs.prepare(level.parts, r.loss_model, level.stream, r.start, r.total_steps, horizon,
+            stream, engine, note, failed = graphs.prepare(level.parts, r.loss_model, level.stream, r.start, r.total_steps,
                                                           level.speed, acc.process_index, r.tokenizer.pad_token_id, r.side, r.clock)
     except RuntimeError as e:  # compiling (or recording a layer) failed
         why = f"compiling the layers for CUDA graphs failed ({dist.first_line(e)})"
