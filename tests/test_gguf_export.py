@@ -21,7 +21,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import ROOT, field, gguf_parsed_once, words
 from ddptune import cli, data, gguf_export, model as model_lib
-from ddptune.config import ConfigError
 from ddptune.data import chat
 from test_architectures import GGUF_TESTED, family_config
 from test_export import export, logits, train_run
@@ -229,16 +228,18 @@ def test_each_family_reads_back_as_llama_cpp_reads_it_with_its_logits(name, tmp_
                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 256}}),  # no rope_freqs
     ("qwen3-moe", {"norm_topk_prob": False}),  # its qwen3moe renormalizes the chosen experts' weights
 ])
-def test_what_llama_cpp_would_compute_otherwise_is_refused_in_one_line(name, change, tmp_path):
+def test_what_llama_cpp_would_compute_otherwise_is_refused_in_one_line(name, change):
     assert gguf_export.model_problem(configured(name)) is None
     problem = gguf_export.model_problem(configured(name, **change))
     assert problem is not None and field(problem) == "model" and "\n" not in problem, problem
-    if name == "gemma2":  # write() asks the same before it opens the file
-        torch.manual_seed(0)
-        net = AutoModelForCausalLM.from_config(configured(name, **change), dtype=torch.float32)
-        with pytest.raises(ConfigError):
-            gguf_export.write(net, model_lib.byte_tokenizer(), tmp_path / "m.gguf", "bf16", "x", None, None)
-        assert not (tmp_path / "m.gguf").exists()
+
+
+def test_a_tokenizer_with_ids_past_the_embedding_is_refused_from_the_config():
+    tok = model_lib.byte_tokenizer()
+    top = max(tok.get_vocab().values())
+    assert gguf_export.problems(configured("llama", vocab_size=top + 1), tok) == []
+    (line,) = gguf_export.problems(configured("llama", vocab_size=top), tok)
+    assert field(line) == "model.tokenizer" and str(top) in words(line), line
 
 
 def test_llama3_rope_scaling_becomes_the_rope_freqs_tensor(tmp_path):
@@ -362,6 +363,32 @@ def test_bad_gguf_exports_are_refused_with_one_line_and_nothing_written(tiny_run
     assert cli.main(["export", str(tiny_run), str(full), "--format", "gguf"]) == 2
     err = capsys.readouterr().err.strip()  # the folder that holds files
     assert [p.name for p in full.iterdir()] == ["keep.txt"] and field(err) == "OUT" and str(full) in words(err), err
+
+
+@pytest.mark.parametrize("name, change, extra", [
+    ("mistral-window", {}, []),  # llama.cpp's llama records no window
+    ("gemma2", {"final_logit_softcapping": None}, ["--quantize", "q4_k_m"]),  # its gemma2 caps both, always
+    ("gpt-oss", {}, ["--outtype", "q8_0"]),  # no llama.cpp architecture here
+])
+def test_a_model_gguf_cannot_hold_is_refused_before_its_base_is_loaded(name, change, extra, tiny_run, tmp_path, capsys,
+                                                                      monkeypatch):
+    """The tiny run on a base of the family whose weights are no safetensors file (a load fails on them): the
+    export is refused from the base's config with exit 2 and one line; the empty OUT stays empty."""
+    run, base, out = tmp_path / "run", tmp_path / "base", tmp_path / "out"
+    shutil.copytree(tiny_run, run)
+    configured(name, **change).save_pretrained(base)
+    (base / "model.safetensors").write_bytes(b"\xff" * 64)
+    (run / "config.yaml").write_text((run / "config.yaml").read_text().replace("source: preset:tiny", f"source: {base}"))
+    if "--quantize" in extra:
+        quantize_tool(tmp_path / "bin", 'cp "$1" "$2"', monkeypatch)
+    out.mkdir()
+    assert cli.main(["export", str(run), str(out), "--format", "gguf", *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and field(err[0]) == "model" and configured(name).model_type in words(err[0]), err
+    assert list(out.iterdir()) == [] and not list(tmp_path.glob(".out.tmp-*"))
+    if name == "mistral-window":  # what loading the base would have met
+        with pytest.raises(Exception, match="(?i)safetensors|header"):
+            AutoModelForCausalLM.from_pretrained(base)
 
 
 def quantize_tool(folder, script: str, monkeypatch):

@@ -116,10 +116,9 @@ def _gguf_problems(args, cfg: Config, run_dir: Path, tokenizer) -> list[str]:
         if args.outtype:
             problems.append("--outtype: not with --quantize (the file quantized is an f16 one ddptune writes first)")
         problems += [p for p in gguf_export.quantize_command(args.quantize, args.ollama)[1:] if p]
-    if problem := gguf_export.architecture_problem(_model_type(run_dir, cfg)):
-        problems.append(problem)
-    if problem := gguf_export.tokenizer_problem(tokenizer):
-        problems.append(problem)
+    config, problem = _exported_config(run_dir, cfg)
+    problems += [problem] if problem else []
+    problems += gguf_export.problems(config, tokenizer)  # all the model's, from its config: no weight is loaded
     if args.ollama and not _ollama_name_ok(args.ollama):
         problems.append(f"--ollama: {args.ollama!r} is not a model name Ollama takes (letters, digits, '.', '_', '-', "
                         "an optional ':tag'; e.g. demo-summarizer)")
@@ -138,35 +137,34 @@ def _ollama_quantizes() -> bool:
     return shutil.which("llama-quantize") is None and shutil.which("ollama") is not None
 
 
-def _model_type(run_dir: Path, cfg: Config) -> str | None:
-    """The base's transformers model_type, read without loading it; None where only loading says
-    (a GGUF source not converted yet, a hub id not at hand): the writer checks it again."""
-    src = sources.resolve_source(cfg.model)
-    if cfg.train.method == "full":
-        path = rundir.trained_weights_dir(run_dir, "full") / "config.json"
-    elif src.kind == "preset":
-        return "llama"
-    elif src.kind == "local":
-        path = Path(src.path) / "config.json"
-    elif src.kind == "gguf":
-        from ddptune import model as model_lib
+def _exported_config(run_dir: Path, cfg: Config) -> tuple:
+    """(the transformers config of the model the GGUF file will hold, read without loading a weight; a
+    problem line where it cannot be read): a full fine-tune's model/config.json, else its base's
+    (`model.model_config`, or a hub id's as the load would fetch it). (None, None) where the source itself
+    is refused: `model.model_problems` has said why."""
+    from transformers import AutoConfig
 
-        folder = model_lib.gguf_folder(src, "model", build=False)
-        if folder is None:
-            return None
-        path = folder / "config.json"
+    from ddptune import model as model_lib
+
+    if cfg.train.method == "full":
+        folder = rundir.trained_weights_dir(run_dir, "full")
+        where, read = f"export: {folder / 'config.json'}", lambda: AutoConfig.from_pretrained(folder)
     else:
         try:
-            from transformers import AutoConfig
-
-            return AutoConfig.from_pretrained(src.path, revision=cfg.model.revision,
-                                              trust_remote_code=cfg.model.trust_remote_code).model_type
-        except (OSError, ValueError):
-            return None
+            src = sources.resolve_source(cfg.model)
+        except ValueError:
+            return None, None
+        if src.kind != "hub":
+            config = model_lib.model_config(src, cfg.model.trust_remote_code)
+            return (None if isinstance(config, str) else config), None
+        where, read = f"model.source: the config of {src.path}", lambda: AutoConfig.from_pretrained(
+            src.path, gguf_file=src.gguf_file, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
     try:
-        return json.loads(path.read_text(encoding="utf-8"))["model_type"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+        return read(), None
+    except Exception as e:  # noqa: BLE001 - a broken config.json, an unknown architecture, a hub that does not answer
+        reason = " ".join(str(e).split())[:200]
+        return None, (f"{where} cannot be read ({type(e).__name__}: {reason}), so whether llama.cpp runs the model "
+                      "is not known (restore it, or export --merge for transformers instead)")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ Sliding windows: Gemma's architectures record one window, and llama.cpp derives 
 (Gemma 2: 1 of every 2, Gemma 3: 5 of every 6), so a model is written where its `layer_types` are that
 pattern; the other architectures record none. Gemma 2's soft-caps are written. What a file cannot
 record (another window pattern, a window or soft-caps elsewhere, experts not renormalized, a head
-apart from Gemma 2's embedding) is refused in one line by `model_problem`.
+apart from Gemma 2's embedding) is refused in one line by `model_problem`, from the config alone;
+export asks `problems` (that, the tokenizer's, the vocabulary's size) before any weight is loaded.
 
 Weights: bf16 and f16 as such, q8_0 through gguf's own quantizer (blocks of 32 with an f16 scale);
 1-D tensors (norms, biases, rope factors) and routers stay f32, as llama.cpp's converter keeps them.
@@ -96,21 +97,28 @@ TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm
 
 
 # ---------------------------------------------------------------------------------------------
-# What refuses, before anything is loaded
+# What refuses, before anything is loaded (from the config and the tokenizer)
 
 
-def architecture_problem(model_type: str | None) -> str | None:
-    """Why a model of this transformers model_type cannot be written (one line), or None (also for
-    None: not known yet)."""
-    if model_type is None or model_type in ARCHES:
-        return None
-    return f"model: {model_type} cannot be exported to GGUF (supported: {SUPPORTED}); export --merge for transformers instead"
+def problems(config, tokenizer) -> list[str]:
+    """Every reason the model of this transformers config (None: not known, a problem said elsewhere) and
+    its tokenizer cannot be written, one line each: what export refuses before any weight is loaded."""
+    found = [tokenizer_problem(tokenizer)]
+    if config is not None:
+        found.append(model_problem(config))
+    if config is not None and not found[-1] and (top := max(tokenizer.get_vocab().values())) >= config.vocab_size:
+        found.append(f"model.tokenizer: it has ids up to {top}, past the model's {config.vocab_size} embedding rows "
+                     "(use the tokenizer the model was trained with)")
+    return [p for p in found if p]
 
 
 def model_problem(config) -> str | None:
-    """Why this model config cannot be written (one line), or None."""
-    if problem := architecture_problem(getattr(config, "model_type", None) or "unknown"):
-        return problem
+    """Why a model of this transformers config cannot be written (one line), or None: everything a file
+    cannot record that the config alone tells, so that export refuses before any weight is loaded."""
+    model_type = getattr(config, "model_type", None) or "unknown"
+    if model_type not in ARCHES:
+        return (f"model: {model_type} cannot be exported to GGUF (supported: {SUPPORTED}); export --merge for "
+                "transformers instead")
     fam, a = ARCHES[config.model_type], arch.of(config)
     tensors = gguf.MODEL_TENSORS[_model_arch(fam.arch)]
     window = max((w for w in a.windows if w), default=None)
@@ -228,10 +236,11 @@ def size_estimate(model, tokenizer, outtype: str) -> int:
 
 
 def write(model, tokenizer, path: Path, outtype: str, name: str, chat_template: str | None, eot_id: int | None) -> None:
-    """The model and its tokenizer as one GGUF file at `path`, its weights in `outtype`."""
+    """The model and its tokenizer as one GGUF file at `path`, its weights in `outtype`. The caller has
+    refused what `problems` names (export asks it before loading the model); what only the tensors tell
+    (a tensor without a GGUF name, a scale with no query tensor to fold into) is refused here, before the
+    file is opened."""
     config = model.config
-    if problem := model_problem(config) or tokenizer_problem(tokenizer):
-        raise ConfigError([problem])
     family = ARCHES[config.model_type]
     plan = tensor_plan(model, family, OUTTYPES[outtype][0])
     writer = gguf.GGUFWriter(path, family.arch)
@@ -450,12 +459,10 @@ def _merges(tokenizer) -> list[str]:
 
 def vocabulary(tokenizer, vocab_size: int) -> tuple[list[str], list[int]]:
     """Every id's token and llama.cpp token type, padded to the embedding's rows with unused
-    `[PADi]` tokens: added special tokens are control tokens, other added tokens user-defined."""
+    `[PADi]` tokens: added special tokens are control tokens, other added tokens user-defined (`problems`
+    has refused ids past the embedding's rows)."""
     tokens, types = [f"[PAD{i}]" for i in range(vocab_size)], [int(gguf.TokenType.UNUSED)] * vocab_size
     vocab = tokenizer.get_vocab()
-    if max(vocab.values()) >= vocab_size:
-        raise ConfigError([f"model.tokenizer: it has ids up to {max(vocab.values())}, past the model's "
-                           f"{vocab_size} embedding rows (use the tokenizer the model was trained with)"])
     for token, i in vocab.items():
         tokens[i], types[i] = token, int(gguf.TokenType.NORMAL)
     for i, added in tokenizer.added_tokens_decoder.items():
