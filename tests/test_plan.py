@@ -92,6 +92,30 @@ def test_plan_command_prints_the_table_and_writes_json(tmp_path, capsys):
     assert saved["verdict"] == "ddp" and saved["gpu_memory_gib"] == 80 and saved["tokens_per_forward"] == 8192
 
 
+def test_plan_and_train_record_the_same_choices_on_the_same_device(tmp_path, capsys):
+    """`ddptune plan --json` and `ddptune train` of one config on one device (this machine's) make
+    the speed choices once each, with one function from the same sample of the steps: the same
+    choices and the same step estimate. A plan for GPUs of a given size (--gpu-memory) decides for a
+    CUDA device. The 8B config's hub data: no sample here, so no choices, and the plan says so."""
+    from ddptune import train
+
+    tiny, keys = ROOT / "configs" / "tiny.yaml", ["train.max_steps=3", "data.val=null", f"output_dir={tmp_path / 'run'}"]
+    assert cli.main(["plan", str(tiny), *keys, "--json", str(tmp_path / "plan.json")]) == 0
+    planned = json.loads((tmp_path / "plan.json").read_text())["speed"]
+    train.run(config.load(tiny, keys))
+    ran = json.loads((tmp_path / "run" / "summary.json").read_text())["speed"]
+    program = ("compiled", "graphs", "lengths", "sizes", "checkpointing", "dequantize", "bucket_mb", "combo", "forced")
+    assert {k: planned[k] for k in program} == {k: ran[k] for k in program}
+    assert planned["estimate"]["step_s"] == ran["estimate"]["step_s"] > 0
+    assert planned["reasons"].keys() == ran["reasons"].keys()
+    capsys.readouterr()
+    assert cli.main(["plan", str(tiny), *keys, "--gpu-memory", "80", "--json", str(tmp_path / "gpu.json")]) == 0
+    gpu = json.loads((tmp_path / "gpu.json").read_text())["speed"]
+    assert gpu["compiled"] and gpu["graphs"] == "step" and gpu["estimate"]["free_gib"] == 80
+    assert cli.main(["plan", CONFIG_8B, "--json", str(tmp_path / "hub.json")]) == 0
+    assert json.loads((tmp_path / "hub.json").read_text())["speed"] is None
+
+
 def test_plan_json_makes_its_folder_and_replaces_an_older_plan_whole(tmp_path, capsys):
     """--json as compare's: a missing folder is made; an existing file is replaced by a whole new
     one (a temporary file renamed over it), never left half-written."""

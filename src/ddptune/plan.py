@@ -2,6 +2,10 @@
 
 Peak memory per GPU for each way of running the config (memory.py's estimate, from the model's
 config alone: no weights are loaded), then the first that fits, or the smallest GPU count that would.
+Then the run's own choices (speed.decide: checkpointing, the base, compiled layers, graphs, padded
+lengths, buckets), made as `ddptune train` makes them on this machine's device (or on GPUs of
+--gpu-memory GiB), from the same sample of the steps: the plan's JSON `speed` and the run's
+summary.json `speed` are one record.
 """
 from __future__ import annotations
 
@@ -24,17 +28,51 @@ def main(args) -> int:
         shape = memory.model_shape(cfg)
     except Exception as e:  # noqa: BLE001 - no config.json, an unreadable GGUF header, an unknown architecture
         raise ConfigError([f"model.source: the model's config cannot be read ({type(e).__name__}: {' '.join(str(e).split())[:200]})"])
+    chosen, where = run_choices(cfg, shape, args.gpus, args.gpu_memory)
+    print(f"ddptune plan: the run's choices {where}" + "".join(f"\n  {line}" for line in chosen.lines()) if chosen else
+          f"ddptune plan: {where}")
     if shape.experts:
         print(f"ddptune plan: {cfg.model.source} is a mixture of {shape.experts} experts a layer, which the memory "
               "estimate does not model: no estimate (the run measures its own peak; `ddptune train` then says it)")
-        if args.json:
-            report.write_json(args.json, {"model": cfg.model.source, "estimate": None, "experts": shape.experts})
-        return 0
-    result = memory.plan(cfg, shape, args.gpus, args.gpu_memory or local_gpu_gib() or memory.DEFAULT_GPU_GIB)
-    print(table(result))
+        result = {"model": cfg.model.source, "estimate": None, "experts": shape.experts}
+    else:
+        result = memory.plan(cfg, shape, args.gpus, args.gpu_memory or local_gpu_gib() or memory.DEFAULT_GPU_GIB)
+        print(table(result))
     if args.json:
-        report.write_json(args.json, result)
+        report.write_json(args.json, {**result, "speed": chosen.as_dict() if chosen else None, "speed_where": where})
     return 0
+
+
+def run_choices(cfg, shape: memory.Shape, gpus: int, gpu_memory: float | None):
+    """(speed.decide's choices for the run, where they are for), as `ddptune train` makes them: on
+    this machine's device, or on GPUs of `gpu_memory` GiB; (None, why) where the run's data or
+    tokenizer is not here to sample its steps from (hub data, a hub tokenizer), or its batch does
+    not divide over `gpus`."""
+    import torch
+
+    from ddptune import admission, batchplan, comm, data as data_lib, metrics, speed
+    from ddptune.data import tokenized
+
+    if any(s.source.startswith("hub:") for s in data_lib.sources(cfg.data, "train")) or \
+            (tokenizer := admission.local_tokenizer(cfg)) is None:
+        return None, "the run's choices are made by `ddptune train` once it has the data and tokenizer from the hub"
+    try:
+        global_batch = batchplan.batch_plan(cfg.train, gpus).global_batch
+    except ConfigError as e:
+        return None, f"no run choices ({e.problems[0]})"
+    train_set, _ = tokenized.load(tokenized.prepare(cfg.data, tokenizer))
+    flops = metrics.FlopModel.of_shape(shape, cfg.train.method, cfg.lora.r, list(cfg.lora.target_modules))
+    stream = speed.stream_of(cfg, train_set, flops, gpus, global_batch)
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if gpu_memory is not None:
+        cuda, free, where = True, gpu_memory, f"on GPUs of {gpu_memory:g} GiB"
+    else:
+        cuda, free = device.type == "cuda", speed.free_gib(device, gpus)
+        where = (f"on this machine's {torch.cuda.get_device_name(device)}" if cuda else "on this machine's CPU") + (
+            f" ({free:.1f} GiB free a process)" if free is not None else "")
+    chosen = speed.decide(cfg, cuda, shape, gpus, free, speed.Work.of(stream), metrics.matrix_tflops(device),
+                          comm.link(device, gpus) if cuda else "")
+    return chosen, f"{where}, {gpus} process{'es' if gpus > 1 else ''}:"
 
 
 def local_gpu_gib() -> float | None:

@@ -60,7 +60,9 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from ddptune import batches, memory
+import torch
+
+from ddptune import batches, data, memory, metrics, system
 from ddptune.config import Config, ConfigError
 from ddptune.graphs import DDP_WARMUP
 
@@ -170,6 +172,23 @@ def _value(kind, raw: str):
     except (TypeError, ValueError):
         return None
     return value if math.isfinite(value) and value > 0 else None
+
+
+def stream_of(cfg: Config, train_set, flops: metrics.FlopModel, world: int, global_batch: int) -> batches.Stream:
+    """The run's steps over `world` processes: the training examples, each costed by the FLOPs it takes."""
+    return batches.Stream(train_set, flops.sample(train_set.lengths, train_set.targets), train_set.targets,
+                          global_batch, world, cfg.train.seed, cfg.train.packing, cfg.train.micro_batch_size,
+                          cfg.train.tokens_per_forward, cfg.data.max_length, lockstep=cfg.train.strategy == "fsdp",
+                          mix=data.mixture(cfg.data, train_set.sizes))
+
+
+def free_gib(device: torch.device, processes_here: int) -> float | None:
+    """The memory a run's process may use: the GPU's free memory (with the CUDA context the process
+    already holds), or on a CPU its share of what the host has available (None where the host does not say)."""
+    if device.type != "cuda":
+        available = system.meminfo_gib("MemAvailable")
+        return None if available is None else available / processes_here
+    return torch.cuda.mem_get_info(device)[0] / memory.GIB + memory.CUDA_CONTEXT_GIB
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from accelerate.utils import set_seed
 from transformers import PreTrainedTokenizerBase
 
 from ddptune import admission, arch, batches, batchplan, checkpoint, comm, config as config_lib, data, dist, fallback, generation, graphs
-from ddptune import launch, loss as loss_lib, memory, metrics, model as model_lib, report, rundir, runlog, saving, speed as speed_lib, step as step_lib, system
+from ddptune import launch, loss as loss_lib, memory, metrics, model as model_lib, report, rundir, runlog, saving, speed as speed_lib, step as step_lib
 from ddptune.data import store, tokenized
 from ddptune.batchplan import BatchPlan
 from ddptune.config import Config, ConfigError
@@ -125,7 +125,7 @@ def setup(cfg: Config, resume: bool = False, started: float | None = None, admit
     with model_lib.loading(cfg.model, "model"):
         shape = memory.model_shape(cfg)
     flops = metrics.FlopModel.of_shape(shape, cfg.train.method, cfg.lora.r, list(cfg.lora.target_modules))
-    stream = stream_of(cfg, train_set, flops, world, plan.global_batch)
+    stream = speed_lib.stream_of(cfg, train_set, flops, world, plan.global_batch)
     chosen = dist.on_main(acc, lambda: speed_lib.decide(cfg, acc.device.type == "cuda", shape, world, free, speed_lib.Work.of(stream),
                                                         metrics.matrix_tflops(acc.device), comm.link(acc.device, world), dist.one_machine()))
     t1 = time.perf_counter()
@@ -151,14 +151,6 @@ def setup(cfg: Config, resume: bool = False, started: float | None = None, admit
     return r
 
 
-def stream_of(cfg: Config, train_set, flops: metrics.FlopModel, world: int, global_batch: int) -> batches.Stream:
-    """The run's steps over `world` processes: the training examples, each costed by the FLOPs it takes."""
-    return batches.Stream(train_set, flops.sample(train_set.lengths, train_set.targets), train_set.targets,
-                          global_batch, world, cfg.train.seed, cfg.train.packing, cfg.train.micro_batch_size,
-                          cfg.train.tokens_per_forward, cfg.data.max_length, lockstep=cfg.train.strategy == "fsdp",
-                          mix=data.mixture(cfg.data, train_set.sizes))
-
-
 def prepare(cfg, plan, acc, out, tokenizer, train_set, val_set, model, stream, chosen, flops, total) -> Run:
     """The optimizer and schedule, DDP's wrapper (or FSDP2's sharding), the clock and the step's parts."""
     optimizer, scheduler = step_lib.build_optimizer(cfg.train, model, total, capturable=chosen.graphs == "step")
@@ -181,13 +173,9 @@ def prepare(cfg, plan, acc, out, tokenizer, train_set, val_set, model, stream, c
 
 
 def free_gib(cfg: Config, acc: Accelerator) -> float | None:
-    """The GPU's free memory, once `ddptune plan` says the run fits it; on a CPU each process's share of
-    the memory the host has available (None where the host does not say)."""
-    if acc.device.type != "cuda":
-        available = system.meminfo_gib("MemAvailable")
-        return None if available is None else available / int(os.environ.get("LOCAL_WORLD_SIZE", acc.num_processes))
-    free = torch.cuda.mem_get_info(acc.device)[0] / memory.GIB + memory.CUDA_CONTEXT_GIB  # our context is in use already
-    if problems := dist.on_main(acc, lambda: memory.memory_problems(cfg, acc.num_processes, free)):
+    """The memory the run may use (speed.free_gib), once `ddptune plan` says the run fits it."""
+    free = speed_lib.free_gib(acc.device, int(os.environ.get("LOCAL_WORLD_SIZE", acc.num_processes)))
+    if acc.device.type == "cuda" and (problems := dist.on_main(acc, lambda: memory.memory_problems(cfg, acc.num_processes, free))):
         raise ConfigError(problems)
     return free
 
