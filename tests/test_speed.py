@@ -113,8 +113,7 @@ def test_each_config_runs_one_program_at_every_length_and_process_count(name, by
     """For each shipped config on an H100 (79 GiB free, 989 TFLOP/s), with its own data (SAMSum's
     validation rows for the 8B config's hub SAMSum): the choices for a 30-step trial, one epoch and
     three epochs are one program, and so are those at 1 and 2 processes with the same batch a
-    process, apart from DDP's buckets. The work is sampled as a run samples it (train.stream_of)."""
-    from ddptune import train
+    process, apart from DDP's buckets. The work is sampled as a run samples it (speed.stream_of)."""
     from ddptune.data import tokenized
 
     data = [f"data.train={SHARED_DATA / 'samsum_validation.json'}", "data.val=null"] if "8b" in name else []
@@ -126,7 +125,7 @@ def test_each_config_runs_one_program_at_every_length_and_process_count(name, by
                                                     "train.grad_accum=2", *extra])
         train_set, _ = tokenized.load(tokenized.prepare(cfg.data, byte_tok))
         flops = metrics.FlopModel.of_shape(shape(preset), cfg.train.method, cfg.lora.r, list(cfg.lora.target_modules))
-        stream = train.stream_of(cfg, train_set, flops, world, batchplan.batch_plan(cfg.train, world).global_batch)
+        stream = speed.stream_of(cfg, train_set, flops, world, batchplan.batch_plan(cfg.train, world).global_batch)
         chosen = speed.decide(cfg, True, shape(preset), world, 79.1, speed.Work.of(stream), 989.0, "NVLink")
         programs[key], buckets[key] = _program(chosen), chosen.bucket_mb
     assert programs["trial"] == programs["epoch"] == programs["three"], programs
