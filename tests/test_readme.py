@@ -1,6 +1,6 @@
 """The README's "Using it" and "`scale` and `plan`" sections work as written. Every command in its code blocks is either run
-here, in-process through `ddptune.cli.main` as the shell would call it, or named in SKIP with the
-reason; a line with placeholders (CONFIG, RUN, [--optional]) is a synopsis, not run. Every flag a
+here, in order and in-process through `ddptune.cli.main` as the shell would call it, or named in SKIP
+with the reason (a skipped run that later lines read has a stand-in, STAND_IN); a line with placeholders (CONFIG, RUN, [--optional]) is a synopsis, not run. Every flag a
 line names must be one its command's --help lists, a `$` example must print what the README shows
 (`...` stands for anything), and the Python example runs. A command added to the section without a
 decision here, or a SKIP entry the section no longer holds, fails the test."""
@@ -10,7 +10,10 @@ import contextlib
 import io
 import re
 import shlex
+import shutil
+import sys
 
+import pytest
 import torch
 
 from conftest import ROOT
@@ -18,17 +21,16 @@ from ddptune import cli
 
 # command as written -> why it is not run here
 SKIP = {
-    "ddptune train configs/tiny.yaml": "a training run (tests/test_train.py trains tiny end to end)",
-    "ddptune train configs/tiny.yaml --nproc 2": "a 2-process training run (tests/test_console.py runs one)",
-    "ddptune train configs/demo.yaml train.lr=5e-4 output_dir=runs/x": "minutes of training (make demo)",
+    "ddptune train configs/tiny.yaml --nproc 2 output_dir=runs/tiny-2": "a 2-process training run (tests/test_console.py runs one)",
+    "ddptune train configs/demo.yaml train.lr=5e-4 output_dir=runs/x": "minutes of training (make demo); tiny's run stands in",
     "accelerate launch --config_file configs/accelerate/2gpu.yaml -m ddptune train configs/samsum_qlora_llama31_8b.yaml":
         "2 GPUs, and SAMSum from the hub",
-    "ddptune export runs/x out/adapter": "needs a finished run in runs/x (tests/test_export.py)",
-    "echo '{\"dialogue\": \"Anna: are you coming tonight?\\nTom: yes, at 8. I will bring the cake.\"}' "
-    "| ddptune predict runs/x -": "needs the run the demo line above trains into runs/x (tests/test_predict.py)",
     "ddptune env": "its bandwidth figure starts 2 processes for 10-20 s here (tests/test_env.py); run with --no-bandwidth",
 }
 RUN_INSTEAD = {"ddptune env": ["env", "--no-bandwidth"]}
+# a skipped command -> (the folder an earlier command wrote, copied to the folder it would write), so
+# that the commands after it read a finished run of the same format (the demo dialogues) in seconds
+STAND_IN = {"ddptune train configs/demo.yaml train.lr=5e-4 output_dir=runs/x": ("runs/tiny", "runs/x")}
 SYNOPSIS = re.compile(r"\[|\b[A-Z]{2,}\b")  # [--optional] or a placeholder such as CONFIG, RUN, OUT
 
 
@@ -67,9 +69,20 @@ def ddptune_argv(command: str) -> list[str] | None:
     return None
 
 
-def call(argv: list[str]) -> tuple[int, str, str]:
+def piped(command: str) -> str | None:
+    """What `echo '...' | ddptune ...` hands ddptune on stdin; None for a command without a pipe."""
+    if " | " not in command:
+        return None
+    words = shlex.split(command.split(" | ")[0])
+    assert words[0] == "echo", command
+    return " ".join(words[1:]) + "\n"
+
+
+def call(argv: list[str], stdin: str | None = None) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.MonkeyPatch.context() as mp:
+        if stdin is not None:
+            mp.setattr(sys, "stdin", io.StringIO(stdin))
         try:
             code = cli.main(argv)
         except SystemExit as e:  # --help
@@ -83,7 +96,9 @@ def shown_matches(shown: list[str], printed: list[str]) -> bool:
 
 
 def test_every_command_of_using_it_runs_as_written(monkeypatch, tmp_path):
-    monkeypatch.chdir(ROOT)  # the commands name configs/... from the repository's root
+    # in order, from a folder of their own that holds the repository's configs/, as from a fresh clone's root
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    monkeypatch.chdir(tmp_path)
     commands, python = examples(using_it())
     assert len(commands) > 15 and python, "the section's code blocks were not found"
     assert not set(SKIP) - {c for c, _ in commands}, "SKIP names commands the README no longer shows"
@@ -103,9 +118,11 @@ def test_every_command_of_using_it_runs_as_written(monkeypatch, tmp_path):
             assert re.search(rf"(?<![\w-]){re.escape(flag)}\b", helps[name]), f"{command}: `ddptune {name} --help` has no {flag}"
         if SYNOPSIS.search(command):
             continue
+        if command in STAND_IN:
+            shutil.copytree(*STAND_IN[command])
         if command in SKIP and command not in RUN_INSTEAD:
             continue
-        code, out, err = call(RUN_INSTEAD.get(command, argv))
+        code, out, err = call(RUN_INSTEAD.get(command, argv), piped(command))
         printed = (out + err).strip().splitlines()
         if shown is None:
             assert code == 0, f"{command}: exit {code}\n{err[-2000:]}"
@@ -115,12 +132,10 @@ def test_every_command_of_using_it_runs_as_written(monkeypatch, tmp_path):
                 f"{command}: exit {code}, printed\n" + "\n".join(printed) + "\nREADME shows\n" + "\n".join(shown)
         ran.append(command)
     assert "ddptune --version" in ran and any(c.startswith("ddptune plan") for c in ran), ran
+    assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()  # the export of runs/x
     for name in set(re.search(r"\{([\w,]+)\}", helps[""]).group(1).split(",")) - set(helps):  # every other --help
         assert call([name, "--help"])[0] == 0, name
-    # the Python example, in a folder of its own (it writes runs/api)
-    (tmp_path / "configs").symlink_to(ROOT / "configs")
-    monkeypatch.chdir(tmp_path)
-    for code in python:
+    for code in python:  # the Python example (it writes runs/api)
         exec(compile(code, "README.md (From Python)", "exec"), {})
     assert (tmp_path / "runs" / "api" / "adapter").is_dir()
 
