@@ -153,6 +153,22 @@ def test_every_run_folder_an_example_reads_is_one_an_earlier_example_writes():
     assert written and unread == [], unread
 
 
+def test_each_training_example_writes_a_folder_no_earlier_example_trained_into():
+    """A run into a folder that holds a finished run is refused unless --resume or --overwrite says
+    what to do with it, so on a fresh clone each training example writes a folder of its own (its
+    output_dir= override, else its config's)."""
+    from ddptune import config
+
+    folders = []
+    for command, shown in examples(using_it())[0]:  # shown: a `$` example's output (a refusal), not a run
+        argv = ddptune_argv(command)
+        if argv and argv[0] == "train" and shown is None and not SYNOPSIS.search(command) and not {
+                "--resume", "--overwrite"} & set(argv):
+            overrides = [a for a in argv[2:] if "=" in a and not a.startswith("-")]
+            folders.append(config.load(ROOT / argv[1], overrides).output_dir)
+    assert len(folders) >= 3 and len(set(folders)) == len(folders), folders
+
+
 def test_what_the_commands_write_is_ignored_by_git():
     import subprocess
 
