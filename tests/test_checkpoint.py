@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 import multiproc
 from conftest import ROOT, checkpoints_kept, field, metrics, words
-from ddptune import checkpoint, config, model as model_lib, step, train
+from ddptune import checkpoint, config, model as model_lib, step, stops, train
 from ddptune.data import tokenized
 from ddptune.config import ConfigError
 
@@ -104,7 +104,7 @@ def test_a_step_that_is_not_finite_stops_the_run_before_saving(tmp_path):
     out = tmp_path / "run"
     cfg = config.load(TINY, [f"output_dir={out}", "train.max_steps=8", "train.lr=1e30", "train.max_grad_norm=0",
                              "train.warmup_steps=0", "train.lr_schedule=constant", "data.val=null"])
-    with pytest.raises(train.NonFinite) as e:
+    with pytest.raises(stops.NonFinite) as e:
         train.run(cfg)
     step = int(re.match(r"step (\d+): ", str(e.value)).group(1))  # the step it names is the first not logged
     assert step >= 1 and [r["step"] for r in metrics(out) if "loss" in r] == list(range(1, step))

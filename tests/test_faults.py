@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 import multiproc
 from conftest import ROOT, UNBROKEN_ARGS, WORKER_PATH, field, words
-from ddptune import config, dist, launch, train
+from ddptune import config, dist, launch, stops, train
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
 
@@ -101,7 +101,7 @@ def test_a_resume_may_set_a_new_timeout_but_not_a_new_learning_rate(tmp_path):
 def train_until_interrupted(overrides: list[str], resume: bool = False) -> str:
     try:
         train.run(config.load(TINY, overrides), resume=resume)
-    except train.Interrupted as e:
+    except stops.Interrupted as e:
         return str(e)
     return "finished"
 

@@ -34,7 +34,7 @@ from safetensors.torch import load_file
 
 import multiproc
 from conftest import ROOT, checkpoints_kept, field, metrics, words
-from ddptune import config, dist, memory, model as model_lib, step as step_lib, train
+from ddptune import config, dist, memory, model as model_lib, step as step_lib, stops, train
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
 COMMON = ["train.method=qlora", "train.max_steps=4", "train.effective_batch_size=8", "train.grad_accum=null",
@@ -54,7 +54,7 @@ def stopped(out, overrides: list[str]) -> str:
     """What stopped the run: its error's type and line."""
     try:
         run(out, overrides)
-    except (train.NonFinite, dist.ShardingFailed) as e:
+    except (stops.NonFinite, dist.ShardingFailed) as e:
         return f"{type(e).__name__}: {e}"
     return "finished"
 

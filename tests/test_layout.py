@@ -12,8 +12,9 @@ from pathlib import Path
 import ddptune
 
 PACKAGE = Path(ddptune.__file__).parent
-# modules that know nothing of the rest: YAML, starting processes, checkpoint files, figures, attention, architectures
-GROUND = {"yamlsafe", "launch", "checkpoint", "metrics", "report", "attention", "arch"}
+# modules that know nothing of the rest: YAML, starting processes, checkpoint files, figures, attention, architectures,
+# how a run stops
+GROUND = {"yamlsafe", "launch", "checkpoint", "metrics", "report", "attention", "arch", "stops"}
 COMMANDS = {"cli", "train", "evaluate", "predict", "export", "scale", "plan", "env", "datacmd"}
 MAX_MODULE, MAX_TRAIN, MAX_FUNCTION, MAX_CLASS = 600, 450, 60, 120
 LONG_ALLOWED = {("cli", "_parser"), ("config", "check_values")}  # the argparse builder, the config's value checks

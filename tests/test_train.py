@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import multiproc
 from conftest import ROOT, check, checkpoints_kept, ddptune, field, metrics, words
-from ddptune import admission, batches, config, graphs, model as model_lib, speed as speed_lib, train
+from ddptune import admission, batches, config, graphs, model as model_lib, speed as speed_lib, stops, train
 from ddptune.config import ConfigError
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -438,7 +438,7 @@ def _diverge_one_replica(out: str) -> str:
                 next(p for p in r.model.parameters() if p.requires_grad).add_(1e-3)
         train.finish(r, history, times)
         return "finished"
-    except train.Diverged:
+    except stops.Diverged:
         return "diverged"
     finally:
         r.trackers.close()

@@ -12,8 +12,8 @@ run ends (lock.py); rank 0 of --nproc's processes joins it.
 Exit codes: 0; 1 for a run that stopped with one line (NonFinite, a stalled or failed collective)
 or died; 128 + the signal for one stopped by SIGINT or SIGTERM (after saving its step, when the loop
 was running); 2, bad input, is the CLI's (a ConfigError from here). The errors a training run stops
-with are defined here, beside the code each gives; train.py raises them. This module imports no
-command: the CLI hands it train.run, what each process trains.
+with (stops.py) are raised by train.py. This module imports no command: the CLI hands it train.run,
+what each process trains.
 """
 from __future__ import annotations
 
@@ -28,24 +28,9 @@ from pathlib import Path
 from ddptune import admission, batchplan, config as config_lib, launch, lock, rundir
 from ddptune.admission import Admission
 from ddptune.config import Config, ConfigError
+from ddptune.stops import Interrupted, NonFinite
 
 WORKER_MODULES = ("ddptune.cli", "ddptune.train")  # what a worker of --nproc imports: its fork server imports them meanwhile
-
-
-class NonFinite(RuntimeError):
-    """The loss or gradient norm of a step is not a finite number, or the loss is exactly 0: training stops."""
-
-
-class Diverged(RuntimeError):
-    """The processes' trained weights differ at the end of a run: the replicas did not take the same steps."""
-
-
-class Interrupted(Exception):
-    """SIGINT or SIGTERM reached a process: the step was finished and checkpointed, then training stopped."""
-
-    def __init__(self, signum: int, message: str):
-        super().__init__(message)
-        self.signum = signum
 
 
 def train(args, started: float, trainer) -> int:

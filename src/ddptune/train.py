@@ -35,7 +35,7 @@ from ddptune import launch, loss as loss_lib, memory, metrics, model as model_li
 from ddptune.data import store, tokenized
 from ddptune.batchplan import BatchPlan
 from ddptune.config import Config, ConfigError
-from ddptune.start import Diverged, Interrupted, NonFinite  # how a run stops (start.py gives each its exit code)
+from ddptune.stops import Diverged, Interrupted, NonFinite  # how a run stops (start.py gives each its exit code)
 
 GC_EVERY = 50  # optimizer steps between collections of Python's young generations (every process at once)
 
