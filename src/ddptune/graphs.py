@@ -25,8 +25,7 @@ from accelerate.utils import AutocastKwargs
 
 from ddptune import batches, dist, step as step_lib
 from ddptune.batches import Stream
-
-DDP_WARMUP = 11  # eager DDP steps before a capture (PyTorch's notes on DDP under whole-network capture)
+from ddptune.speed import DDP_WARMUP
 
 
 class Unrecordable(RuntimeError):

@@ -50,7 +50,7 @@ def run_choices(cfg, shape: memory.Shape, gpus: int, gpu_memory: float | None):
     not divide over `gpus`."""
     import torch
 
-    from ddptune import admission, batchplan, comm, data as data_lib, metrics, speed
+    from ddptune import admission, batchplan, comm, data as data_lib, metrics, speed, system
     from ddptune.data import tokenized
 
     if any(s.source.startswith("hub:") for s in data_lib.sources(cfg.data, "train")) or \
@@ -67,7 +67,7 @@ def run_choices(cfg, shape: memory.Shape, gpus: int, gpu_memory: float | None):
     if gpu_memory is not None:
         cuda, free, where = True, gpu_memory, f"on GPUs of {gpu_memory:g} GiB"
     else:
-        cuda, free = device.type == "cuda", speed.free_gib(device, gpus)
+        cuda, free = device.type == "cuda", system.free_gib(device, gpus)
         where = (f"on this machine's {torch.cuda.get_device_name(device)}" if cuda else "on this machine's CPU") + (
             f" ({free:.1f} GiB free a process)" if free is not None else "")
     chosen = speed.decide(cfg, cuda, shape, gpus, free, speed.Work.of(stream), metrics.matrix_tflops(device),

@@ -60,12 +60,10 @@ import math
 import os
 from dataclasses import dataclass, field
 
-import torch
-
-from ddptune import batches, data, memory, metrics, system
+from ddptune import batches, data, memory, metrics
 from ddptune.config import Config, ConfigError
-from ddptune.graphs import DDP_WARMUP
 
+DDP_WARMUP = 11               # eager DDP steps before a whole-step capture (PyTorch's notes on DDP under whole-network capture)
 MARGIN = 0.10                 # free memory kept spare: the plan has been up to 8 % under measured peaks
 RATE_SHARE = 0.58             # of the matrix rate a fine-tuning step's GEMMs reach (8B: 455 of 780 TFLOP/s)
 FALLBACK_TFLOPS = 300.0       # a GPU whose matrix rate is not known
@@ -180,15 +178,6 @@ def stream_of(cfg: Config, train_set, flops: metrics.FlopModel, world: int, glob
                           global_batch, world, cfg.train.seed, cfg.train.packing, cfg.train.micro_batch_size,
                           cfg.train.tokens_per_forward, cfg.data.max_length, lockstep=cfg.train.strategy == "fsdp",
                           mix=data.mixture(cfg.data, train_set.sizes))
-
-
-def free_gib(device: torch.device, processes_here: int) -> float | None:
-    """The memory a run's process may use: the GPU's free memory (with the CUDA context the process
-    already holds), or on a CPU its share of what the host has available (None where the host does not say)."""
-    if device.type != "cuda":
-        available = system.meminfo_gib("MemAvailable")
-        return None if available is None else available / processes_here
-    return torch.cuda.mem_get_info(device)[0] / memory.GIB + memory.CUDA_CONTEXT_GIB
 
 
 # ---------------------------------------------------------------------------------------------

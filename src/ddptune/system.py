@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ddptune import comm
+from ddptune import comm, memory
 
 PACKAGES = ("transformers", "accelerate", "peft", "bitsandbytes", "rouge_score", "datasets")
 ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_")
@@ -46,6 +46,15 @@ def meminfo_gib(field: str) -> float | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def free_gib(device: torch.device, processes_here: int) -> float | None:
+    """The memory a run's process may use: the GPU's free memory (with the CUDA context the process
+    already holds), or on a CPU its share of what the host has available (None where the host does not say)."""
+    if device.type != "cuda":
+        available = meminfo_gib("MemAvailable")
+        return None if available is None else available / processes_here
+    return torch.cuda.mem_get_info(device)[0] / memory.GIB + memory.CUDA_CONTEXT_GIB
 
 
 def cpu_model() -> str:

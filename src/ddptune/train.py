@@ -31,7 +31,8 @@ from accelerate.utils import set_seed
 from transformers import PreTrainedTokenizerBase
 
 from ddptune import admission, arch, batches, batchplan, checkpoint, comm, config as config_lib, data, dist, fallback, generation, graphs
-from ddptune import launch, loss as loss_lib, memory, metrics, model as model_lib, report, rundir, runlog, saving, speed as speed_lib, step as step_lib
+from ddptune import launch, loss as loss_lib, memory, metrics, model as model_lib, report, rundir, runlog, saving, speed as speed_lib
+from ddptune import step as step_lib, system
 from ddptune.data import store, tokenized
 from ddptune.batchplan import BatchPlan
 from ddptune.config import Config, ConfigError
@@ -173,8 +174,8 @@ def prepare(cfg, plan, acc, out, tokenizer, train_set, val_set, model, stream, c
 
 
 def free_gib(cfg: Config, acc: Accelerator) -> float | None:
-    """The memory the run may use (speed.free_gib), once `ddptune plan` says the run fits it."""
-    free = speed_lib.free_gib(acc.device, int(os.environ.get("LOCAL_WORLD_SIZE", acc.num_processes)))
+    """The memory the run may use (system.free_gib), once `ddptune plan` says the run fits it."""
+    free = system.free_gib(acc.device, int(os.environ.get("LOCAL_WORLD_SIZE", acc.num_processes)))
     if acc.device.type == "cuda" and (problems := dist.on_main(acc, lambda: memory.memory_problems(cfg, acc.num_processes, free))):
         raise ConfigError(problems)
     return free
