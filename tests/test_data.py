@@ -8,6 +8,7 @@ import torch
 
 from conftest import SHARED_DATA, answer_ids, field, peak_allocated, words
 from ddptune import batches, data, loss as loss_lib, metrics, model as model_lib
+from ddptune.data import tokens
 from ddptune.config import DataConfig, ModelConfig
 
 CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -26,7 +27,7 @@ def assert_trains_exactly(ex: dict, want: list[int]) -> None:
     n = len(ex["input_ids"])
     assert len(ex["labels"]) == n and ex["prompt_len"] == n - len(want)
     assert ex["input_ids"][-len(want):] == want
-    assert ex["labels"] == [data.IGNORE] * (n - len(want)) + want
+    assert ex["labels"] == [tokens.IGNORE] * (n - len(want)) + want
 
 
 def test_loss_covers_the_summary_and_its_end_exactly_in_every_template(smollm2):
@@ -131,7 +132,7 @@ def test_balance_is_deterministic_and_keeps_equal_sizes_when_asked():
 
 
 def test_packing_keeps_samples_apart():
-    ex = [{"input_ids": [1] * n, "labels": [data.IGNORE] * (n - 2) + [7, 8]} for n in (5, 3, 4)]
+    ex = [{"input_ids": [1] * n, "labels": [tokens.IGNORE] * (n - 2) + [7, 8]} for n in (5, 3, 4)]
     forwards = batches.pack(ex, tokens_per_forward=8)
     assert [[len(e["input_ids"]) for e in f] for f in forwards] == [[5, 3], [4]]
     batch = batches.collate_packed(forwards[0])
@@ -151,7 +152,7 @@ def test_packing_keeps_samples_apart():
     # head's matrix products come in few shapes
     pads = batches.TARGET_PAD - 4
     assert fixed["target_index"].tolist() == [2, 3, 5, 6] + [0] * pads
-    assert fixed["targets"].tolist() == [7, 8, 7, 8] + [data.IGNORE] * pads
+    assert fixed["targets"].tolist() == [7, 8, 7, 8] + [tokens.IGNORE] * pads
     assert batches.padded_targets(forwards[0]) == batches.TARGET_PAD
     # a pad longer than the longest sample is cut into pad samples of at most that length: the flash
     # kernel leaves every position of a sample past max_length_q unwritten (NaN gradients on H200)
@@ -159,7 +160,7 @@ def test_packing_keeps_samples_apart():
     cu = long["cu_seq_lens_q"].tolist()
     assert cu[:8] == [0, 5, 8, 13, 18, 23, 28, 30] and set(cu[8:]) == {30} and len(cu) == 64
     assert max(b - a for a, b in zip(cu, cu[1:])) <= long["max_length_q"] == 5
-    assert long["targets"].tolist()[:5] == [7, 8, 7, 8, data.IGNORE]
+    assert long["targets"].tolist()[:5] == [7, 8, 7, 8, tokens.IGNORE]
 
 
 def test_padded_target_counts_are_what_the_rows_give():
@@ -173,11 +174,11 @@ def test_padded_target_counts_are_what_the_rows_give():
         for _ in range(rng.randint(1, 6)):
             n = rng.randint(2, 200)
             prompt = rng.randint(1, n - 1)
-            ex.append({"input_ids": [1] * n, "labels": [data.IGNORE] * prompt + [5] * (n - prompt)})
+            ex.append({"input_ids": [1] * n, "labels": [tokens.IGNORE] * prompt + [5] * (n - prompt)})
         batch = batches.collate_packed(ex, pad_to=256, max_length=200)
         assert len(batch["targets"]) == len(batch["target_index"]) == batches.padded_targets(ex)
         assert batches.padded_targets(ex) % batches.TARGET_PAD == 0
-        assert (batch["targets"] != data.IGNORE).sum() == batches.target_tokens(ex)
+        assert (batch["targets"] != tokens.IGNORE).sum() == batches.target_tokens(ex)
         # what a whole step is recorded for, without collating: the shapes collate_packed gives
         for pad_to, longest in ((256, 200), (sum(len(e["input_ids"]) for e in ex), 200), (300, 7)):
             b = batches.collate_packed(ex, pad_to=pad_to, max_length=longest)
@@ -212,7 +213,7 @@ def test_packed_forward_equals_separate_forwards(pad_to):
     g = torch.Generator().manual_seed(0)
     for n in (9, 14, 6):
         ids = torch.randint(0, 256, (n,), generator=g).tolist()
-        ex.append({"input_ids": ids, "labels": [data.IGNORE] * 3 + ids[3:]})
+        ex.append({"input_ids": ids, "labels": [tokens.IGNORE] * 3 + ids[3:]})
     grads = []
     for packed in (False, True):
         net = loss_lib.CausalLMLoss(model_lib.build_preset("tiny", 0, torch.float32, torch.device("cpu"), "varlen"))
@@ -279,8 +280,8 @@ def test_a_dialogue_cut_near_the_bound_gives_the_uncut_ids(smollm2, real_text, m
     """Around the number of characters first_ids keeps, where the cut first happens, and past it."""
     pieces = data.prompt_pieces(smollm2, "Summarize the following dialogue.")
     _, room = uncut_example(smollm2, pieces, "", "They meet at 8.", max_length)
-    longest = data.longest_token(smollm2)
-    bound = room * longest + 2 * data.MARGIN_TOKENS * longest
+    longest = tokens.longest_token(smollm2)
+    bound = room * longest + 2 * tokens.MARGIN_TOKENS * longest
     assert longest >= 60 and len(real_text) > bound + 20_000
     for n in [*range(bound - 3, bound + 4), bound + 977, bound + 10_001, bound + 20_000]:
         for start in (0, 1234):  # cut at other places in the text too
@@ -296,11 +297,11 @@ def test_every_row_gives_the_ids_it_gave(smollm2):
     cut = 0
     for tok, max_length in ((model_lib.byte_tokenizer(), 384), (model_lib.byte_tokenizer(), 64), (smollm2, 512)):
         pieces = data.prompt_pieces(tok, "Summarize the following dialogue.")
-        longest = data.longest_token(tok)
+        longest = tokens.longest_token(tok)
         for r in rows:
             want, room = uncut_example(tok, pieces, r["dialogue"], r["summary"], max_length)
             assert data.tokenize_example(tok, pieces, r["dialogue"], r["summary"], max_length)["input_ids"] == want
-            cut += len(r["dialogue"]) > room * longest + 2 * data.MARGIN_TOKENS * longest
+            cut += len(r["dialogue"]) > room * longest + 2 * tokens.MARGIN_TOKENS * longest
     assert cut > 0  # some went through the cut
 
 
@@ -324,7 +325,7 @@ def test_a_tokenizer_whose_tokens_cover_more_characters_is_not_cut_short():
 def test_a_stream_pads_rows_and_repeats_boundaries_for_graphs_only():
     """Recorded lengths pad the row and fix the boundaries' count and max_length_q (the data's): the
     shapes a graph was recorded for. Without graphs a row is its samples, as they are."""
-    ex = [{"input_ids": [1] * n, "labels": [data.IGNORE] * (n - 2) + [7, 8]} for n in (50, 30, 40)]
+    ex = [{"input_ids": [1] * n, "labels": [tokens.IGNORE] * (n - 2) + [7, 8]} for n in (50, 30, 40)]
     stream = batches.Stream(ex, [1.0] * 3, [2] * 3, 3, 1, 0, True, 4, 8192, 64)
     graphed = stream.with_lengths([256]).collate(ex, 0)
     assert graphed["input_ids"].shape == (1, 256) and graphed["max_length_q"] == 64

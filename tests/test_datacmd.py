@@ -7,6 +7,7 @@ import re
 from conftest import ROOT, field
 from ddptune import batches, cli, data, model as model_lib
 from ddptune.data import chat
+from ddptune.data.tokens import IGNORE
 from ddptune.config import DataConfig
 
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -47,7 +48,7 @@ def test_figures_and_marked_examples(tmp_path, capsys, monkeypatch):
     tok = model_lib.byte_tokenizer()  # the tiny preset's: one token a byte
     examples = data.tokenize(data.load_split(str(path), None, DataConfig(max_length=384)), tok, DataConfig(max_length=384))
     kept = [e for e in examples if e]
-    trained = sum(sum(1 for t in e["labels"] if t != data.IGNORE) for e in kept)
+    trained = sum(sum(1 for t in e["labels"] if t != IGNORE) for e in kept)
     assert chat_row | {"longest (row)": ""} == {
         "split": "train", "source": "chat", "format": "messages", "rows": "8", "kept": "7", "cut": "1", "dropped": "1",
         "tokens before targets": str(sum(len(e["input_ids"]) for e in kept) - trained), "trained tokens": str(trained),

@@ -23,9 +23,9 @@ def test_teardown_undoes_what_a_one_process_fsdp_setup_wrote():
             warnings.simplefilter("always")
             dist.setup("no", "fsdp")
         assert not [w for w in caught if "OMP_NUM_THREADS" in str(w.message)]  # accelerate's, when it sets them itself
-        assert dist.in_launched_process()
+        assert launch.in_launched_process()
         dist.teardown()
-        assert dict(os.environ) == before and not dist.in_launched_process()
+        assert dict(os.environ) == before and not launch.in_launched_process()
         accelerator = dist.setup("no", "ddp")
         assert accelerator.distributed_type == DistributedType.NO
         assert type(accelerator.prepare(torch.nn.Linear(2, 2))) is torch.nn.Linear  # FSDP2 would refuse a model alone
@@ -45,7 +45,7 @@ def test_teardown_keeps_a_launchers_own_variables(monkeypatch):
         assert os.environ.get("ACCELERATE_USE_FSDP") == "true" and torch.distributed.get_world_size() == 1
     finally:
         dist.teardown()
-    assert dict(os.environ) == before and dist.in_launched_process()
+    assert dict(os.environ) == before and launch.in_launched_process()
 
 
 def test_threads_per_process_are_one_on_gpus_and_a_share_of_the_free_cores_on_cpus(monkeypatch):
@@ -54,16 +54,16 @@ def test_threads_per_process_are_one_on_gpus_and_a_share_of_the_free_cores_on_cp
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cores = len(os.sched_getaffinity(0))
     monkeypatch.setattr(launch, "busy_cores", lambda: 0.0)
-    assert dist.default_threads(2, cuda=True) == 1
-    assert dist.default_threads(2, cuda=False) == max(1, cores // 2)
-    assert dist.default_threads(4 * cores, cuda=False) == 1
-    assert dist.default_threads(1, cuda=False) == cores
+    assert launch.default_threads(2, cuda=True) == 1
+    assert launch.default_threads(2, cuda=False) == max(1, cores // 2)
+    assert launch.default_threads(4 * cores, cuda=False) == 1
+    assert launch.default_threads(1, cuda=False) == cores
     monkeypatch.setattr(launch, "busy_cores", lambda: 0.9)  # another program on one core
-    assert dist.default_threads(1, cuda=False) == max(1, cores - 1)
+    assert launch.default_threads(1, cuda=False) == max(1, cores - 1)
     monkeypatch.setattr(launch, "busy_cores", lambda: 2.0 * cores)  # more than this host's cores
-    assert dist.default_threads(1, cuda=False) == 1
+    assert launch.default_threads(1, cuda=False) == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert dist.default_threads(2, cuda=True) == dist.default_threads(2, cuda=False) == 3
+    assert launch.default_threads(2, cuda=True) == launch.default_threads(2, cuda=False) == 3
 
 
 def test_a_program_spinning_on_one_of_the_cores_is_seen_busy():

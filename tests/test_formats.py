@@ -13,7 +13,7 @@ import torch
 import multiproc
 from conftest import ROOT, SHARED_DATA, checkpoints_kept, field, metrics, words
 from ddptune import batches, config, data, metrics as metrics_lib, model as model_lib, train
-from ddptune.data import chat, formats
+from ddptune.data import chat, formats, tokens
 from ddptune.config import DataConfig, ModelConfig
 
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -85,7 +85,7 @@ def test_every_format_gives_the_dialogue_forms_tokens(tmp_path, where):
             assert examples == tokenized["messages"], fmt
         for a, b in zip(dialogue, tokenized["messages"], strict=True):
             assert tok.decode(a["input_ids"]) == tok.decode(b["input_ids"])
-            trained = lambda e: tok.decode([t for t in e["labels"] if t != data.IGNORE])  # noqa: E731
+            trained = lambda e: tok.decode([t for t in e["labels"] if t != tokens.IGNORE])  # noqa: E731
             assert trained(a) == trained(b) and trained(a).endswith(chat.end_of_turn(tok))
             if tok is byte:
                 assert a == b

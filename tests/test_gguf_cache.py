@@ -20,7 +20,7 @@ def test_a_gguf_model_and_tokenizer_load_from_their_converted_folders_with_the_f
                                                                                            parsed_once):
     monkeypatch.setenv("DDPTUNE_CACHE", str(tmp_path / "cache"))
     m = config.load(DEMO, []).model
-    src = model_lib.resolve_source(m)
+    src = sources.resolve_source(m)
     net = model_lib.load_model(m, "lora", torch.device("cpu"), "fp32", 0)
     tok = model_lib.load_tokenizer(m)
     folder = model_lib.gguf_folder(src, "model", build=False)
@@ -123,7 +123,7 @@ def tiny(tmp_path, monkeypatch):
 
 
 def converted(m, part: str) -> Path:
-    return model_lib.gguf_folder(model_lib.resolve_source(m), part, build=False)
+    return model_lib.gguf_folder(sources.resolve_source(m), part, build=False)
 
 
 def warnings_of(capsys) -> list[str]:
@@ -200,7 +200,7 @@ def test_a_cache_that_cannot_be_written_is_refused_with_one_line_naming_it(tiny,
     if where == "read-only":  # a whole tokenizer, then a damaged model, in a cache made read-only
         monkeypatch.setenv("DDPTUNE_CACHE", str(cache))
         model_lib.load_tokenizer(tiny)
-        model_lib.gguf_folder(model_lib.resolve_source(tiny), "model")
+        model_lib.gguf_folder(sources.resolve_source(tiny), "model")
         os.truncate(converted(tiny, "model") / "model.safetensors", 1000)
         for p in [cache, *cache.rglob("*")]:
             p.chmod(p.stat().st_mode & ~0o222)
@@ -227,7 +227,7 @@ def test_leftovers_of_a_killed_conversion_are_removed_and_a_live_ones_kept(tiny,
     import subprocess
     import sys
 
-    where = model_lib.sources.converted_folder(model_lib.resolve_source(tiny), "model").parent
+    where = sources.converted_folder(sources.resolve_source(tiny), "model").parent
     where.mkdir(parents=True)
     running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

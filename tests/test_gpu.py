@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ddptune import arch as arch_lib, attention, batches, loss as loss_lib, model as model_lib
+from ddptune.data import tokens
 from test_architectures import GPU_QLORA, GPU_RUNS
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -45,7 +46,7 @@ def packed_and_separate(weights_dtype: torch.dtype, context) -> tuple:
     ex = []
     for n in (90, 140, 60):
         ids = torch.randint(0, 256, (n,)).tolist()
-        ex.append({"input_ids": ids, "labels": [batches.IGNORE] * 10 + ids[10:]})
+        ex.append({"input_ids": ids, "labels": [tokens.IGNORE] * 10 + ids[10:]})
     to = lambda b: {k: v.cuda() if torch.is_tensor(v) else v for k, v in b.items()}  # noqa: E731
     with context:
         separate = sum(net(**to(batches.collate([e], 0)), num_items=1).float() for e in ex)

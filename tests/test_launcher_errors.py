@@ -49,7 +49,7 @@ def test_ddptunes_launcher_prints_once_each_line_rank_0_did_not(tmp_path, monkey
         path = tmp_path / f"error-{len(list(tmp_path.iterdir()))}.json"  # a new file each time (none when no line)
         if line:
             monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
-            dist.tell_launcher(line)
+            launch.tell_launcher(line)
         return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(path))
 
     bad, own = "ddptune: invalid config: x: bad", "ddptune: invalid config: y: only rank 2 saw this"

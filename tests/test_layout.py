@@ -13,8 +13,8 @@ import ddptune
 
 PACKAGE = Path(ddptune.__file__).parent
 # modules that know nothing of the rest: YAML, starting processes, checkpoint files, figures, attention, architectures,
-# how a run stops
-GROUND = {"yamlsafe", "launch", "checkpoint", "metrics", "report", "attention", "arch", "stops"}
+# how a run stops, the cache folder, tokens (IGNORE)
+GROUND = {"yamlsafe", "launch", "checkpoint", "metrics", "report", "attention", "arch", "stops", "cache", "data.tokens"}
 COMMANDS = {"cli", "train", "evaluate", "predict", "export", "scale", "plan", "env", "datacmd"}
 MAX_MODULE, MAX_TRAIN, MAX_FUNCTION, MAX_CLASS = 600, 450, 60, 120
 LONG_ALLOWED = {("cli", "_parser"), ("config", "check_values")}  # the argparse builder, the config's value checks
@@ -151,3 +151,32 @@ def test_the_data_wing_reaches_nothing_that_knows_processes_or_models():
     assert wing >= {"data", "data.rows", "data.tokenized", "data.store"}
     assert reached & (COMMANDS | {"dist", "launch", "start", "comm", "model", "step", "batches", "speed"}) == set()
     assert [name_of(p) for p in modules() if name_of(p) in wing and "torch.distributed" in p.read_text()] == []
+
+
+def borrowed(tree: ast.Module) -> dict[str, str]:
+    """The names a module imports from another of the package's modules (not the modules themselves),
+    each with its home: `from ddptune.data.tokens import IGNORE` is {"IGNORE": "data.tokens"}."""
+    found = {}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ddptune."):
+            home = node.module.split(".", 1)[1]
+            found.update({a.asname or a.name: home for a in node.names
+                          if not (PACKAGE / home.replace(".", "/") / f"{a.name}.py").exists()})
+    return found
+
+
+def test_every_name_is_reached_at_its_home_never_passed_on():
+    """A module that imports a name only for others to take from it hides who needs whom: no module
+    imports a name it does not use, and no code (tests too) reaches a name through a module that borrowed it."""
+    trees = {p: ast.parse(p.read_text()) for p in [*modules(), *sorted(Path(__file__).parent.glob("*.py"))]}
+    nodes = {p: list(ast.walk(tree)) for p, tree in trees.items()}
+    lent = {name_of(p): borrowed(trees[p]) for p in modules()}
+    unused = {name: left for p in modules() if (left := sorted(set(lent[name := name_of(p)]) - {
+        n.id for n in nodes[p] if isinstance(n, ast.Name)}))}
+    passed_on = []
+    for p, found in nodes.items():
+        aliases = {a.asname or a.name: ".".join([*n.module.split(".")[1:], a.name]) for n in found
+                   if isinstance(n, ast.ImportFrom) and n.module and n.module.split(".")[0] == "ddptune" for a in n.names}
+        passed_on += [f"{p.name}:{n.lineno}: {n.value.id}.{n.attr}" for n in found if isinstance(n, ast.Attribute)
+                      and isinstance(n.value, ast.Name) and n.attr in lent.get(aliases.get(n.value.id), {})]
+    assert (unused, passed_on) == ({}, [])

@@ -30,8 +30,7 @@ from accelerate.state import AcceleratorState, GradientState, PartialState
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, broadcast_object_list, gather_object
 
 from ddptune import launch
-from ddptune.launch import (THREADS_WHY, VALIDATED, cpu_threads, default_threads, in_launched_process,  # noqa: F401
-                            is_main_process, tell_launcher, validated_by_parent)
+from ddptune.launch import THREADS_WHY, cpu_threads, in_launched_process, is_main_process, validated_by_parent
 
 # what setup() wrote into os.environ, for teardown(): name -> (value before, or None; value written, or None)
 _env_written: dict[str, tuple[str | None, str | None]] = {}

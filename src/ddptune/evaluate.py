@@ -78,14 +78,14 @@ def evaluate(cfg, run_dir: Path | None, trained: bool, out: Path, checked_once) 
     from ddptune import dist, generation, model as model_lib
 
     accelerator = dist.setup(cfg.train.precision)
-    if not dist.validated_by_parent() and dist.in_launched_process():  # under torchrun or accelerate launch
+    if not launch.validated_by_parent() and launch.in_launched_process():  # under torchrun or accelerate launch
         # rank 0 checks once; every process then fails with the same line (no traceback per rank)
         if problems := dist.on_main(accelerator, checked_once):
             raise ConfigError(problems)
     tokenizer = model_lib.load_tokenizer(cfg.model, cfg.data)
     t = cfg.train
     t0 = time.perf_counter()
-    accelerator.print(f"ddptune: loading {cfg.model.source}" + (f" with {model_lib.trained_weights_dir(run_dir, t.method)}" if trained else "")
+    accelerator.print(f"ddptune: loading {cfg.model.source}" + (f" with {rundir.trained_weights_dir(run_dir, t.method)}" if trained else "")
                       + " ...")
     with accelerator.main_process_first():
         if trained:
@@ -93,7 +93,7 @@ def evaluate(cfg, run_dir: Path | None, trained: bool, out: Path, checked_once) 
         else:
             net = model_lib.load_model(cfg.model, t.method, accelerator.device, t.precision, t.seed)
     accelerator.print(f"ddptune: loaded in {time.perf_counter() - t0:.1f}s")
-    label = f"fine-tuned ({model_lib.trained_weights_dir(run_dir, t.method)})" if trained else "zero-shot"
+    label = f"fine-tuned ({rundir.trained_weights_dir(run_dir, t.method)})" if trained else "zero-shot"
     generation.evaluate(net, tokenizer, generation.eval_rows(cfg.data, cfg.eval.max_samples), cfg.eval, cfg.data, cfg.model.source,
                         accelerator, out, label)
     if accelerator.is_main_process:

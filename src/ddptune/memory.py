@@ -155,9 +155,9 @@ def dynamic_reason(a: arch.Arch) -> str:
 def model_shape(cfg: Config) -> Shape:
     """The model's Shape from its config alone: a preset, config.json, a GGUF header, or the hub's
     config.json (only that file is fetched). No weights are read."""
-    from ddptune import model as model_lib
+    from ddptune import model as model_lib, sources
 
-    src = model_lib.resolve_source(cfg.model)
+    src = sources.resolve_source(cfg.model)
     if src.kind == "preset":
         return shape_of(model_lib.preset_config(src.path, "sdpa"))
     from transformers import AutoConfig

@@ -27,10 +27,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaC
 from ddptune import arch, launch, sources
 from ddptune.data import chat
 from ddptune.attention import register_attention
+from ddptune.cache import cache_root
 from ddptune.checkpoint import atomic_dir, make_plain
 from ddptune.config import LORA_DROPOUT, ConfigError, DataConfig, LoraConfig, ModelConfig
-from ddptune.rundir import trained_weights_dir  # noqa: F401 - model.trained_weights_dir, for its callers
-from ddptune.sources import PRESETS, cache_root, resolve_source  # noqa: F401 - model.resolve_source, for its callers
+from ddptune.rundir import trained_weights_dir
+from ddptune.sources import PRESETS, resolve_source
 
 
 class _DropHubKernelNotice(logging.Filter):

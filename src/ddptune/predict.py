@@ -126,7 +126,7 @@ def predict(cfg, run_dir: Path, rows: list[dict], asked: list[dict], out: Path |
 
     t = cfg.train
     accelerator = dist.setup(t.precision)
-    if not dist.validated_by_parent() and dist.in_launched_process():  # under torchrun or accelerate launch
+    if not launch.validated_by_parent() and launch.in_launched_process():  # under torchrun or accelerate launch
         # rank 0 checks the model once; every process then fails with the same line (no traceback per rank)
         if problems := dist.on_main(accelerator, lambda: model_lib.model_problems(cfg.model, cfg.lora, cfg.train.method)):
             raise ConfigError(problems)

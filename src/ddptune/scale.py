@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from ddptune import admission, comm, config as config_lib, dist, launch, metrics, provenance, report, rundir, scaling, system
+from ddptune import admission, comm, config as config_lib, launch, metrics, provenance, report, rundir, scaling, system
 from ddptune.config import ConfigError
 from ddptune.scaling import MODES, SAME_PER_DEVICE
 
@@ -66,7 +66,7 @@ def main(args) -> int:
     bandwidth = measure_bandwidth(max(counts), sizes, cuda)
     # as many threads per process at every count, those of the largest count, so that n = 1 is not
     # measured with threads that n = N could not have
-    child_env = dict(os.environ, OMP_NUM_THREADS=str(dist.default_threads(max(counts), cuda)))
+    child_env = dict(os.environ, OMP_NUM_THREADS=str(launch.default_threads(max(counts), cuda)))
     for run in runs.values():
         child = ["ddptune", "train", args.config, *args.overrides, *run["overrides"]]
         run["command"] = shlex.join(child)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddptune import checkpoint, lock
+from ddptune.cache import cache_root
 from ddptune.config import ConfigError, ModelConfig
 
 # Architecture shapes of real models; weights are random (same compute as the real ones).
@@ -192,10 +193,6 @@ END_BYTES = 2**20  # of a larger one (the weights), its size and the digest of i
 LEFTOVER = re.compile(r"^\.(?P<part>.+)\.(?:tmp|old)-(?P<host>.+)-(?P<pid>\d+)-[^-]*$")  # what _beside names
 NOT_YET = "not converted yet"
 LEGACY_S = 24 * 3600.0  # a temporary folder without a pid (older ddptune) is left alone for this long
-
-
-def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    return Path(cache_dir or os.environ.get("DDPTUNE_CACHE", Path.home() / ".cache" / "ddptune"))
 
 
 CONVERSION = 2  # how a GGUF file is converted (2: the header's special tokens); another number converts anew

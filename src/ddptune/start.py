@@ -121,11 +121,11 @@ def _trained(trainer, cfg: Config, started: float, admit) -> int:
     try:
         trainer(cfg, started=started, admit=admit)
     except (NonFinite, dist.ShardingFailed, dist.ReplicasDiffer) as e:
-        if dist.is_main_process():
+        if launch.is_main_process():
             print(f"ddptune: {e}", file=sys.stderr)
         return 1
     except Interrupted as e:  # the step was finished and saved
-        if dist.is_main_process():
+        if launch.is_main_process():
             print(f"ddptune: {e}", file=sys.stderr)
         return 128 + e.signum
     except dist.Stalled as e:  # every process that saw it says so, unless ddptune's launcher names a worker that died

@@ -418,7 +418,7 @@ def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
     per_rank = dist.gather([t for t, _ in times])
     if fingerprints and len(set(fingerprints)) != 1:
         raise Diverged(f"replicas diverged: weight hashes per process {fingerprints}")
-    final = model_lib.trained_weights_dir(out, cfg.train.method)
+    final = rundir.trained_weights_dir(out, cfg.train.method)
     summary = {}
     if acc.is_main_process:
         ranks = metrics.rank_rows(r.start, per_rank, [s for _, s in times])

@@ -26,7 +26,7 @@ from pathlib import Path
 from ddptune.data import chat, formats, rows as rows_lib, tokens as tokens_lib
 from ddptune.config import ConfigError, DataConfig, SourceConfig, is_template_path, not_a_file, parse_rows
 from ddptune.data.formats import KINDS
-from ddptune.data.tokens import IGNORE, MARGIN_TOKENS, first_ids, ids as _ids, longest_token  # noqa: F401 - data's names too
+from ddptune.data.tokens import IGNORE, first_ids, ids as _ids
 
 PLAIN_TEMPLATE = "{instruction}\n\n### Dialogue:\n{dialogue}\n\n### Summary:\n"
 _MARK = "\x00DIALOGUE\x00"

@@ -31,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ddptune import checkpoint, sources
+from ddptune import checkpoint
+from ddptune.cache import cache_root
 from ddptune.config import ConfigError
 from ddptune.data.tokens import IGNORE
 
@@ -42,7 +43,7 @@ CUTS = {1: "the end of the dialogue or summary", 2: "inside their longest user t
 
 
 def root() -> Path:
-    return sources.cache_root() / "tokens"
+    return cache_root() / "tokens"
 
 
 def key_of(parts: list) -> str:
