@@ -325,7 +325,9 @@ def hold_worker(args) -> None:
     else:
         train, _ = tokenized.load(dist.on_node(acc, lambda: tokenized.prepare(d, tok)))
         costs, targets = flops.sample(train.lengths, train.targets), train.targets
-    stream = batches.Stream(train, costs, targets, 8 * acc.num_processes, acc.num_processes, 0, True, 8, 4096, 512)
+    stream = batches.Stream(examples=train, costs=costs, targets=targets, global_batch=8 * acc.num_processes,
+                            parts=acc.num_processes, seed=0, packing=True, micro_batch_size=8, tokens_per_forward=4096,
+                            max_length=512)
     stream.share(0)
     gc.collect()
     held, row = anon_bytes() - before, {"rank": acc.process_index, "examples": len(train)}

@@ -291,7 +291,8 @@ def predict(run: dict) -> float:
     from ddptune import memory, model as model_lib
 
     shape = memory.shape_of(model_lib.preset_config(run["preset"], "sdpa"))
-    job = memory.Job(run["method"], run["optimizer"], run["checkpointing"], run["tokens"], run["targets"], run["compiled"],
+    job = memory.Job(method=run["method"], optimizer=run["optimizer"], checkpointing=run["checkpointing"], tokens=run["tokens"],
+                     targets=run["targets"], compiled=run["compiled"],
                    shards=run.get("shards", 1), processes=run["gpus"], dequantized=run.get("dequantized", False),
                    fsdp=run.get("fsdp", run.get("shards", 1) > 1), graphs=run.get("graphs", "off"))
     held = shape.matrix_params * memory.NF4_BYTES if run.get("held_codes") else 0

@@ -326,7 +326,8 @@ def test_a_stream_pads_rows_and_repeats_boundaries_for_graphs_only():
     """Recorded lengths pad the row and fix the boundaries' count and max_length_q (the data's): the
     shapes a graph was recorded for. Without graphs a row is its samples, as they are."""
     ex = [{"input_ids": [1] * n, "labels": [tokens.IGNORE] * (n - 2) + [7, 8]} for n in (50, 30, 40)]
-    stream = batches.Stream(ex, [1.0] * 3, [2] * 3, 3, 1, 0, True, 4, 8192, 64)
+    stream = batches.Stream(examples=ex, costs=[1.0] * 3, targets=[2] * 3, global_batch=3, parts=1, seed=0, packing=True,
+                            micro_batch_size=4, tokens_per_forward=8192, max_length=64)
     graphed = stream.with_lengths([256]).collate(ex, 0)
     assert graphed["input_ids"].shape == (1, 256) and graphed["max_length_q"] == 64
     assert len(graphed["cu_seq_lens_q"]) == 64

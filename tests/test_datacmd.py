@@ -58,7 +58,8 @@ def test_figures_and_marked_examples(tmp_path, capsys, monkeypatch):
     # weights 3 : 1 over 7 + 4 examples: 8.25 and 2.75 of 11 an epoch, rounded by the largest remainders; the run's
     # 30 steps of 4 draw 120 samples: 10 whole epochs (80 and 30) and 10 of the 11th, as batches.Stream draws them
     draws = table(out[out.index("samples drawn (train.max_steps=30, 4 a step over 1 process(es)"):])
-    stream = batches.Stream(list(range(11)), [1.0] * 11, [1] * 11, 4, 1, 0, True, 4, 8192, 384, mix=((7, 8), (4, 3)))
+    stream = batches.Stream(examples=list(range(11)), costs=[1.0] * 11, targets=[1] * 11, global_batch=4, parts=1, seed=0,
+                            packing=True, micro_batch_size=4, tokens_per_forward=8192, max_length=384, mix=((7, 8), (4, 3)))
     from_chat = sum(i < 7 for step in range(30) for i in stream.samples(step))
     assert 80 <= from_chat <= 88 and draws == [
         {"source": "chat", "examples": "7", "weight": "3", "share": "72.7%", "samples an epoch": "8",

@@ -180,3 +180,21 @@ def test_every_name_is_reached_at_its_home_never_passed_on():
         passed_on += [f"{p.name}:{n.lineno}: {n.value.id}.{n.attr}" for n in found if isinstance(n, ast.Attribute)
                       and isinstance(n.value, ast.Name) and n.attr in lent.get(aliases.get(n.value.id), {})]
     assert (unused, passed_on) == ({}, [])
+
+
+KEYWORD_ONLY = {"train": "Run", "batches": "Stream", "memory": "Job", "speed": "Speed"}  # records built in many places
+
+
+def test_long_calls_name_their_arguments_and_the_records_take_keywords_only():
+    """A call of 8 or more arguments to the package's own functions names each one (a swapped pair of
+    numbers would pass unseen), and the records built field by field in several places take keywords only."""
+    trees = {p: ast.parse(p.read_text()) for p in [*modules(), *sorted(Path(__file__).parent.glob("*.py"))]}
+    own = {n.name for p in modules() for n in ast.walk(trees[p]) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    positional = [f"{p.name}:{n.lineno}: {ast.unparse(n.func)}" for p, tree in trees.items() for n in ast.walk(tree)
+                  if isinstance(n, ast.Call) and len(n.args) + len(n.keywords) >= 8 and n.args
+                  and not any(isinstance(a, ast.Starred) for a in n.args)
+                  and (n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", None)) in own]
+    keywords_only = {name_of(p) for p in modules() if name_of(p) in KEYWORD_ONLY for n in trees[p].body
+                     if isinstance(n, ast.ClassDef) and n.name == KEYWORD_ONLY[name_of(p)]
+                     and any("kw_only=True" in ast.unparse(d) for d in n.decorator_list)}
+    assert positional == [] and keywords_only == set(KEYWORD_ONLY)

@@ -147,5 +147,6 @@ def test_a_steps_host_time_is_the_hosts_own_time_to_issue_it():
     time.sleep(0.6)  # between steps: part of the next step's time, not of its issuing
     times = clock.read(step(0.05))
     assert times["step_s"] >= 0.65 and 0.05 <= times["host_s"] < 0.6  # 0.05 s and some; 0.65 s with the gap
-    row = metrics.step_row(1, 1.0, 0.1, 1.0, 4, 100, 50, 100, 1, 1e9, times, 1.0, 1, None, None)
+    row = metrics.step_row(step=1, loss=1.0, lr=0.1, grad_norm=1.0, samples=4, tokens=100, targets=50, computed=100, forwards=1,
+                           flops=1e9, times=times, balance=1.0, world=1, peak=None, peak_mem=None)
     assert row["host_s"] == times["host_s"]

@@ -190,7 +190,8 @@ def test_lost_parts_that_a_gain_or_noise_hides_are_written_out_as_the_sum_they_m
     """Imbalance and communication lose more than 1 - efficiency when compute got faster at n = 2 and
     the rest is within noise: the row's lost_sum finding names every part, blank ones with their values."""
     one = scaling.account(_row(1, 8, 1.0, 0.9, 0.0, 0.0, 0.1), None, cuda=True)
-    two = scaling.account(_row(2, 8, 1.035, 0.868, 0.037, 0.030, 0.1, se=0.0005), one, cuda=True)
+    two = scaling.account(_row(n=2, per_process=8, step=1.035, compute=0.868, imbalance=0.037, comm=0.030, rest=0.1, se=0.0005),
+                          one, cuda=True)
     assert two["efficiency"] == pytest.approx(1 / 1.035)
     assert (two["lost_compute"], two["lost_imbalance"], two["lost_comm"], two["lost_rest"]) == pytest.approx(
         (-0.032 / 1.035, 0.037 / 1.035, 0.030 / 1.035, None))  # shown: 0.036 + 0.029 - 0.031 = 0.034
@@ -204,18 +205,22 @@ def test_lost_parts_that_a_gain_or_noise_hides_are_written_out_as_the_sum_they_m
     assert found["parts"][0]["ms"] == pytest.approx(-32.0)
     text = scaling.render(found)
     assert [x in text for x in ("0.034 =", "-0.031 (", "0.036 +", "0.029 +", "0.000 (", "±0.002", "32 ms")] == [True] * 7
-    clean = scaling.account(_row(2, 8, 1.1, 0.95, 0.04, 0.01, 0.2, se=0.0001), one, cuda=True)  # every part shown, all losses
+    clean = scaling.account(_row(n=2, per_process=8, step=1.1, compute=0.95, imbalance=0.04, comm=0.01, rest=0.2, se=0.0001), one,
+                            cuda=True)  # every part shown, all losses
     assert "lost_sum" not in codes(clean) and None not in [clean[k] for k in scaling.LOST]
 
 
 def test_an_imbalance_on_cpu_names_the_cores_and_times_read_in_their_unit():
-    one = scaling.account(_row(1, 16, 0.2653, 0.2643, 0, 0, 0.001, se=0.0002), None, cuda=False)
-    two = scaling.account({**_row(2, 16, 0.4, 0.3, 0.15, 0.00068, 0.001, se=0.0002), "imbalance_costed_s": 0.00005,
+    one = scaling.account(_row(n=1, per_process=16, step=0.2653, compute=0.2643, imbalance=0, comm=0, rest=0.001, se=0.0002),
+                          None, cuda=False)
+    two = scaling.account({**_row(n=2, per_process=16, step=0.4, compute=0.3, imbalance=0.15, comm=0.00068, rest=0.001, se=0.0002),
+                           "imbalance_costed_s": 0.00005,
                            "slowest_steps": [1, 9], "compute_offset_s": [-0.07, 0.07]}, one, cuda=False)
     found = codes(two)["device_imbalance"]
     assert found["device"] == "CPU" and found["ms"] == pytest.approx(150.0)
     assert "150 ms a step, of which unequal shares 50 µs" in scaling.render(found) and "70 ms" in scaling.render(found)
-    assert codes(scaling.account({**_row(2, 16, 0.4, 0.3, 0.15, 0.00068, 0.001, se=0.0002), "imbalance_costed_s": 0.00005},
+    assert codes(scaling.account({**_row(n=2, per_process=16, step=0.4, compute=0.3, imbalance=0.15, comm=0.00068, rest=0.001, se=0.0002),
+                                  "imbalance_costed_s": 0.00005},
                                  one, cuda=True))["device_imbalance"]["device"] == "GPU"
     noise = scaling.render({"code": "noise", "part": "rest_s", "ms": 150.0})
     assert noise.endswith("(±150 ms)")
@@ -236,8 +241,10 @@ def test_scale_tables_write_times_in_their_unit():
 def test_an_imbalance_that_even_shares_do_not_explain_is_named_with_the_slow_gpu():
     """Measured on 2 H200s: even shares (0.05 ms predicted) and 1.3 ms of imbalance a step: the GPUs'
     own. With the steps each process was the slowest in, one slow GPU is named, or none."""
-    one = scaling.account(_row(1, 16, 0.2653, 0.2643, 0, 0, 0.001, se=0.0002), None, cuda=True)
-    base = {**_row(2, 16, 0.2682, 0.2652, 0.00133, 0.00068, 0.001, se=0.0002), "imbalance_costed_s": 0.00005}
+    one = scaling.account(_row(n=1, per_process=16, step=0.2653, compute=0.2643, imbalance=0, comm=0, rest=0.001, se=0.0002),
+                          None, cuda=True)
+    base = {**_row(n=2, per_process=16, step=0.2682, compute=0.2652, imbalance=0.00133, comm=0.00068, rest=0.001, se=0.0002),
+            "imbalance_costed_s": 0.00005}
     spread = codes(scaling.account({**base, "slowest_steps": [5, 5], "compute_offset_s": [0.0, 0.0]}, one, cuda=True))
     assert spread["device_imbalance"]["ms"] == pytest.approx(1.33) and spread["device_imbalance"]["shares_ms"] == pytest.approx(0.05)
     assert spread["device_imbalance"]["process"] is None

@@ -64,7 +64,8 @@ def test_repeats_give_each_ones_figures_their_range_the_speed_choices_and_the_re
     for k, graphs in enumerate(("off", "step")):
         folder = tmp_path / f"runs{k}" / f"{mode}-n2"
         folder.mkdir(parents=True)
-        choice = speed.Speed(True, graphs, 1, False, True, 256.0, reasons={"CUDA graphs": graphs})
+        choice = speed.Speed(compiled=True, graphs=graphs, lengths=1, sizes=(1024,), checkpointing=False, dequantize=True,
+                             bucket_mb=256.0, reasons={"CUDA graphs": graphs})
         (folder / "summary.json").write_text(json.dumps({"speed": choice.as_dict()}))
         runs.append(str(folder.parent))
     recipe = {"median_step_time_s": 3.3, "samples_per_step": 16, "steps": 30, "warmup_steps_excluded": 5,

@@ -22,15 +22,17 @@ def samsum_like(parts: int = 1, seed: int = 0) -> speed.Work:
     rng = random.Random(seed)
     examples = [{"input_ids": [0] * (n := rng.randint(120, 360)), "labels": [-100] * (n - n // 4) + [1] * (n // 4)}
                 for _ in range(818)]
-    stream = batches.Stream(examples, [len(e["input_ids"]) for e in examples], [batches.target_tokens([e]) for e in examples],
-                            16, parts, 0, True, 4, 8192, 512)
+    stream = batches.Stream(examples=examples, costs=[len(e["input_ids"]) for e in examples],
+                            targets=[batches.target_tokens([e]) for e in examples], global_batch=16, parts=parts, seed=0,
+                            packing=True, micro_batch_size=4, tokens_per_forward=8192, max_length=512)
     return speed.Work.of(stream)
 
 
 def decide(overrides: list[str], free: float | None, work: speed.Work, preset: str = "llama-3.1-8b", world: int = 1,
            link: str = "", cuda: bool = True) -> speed.Speed:
     cfg = config.load(CONFIG_8B, [f"model.source=preset:{preset}", *overrides])
-    return speed.decide(cfg, cuda, shape(preset), world, free, work, 750.0, link)
+    return speed.decide(cfg=cfg, cuda=cuda, shape=shape(preset), world=world, free_gib=free, work=work, matrix_tflops=750.0,
+                        link=link)
 
 
 def test_the_8b_qlora_job_on_an_h200_runs_without_checkpointing_on_a_dequantized_base():
@@ -126,7 +128,8 @@ def test_each_config_runs_one_program_at_every_length_and_process_count(name, by
         train_set, _ = tokenized.load(tokenized.prepare(cfg.data, byte_tok))
         flops = metrics.FlopModel.of_shape(shape(preset), cfg.train.method, cfg.lora.r, list(cfg.lora.target_modules))
         stream = speed.stream_of(cfg, train_set, flops, world, batchplan.batch_plan(cfg.train, world).global_batch)
-        chosen = speed.decide(cfg, True, shape(preset), world, 79.1, speed.Work.of(stream), 989.0, "NVLink")
+        chosen = speed.decide(cfg=cfg, cuda=True, shape=shape(preset), world=world, free_gib=79.1, work=speed.Work.of(stream),
+                              matrix_tflops=989.0, link="NVLink")
         programs[key], buckets[key] = _program(chosen), chosen.bucket_mb
     assert programs["trial"] == programs["epoch"] == programs["three"], programs
     assert programs["n2"][:-1] == programs["trial"][:-1]  # memory apart: DDP's gradient buckets

@@ -412,7 +412,8 @@ def test_the_graphs_survey_is_every_steps_rows_as_numbers_without_their_tokens(t
 
     train, _ = tokenized.load(tokenized.prepare(DataConfig(train=jsonl(tmp_path / "rows.jsonl", many_rows(600)),
                                                            max_length=512), byte_tok))
-    stream = batches.Stream(train, [float(n) for n in train.lengths], train.targets, 16, parts, 0, True, 4, 1024, 512)
+    stream = batches.Stream(examples=train, costs=[float(n) for n in train.lengths], targets=train.targets, global_batch=16,
+                            parts=parts, seed=0, packing=True, micro_batch_size=4, tokens_per_forward=1024, max_length=512)
     steps = range(0, 36)
     rows = [[g for g in mine] for s in steps for mine in stream.share(s).forwards]
     numbers = [[(batches.tokens_of(g), len(g), batches.target_tokens(g)) for g in mine] for mine in rows]
@@ -443,7 +444,8 @@ def test_the_graphs_layout_from_numbers_is_the_layout_from_the_rows(tmp_path, by
 
     train, _ = tokenized.load(tokenized.prepare(DataConfig(train=jsonl(tmp_path / "rows.jsonl", many_rows(600)),
                                                            max_length=512), byte_tok))
-    stream = batches.Stream(train, [float(n) for n in train.lengths], train.targets, 16, 3, 0, True, 4, 1024, 512)
+    stream = batches.Stream(examples=train, costs=[float(n) for n in train.lengths], targets=train.targets, global_batch=16,
+                            parts=3, seed=0, packing=True, micro_batch_size=4, tokens_per_forward=1024, max_length=512)
     first, last, process = 5, 40, 1
     rows = [g for s in range(first, last) for forwards in stream.share(s).forwards for g in forwards]
     sizes = tuple(batches.pad_lengths([batches.tokens_of(g) for g in rows], 2, batches.GRAPH_PAD))
@@ -473,7 +475,8 @@ def _layouts(prepared, first: int, last: int) -> tuple:
 
     acc = Accelerator(cpu=True)
     train, _ = tokenized.load(prepared)
-    stream = batches.Stream(train, [float(n) for n in train.lengths], train.targets, 16, 2, 0, True, 4, 1024, 512)
+    stream = batches.Stream(examples=train, costs=[float(n) for n in train.lengths], targets=train.targets, global_batch=16,
+                            parts=2, seed=0, packing=True, micro_batch_size=4, tokens_per_forward=1024, max_length=512)
     seen = lambda lay: (lay.stream.graph_lengths, {n: [len(e["input_ids"]) for e in g] for n, g in lay.by_length.items()},  # noqa: E731
                         lay.target_rows, {k: [[len(e["input_ids"]) for e in g] for g in v] for k, v in lay.shapes.items()},
                         lay.tokens, lay.padded)

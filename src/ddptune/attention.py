@@ -40,7 +40,8 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     window = kwargs.pop("sliding_window", None)
     variant = {k: v for k, v in kwargs.items() if v is not None and k not in _PLAIN}
     if variant:
-        return _own_attention(module, query, key, value, attention_mask, scaling, dropout, window, cu_seq_lens_q, variant)
+        return _own_attention(module=module, query=query, key=key, value=value, mask=attention_mask, scaling=scaling,
+                              dropout=dropout, window=window, cu=cu_seq_lens_q, variant=variant)
     if cu_seq_lens_q is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if query.size(0) != 1:

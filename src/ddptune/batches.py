@@ -321,7 +321,7 @@ class Share:
     cost: list[float]        # model FLOPs of each process
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Stream:
     """A run's training examples and how each optimizer step is cut: `parts` shares of equal cost
     (equal sample counts too with padded batches, whose micro-batches must line up), each grouped

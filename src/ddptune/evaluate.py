@@ -94,8 +94,8 @@ def evaluate(cfg, run_dir: Path | None, trained: bool, out: Path, checked_once) 
             net = model_lib.load_model(cfg.model, t.method, accelerator.device, t.precision, t.seed)
     accelerator.print(f"ddptune: loaded in {time.perf_counter() - t0:.1f}s")
     label = f"fine-tuned ({rundir.trained_weights_dir(run_dir, t.method)})" if trained else "zero-shot"
-    generation.evaluate(net, tokenizer, generation.eval_rows(cfg.data, cfg.eval.max_samples), cfg.eval, cfg.data, cfg.model.source,
-                        accelerator, out, label)
+    generation.evaluate(model=net, tokenizer=tokenizer, rows=generation.eval_rows(cfg.data, cfg.eval.max_samples), e=cfg.eval,
+                        d=cfg.data, source=cfg.model.source, accelerator=accelerator, out_dir=out, label=label)
     if accelerator.is_main_process:
         report.write_json(out / SETTINGS, scored_with(cfg))
     accelerator.wait_for_everyone()

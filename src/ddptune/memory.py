@@ -136,9 +136,9 @@ def shape_of(hf_config) -> Shape:
     intermediate = getattr(c, "intermediate_size", None) or 4 * c.hidden_size
     if a.moe:  # the MLP width a token passes through: its experts, each of the per-expert width
         intermediate = a.experts_per_token * (getattr(c, "moe_intermediate_size", None) or intermediate)
-    return Shape(c.num_hidden_layers, c.hidden_size, intermediate, heads,
-                 getattr(c, "num_key_value_heads", None) or heads, head_dim, c.vocab_size,
-                 bool(getattr(c, "tie_word_embeddings", False)), experts=a.experts, dynamic=dynamic_reason(a),
+    return Shape(layers=c.num_hidden_layers, hidden=c.hidden_size, intermediate=intermediate, heads=heads,
+                 kv_heads=getattr(c, "num_key_value_heads", None) or heads, head_dim=head_dim, vocab=c.vocab_size,
+                 tied=bool(getattr(c, "tie_word_embeddings", False)), experts=a.experts, dynamic=dynamic_reason(a),
                  windows=a.windows if a.windowed else ())
 
 
@@ -172,7 +172,7 @@ def model_shape(cfg: Config) -> Shape:
 # The estimate
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Job:
     """What one GPU runs: the method, optimizer, checkpointing and the largest forward."""
     method: str                   # lora | qlora | full
@@ -296,10 +296,12 @@ def job_of(cfg: Config, world: int = 1, checkpointing: bool | None = None, shard
     counted as off; fsdp None: sharded over more than one GPU, or train.strategy=fsdp)."""
     t = cfg.train
     tokens = forward_tokens(cfg, world) if tokens is None else tokens
-    return Job(t.method, t.optimizer, t.gradient_checkpointing is True if checkpointing is None else checkpointing,
-               tokens, math.ceil(tokens * TARGET_SHARE) if targets is None else targets,
-               t.compile is not False if compiled is None else compiled,
-               cfg.lora.r, tuple(cfg.lora.target_modules), LORA_DROPOUT if cfg.lora.dropout is None else cfg.lora.dropout, shards, world,
+    return Job(method=t.method, optimizer=t.optimizer,
+               checkpointing=t.gradient_checkpointing is True if checkpointing is None else checkpointing,
+               tokens=tokens, targets=math.ceil(tokens * TARGET_SHARE) if targets is None else targets,
+               compiled=t.compile is not False if compiled is None else compiled,
+               lora_r=cfg.lora.r, lora_targets=tuple(cfg.lora.target_modules),
+               lora_dropout=LORA_DROPOUT if cfg.lora.dropout is None else cfg.lora.dropout, shards=shards, processes=world,
                dequantized=False, graphs=("step" if t.optimizer == "adamw" else "layers") if t.cuda_graphs is True else "off",
                fsdp=shards > 1 or t.strategy == "fsdp" if fsdp is None else fsdp, lora_saved=tuple(cfg.lora.modules_to_save),
                cpu=cpu)
@@ -364,7 +366,8 @@ def plan(cfg: Config, shape: Shape, gpus: int = 1, gpu_gib: float = DEFAULT_GPU_
             chosen = row
             break
     needed, needed_gc = (None, None) if chosen else gpus_needed(cfg, shape, gpus, gpu_gib)
-    verdict, action = recommendation(cfg, shape, gpus, gpu_gib, chosen, options[0], needed, needed_gc)
+    verdict, action = recommendation(cfg=cfg, shape=shape, gpus=gpus, gpu_gib=gpu_gib, chosen=chosen, as_is=options[0],
+                                     needed=needed, needed_gc=needed_gc)
     if not chosen and needed:
         option(f"FSDP over {needed} GPUs{' with gradient checkpointing' if needed_gc else ''}", cfg.train.method,
                needed_gc, needed, True)

@@ -70,8 +70,8 @@ def run_choices(cfg, shape: memory.Shape, gpus: int, gpu_memory: float | None):
         cuda, free = device.type == "cuda", system.free_gib(device, gpus)
         where = (f"on this machine's {torch.cuda.get_device_name(device)}" if cuda else "on this machine's CPU") + (
             f" ({free:.1f} GiB free a process)" if free is not None else "")
-    chosen = speed.decide(cfg, cuda, shape, gpus, free, speed.Work.of(stream), metrics.matrix_tflops(device),
-                          comm.link(device, gpus) if cuda else "")
+    chosen = speed.decide(cfg=cfg, cuda=cuda, shape=shape, world=gpus, free_gib=free, work=speed.Work.of(stream),
+                          matrix_tflops=metrics.matrix_tflops(device), link=comm.link(device, gpus) if cuda else "")
     return chosen, f"{where}, {gpus} process{'es' if gpus > 1 else ''}:"
 
 

@@ -81,7 +81,8 @@ def save_checkpoint(accelerator: Accelerator, saved: Checkpoints, step: int, kee
         acc.wait_for_everyone()
         weights, optimizer, extra["shards"] = None, None, acc.num_processes
     if acc.is_main_process:
-        checkpoint.save(folder, step, weights, optimizer, saved.scheduler, rngs, extra, tmp)
+        checkpoint.save(folder=folder, step=step, weights=weights, optimizer=optimizer, scheduler=saved.scheduler,
+                        rng_states=rngs, extra=extra, tmp=tmp)
         checkpoint.prune(folder, keep)
     acc.wait_for_everyone()
     return time.perf_counter() - t0

@@ -61,7 +61,7 @@ def main(args) -> int:
     measured = MEASURED if args.steps is None else args.steps
     sizes = scaling.parse_sizes(args.bandwidth_sizes)
     cuda = torch.cuda.is_available()
-    runs, windows = plan_runs(args, cfg, out, counts, modes, warmup, measured, cuda)
+    runs, windows = plan_runs(args=args, cfg=cfg, out=out, counts=counts, modes=modes, warmup=warmup, measured=measured, cuda=cuda)
     print("\n".join(plan_lines(cfg, args.overrides, runs, modes)), flush=True)
     bandwidth = measure_bandwidth(max(counts), sizes, cuda)
     # as many threads per process at every count, those of the largest count, so that n = 1 is not
@@ -86,7 +86,8 @@ def main(args) -> int:
                                   base, cuda)
             base = base or row
             rows.append(row)
-    write(args, cfg, out, rows, runs, windows, bandwidth, modes, warmup, measured, int(child_env["OMP_NUM_THREADS"]))
+    write(args=args, cfg=cfg, out=out, rows=rows, runs=runs, windows=windows, bandwidth=bandwidth, modes=modes, warmup=warmup,
+          measured=measured, threads=int(child_env["OMP_NUM_THREADS"]))
     return 0
 
 

@@ -110,7 +110,7 @@ class Work:
         return cls(rows, forwards / n, sum(t for t, _ in rows) / n, sum(t for _, t in rows) / n)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Speed:
     """The choices, each with its reason."""
     compiled: bool
@@ -174,9 +174,10 @@ def _value(kind, raw: str):
 
 def stream_of(cfg: Config, train_set, flops: metrics.FlopModel, world: int, global_batch: int) -> batches.Stream:
     """The run's steps over `world` processes: the training examples, each costed by the FLOPs it takes."""
-    return batches.Stream(train_set, flops.sample(train_set.lengths, train_set.targets), train_set.targets,
-                          global_batch, world, cfg.train.seed, cfg.train.packing, cfg.train.micro_batch_size,
-                          cfg.train.tokens_per_forward, cfg.data.max_length, lockstep=cfg.train.strategy == "fsdp",
+    t = cfg.train
+    return batches.Stream(examples=train_set, costs=flops.sample(train_set.lengths, train_set.targets), targets=train_set.targets,
+                          global_batch=global_batch, parts=world, seed=t.seed, packing=t.packing, micro_batch_size=t.micro_batch_size,
+                          tokens_per_forward=t.tokens_per_forward, max_length=cfg.data.max_length, lockstep=t.strategy == "fsdp",
                           mix=data.mixture(cfg.data, train_set.sizes))
 
 
@@ -202,7 +203,8 @@ def decide(cfg: Config, cuda: bool, shape: memory.Shape, world: int, free_gib: f
     reasons["gradient checkpointing"] = checkpoint_reason(t.gradient_checkpointing, choice, costed, free_gib, force)
     if t.method == "qlora":
         reasons["4-bit base"] = dequantize_reason(choice, costed, budget, force, t.strategy, cuda)
-    reasons["CUDA graphs"] = graphs_reason(cfg, cuda, compiled, choice, best, fitting, force, shape.dynamic)
+    reasons["CUDA graphs"] = graphs_reason(cfg=cfg, cuda=cuda, compiled=compiled, choice=choice, best=best, fitting=fitting,
+                                           force=force, dynamic=shape.dynamic)
     reasons["DDP gradient buckets"] = bucket_why
     combo = force.get("combo", compiled and cuda and choice.graphs == "off")
     reasons["combined kernels"] = combo_reason(combo, compiled, cuda, force)
@@ -210,8 +212,8 @@ def decide(cfg: Config, cuda: bool, shape: memory.Shape, world: int, free_gib: f
                 "options": [{**dataclasses.asdict(o), "memory_gib": m, "step_s": s, "setup_s": u}
                                                  for o, m, s, u in costed]}
     sizes = tuple(padded(work, choice.lengths)[3]) if choice.graphs != "off" else ()
-    return Speed(compiled, choice.graphs, choice.lengths, sizes, choice.checkpointing, choice.dequantize, bucket_mb,
-                 combo, reasons, force, estimate)
+    return Speed(compiled=compiled, graphs=choice.graphs, lengths=choice.lengths, sizes=sizes, checkpointing=choice.checkpointing,
+                 dequantize=choice.dequantize, bucket_mb=bucket_mb, combo=combo, reasons=reasons, forced=force, estimate=estimate)
 
 
 def fastest(costed: list) -> tuple:
@@ -272,7 +274,7 @@ def padded(work: Work, lengths: int) -> tuple[float, int, int, list[int]]:
 def memory_gib(cfg: Config, shape: memory.Shape, world: int, o: Option, work: Work, compiled: bool, cpu: bool = False) -> float:
     _, tokens, targets, _ = padded(work, o.lengths)
     shards = world if cfg.train.strategy == "fsdp" else 1
-    job = memory.job_of(cfg, world, checkpointing=o.checkpointing, shards=shards, tokens=tokens or None,
+    job = memory.job_of(cfg=cfg, world=world, checkpointing=o.checkpointing, shards=shards, tokens=tokens or None,
                         targets=targets or None, compiled=compiled, cpu=cpu)
     job = dataclasses.replace(job, dequantized=o.dequantize, graphs=o.graphs)
     return memory.estimate(shape, job)["total"] / memory.GIB

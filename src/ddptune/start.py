@@ -93,8 +93,8 @@ def _start(cfg: Config, args, nproc: int, started: float, trainer) -> int:
             if not launches:
                 return _trained(trainer, cfg, started, lambda _world: admitted)
             child = ["train", args.config, *args.overrides] + (["--resume"] if admitted.resume else [])
-            return launch.torchrun(nproc, ["ddptune", *child], nnodes=args.nnodes, node_rank=args.node_rank, master=args.master,
-                                   max_restarts=args.max_restarts, output_dir=cfg.output_dir, started=started, standby=standby)
+            return launch.torchrun(nproc=nproc, module_args=["ddptune", *child], nnodes=args.nnodes, node_rank=args.node_rank,
+                                   master=args.master, max_restarts=args.max_restarts, output_dir=cfg.output_dir, started=started, standby=standby)
 
 
 def _admitted_by_parent(cfg: Config, resume: bool, world_size: int) -> Admission:

@@ -41,7 +41,7 @@ from ddptune.stops import Diverged, Interrupted, NonFinite  # how a run stops (s
 GC_EVERY = 50  # optimizer steps between collections of Python's young generations (every process at once)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
     """What setup() builds and the loop uses."""
     cfg: Config
@@ -127,8 +127,9 @@ def setup(cfg: Config, resume: bool = False, started: float | None = None, admit
         shape = memory.model_shape(cfg)
     flops = metrics.FlopModel.of_shape(shape, cfg.train.method, cfg.lora.r, list(cfg.lora.target_modules))
     stream = speed_lib.stream_of(cfg, train_set, flops, world, plan.global_batch)
-    chosen = dist.on_main(acc, lambda: speed_lib.decide(cfg, acc.device.type == "cuda", shape, world, free, speed_lib.Work.of(stream),
-                                                        metrics.matrix_tflops(acc.device), comm.link(acc.device, world), dist.one_machine()))
+    chosen = dist.on_main(acc, lambda: speed_lib.decide(
+        cfg=cfg, cuda=acc.device.type == "cuda", shape=shape, world=world, free_gib=free, work=speed_lib.Work.of(stream),
+        matrix_tflops=metrics.matrix_tflops(acc.device), link=comm.link(acc.device, world), one_machine=dist.one_machine()))
     t1 = time.perf_counter()
     # what loading downloads or writes is made once, by the first process, before the others read it;
     # otherwise every process loads at once
@@ -140,7 +141,8 @@ def setup(cfg: Config, resume: bool = False, started: float | None = None, admit
         raise ConfigError(problems)  # a hub model's or a GGUF file's architecture, known only now
     model = build_model(cfg, base, chosen, acc.device)
     acc.print(f"ddptune: model loaded in {time.perf_counter() - t1:.1f}s")
-    r = prepare(cfg, plan, acc, out, tokenizer, train_set, val_set, model, stream, chosen, flops, total)
+    r = prepare(cfg=cfg, plan=plan, acc=acc, out=out, tokenizer=tokenizer, train_set=train_set, val_set=val_set, model=model,
+                stream=stream, chosen=chosen, flops=flops, total=total)
     r.times.update(started=began, started_at=started_at, startup_s=t0 - began, load_s=time.perf_counter() - t0, eval_s=0.0,
                    startup_split={**launch.startup_split(started_at, setup_at), "setup_s": t0 - now})
     if resume:
@@ -166,11 +168,12 @@ def prepare(cfg, plan, acc, out, tokenizer, train_set, val_set, model, stream, c
     clock = dist.StepClock(acc.device)
     dist.time_gradient_sync(ddp_model, clock)
     params = [p for p in model.parameters() if p.requires_grad]
-    parts = step_lib.Parts(acc, ddp_model, params, getattr(optimizer, "optimizer", optimizer), cfg.train.max_grad_norm,
-                           dist.sharded(loss_model), acc.autocast, layer_graphs=chosen.graphs == "layers",
-                           keep_grads=chosen.graphs != "off" or dist.ddp_wrapper(ddp_model) is not None)
-    return Run(cfg, plan, acc, out, tokenizer, train_set, val_set, model, loss_model, optimizer, scheduler,
-               fallback.Level(chosen, parts, None, stream), clock, flops, 0, total, side=side)
+    parts = step_lib.Parts(accelerator=acc, model=ddp_model, params=params, optimizer=getattr(optimizer, "optimizer", optimizer),
+                           max_grad_norm=cfg.train.max_grad_norm, sharded=dist.sharded(loss_model), autocast=acc.autocast,
+                           layer_graphs=chosen.graphs == "layers", keep_grads=chosen.graphs != "off" or dist.ddp_wrapper(ddp_model) is not None)
+    return Run(cfg=cfg, plan=plan, accelerator=acc, out=out, tokenizer=tokenizer, train_set=train_set, val_set=val_set,
+               model=model, loss_model=loss_model, optimizer=optimizer, scheduler=scheduler,
+               level=fallback.Level(chosen, parts, None, stream), clock=clock, flops=flops, start=0, total_steps=total, side=side)
 
 
 def free_gib(cfg: Config, acc: Accelerator) -> float | None:
@@ -199,8 +202,9 @@ def prepare_graphs(r: Run) -> None:
     acc, level, t0 = r.accelerator, r.level, time.perf_counter()
     try:
         with graphs.on_stream(r.side):
-            stream, engine, note, failed = graphs.prepare(level.parts, r.loss_model, level.stream, r.start, r.total_steps,
-                                                          level.speed, acc.process_index, r.tokenizer.pad_token_id, r.side, r.clock)
+            stream, engine, note, failed = graphs.prepare(
+                parts=level.parts, loss_model=r.loss_model, stream=level.stream, first=r.start, last=r.total_steps, speed=level.speed,
+                process=acc.process_index, pad_id=r.tokenizer.pad_token_id, side=r.side, clock=r.clock)
     except RuntimeError as e:  # compiling (or recording a layer) failed
         why = f"compiling the layers for CUDA graphs failed ({dist.first_line(e)})"
         r.level = fallback.to_eager(level, r.model, why, acc.print)
@@ -379,9 +383,10 @@ def read_step(r: Run, p: dict, peak: float | None) -> tuple[dict, tuple[dict, di
     loss, grad_norm = p["figures"].tolist()
     mean_cost = sum(share.cost) / world
     row = metrics.step_row(
-        p["step"] + 1, loss, p["lr"], grad_norm, r.plan.global_batch, sum(share.tokens),
-        share.targets, sum(share.computed), max(len(f) for f in share.forwards), sum(share.cost), times,
-        max(share.cost) / mean_cost if mean_cost else 1.0, world, peak, metrics.peak_memory_gib(r.accelerator.device))
+        step=p["step"] + 1, loss=loss, lr=p["lr"], grad_norm=grad_norm, samples=r.plan.global_batch, tokens=sum(share.tokens),
+        targets=share.targets, computed=sum(share.computed), forwards=max(len(f) for f in share.forwards), flops=sum(share.cost),
+        times=times, balance=max(share.cost) / mean_cost if mean_cost else 1.0, world=world, peak=peak,
+        peak_mem=metrics.peak_memory_gib(r.accelerator.device))
     return row, (times, {"tokens": share.tokens, "cost": share.cost, "computed": share.computed})
 
 
@@ -392,8 +397,8 @@ def read_step(r: Run, p: dict, peak: float | None) -> tuple[dict, tuple[dict, di
 def scored(r: Run, folder: Path, label: str) -> dict:
     """ROUGE of the model as it stands on the validation rows (generation.evaluate); its time counts as evaluation."""
     t0, cfg = time.perf_counter(), r.cfg
-    scores = generation.evaluate(r.model, r.tokenizer, generation.eval_rows(cfg.data, cfg.eval.max_samples), cfg.eval,
-                                 cfg.data, cfg.model.source, r.accelerator, folder, label)
+    scores = generation.evaluate(model=r.model, tokenizer=r.tokenizer, rows=generation.eval_rows(cfg.data, cfg.eval.max_samples),
+                                 e=cfg.eval, d=cfg.data, source=cfg.model.source, accelerator=r.accelerator, out_dir=folder, label=label)
     r.times["eval_s"] += time.perf_counter() - t0
     return scores
 
@@ -427,7 +432,8 @@ def finish(r: Run, history: list[dict], times: list[tuple[dict, dict]]):
         measured = runlog.Measured(runlog.step_rows(out) or history, ranks, val_loss, peaks, fingerprints, buckets)
         summary = runlog.summary(r.outline(), measured, cfg.train, acc, r.model, r.times, final)
         report.write_json(out / "summary.json", summary)  # first: a kill in the saves below keeps the figures
-    saving.save_final(acc, final, r.model, r.tokenizer, cfg.model, cfg.train.method, config_lib.dump(cfg), sharded=sharded)
+    saving.save_final(accelerator=acc, final=final, model=r.model, tokenizer=r.tokenizer, m=cfg.model, method=cfg.train.method,
+                      config_yaml=config_lib.dump(cfg), sharded=sharded)
     if acc.is_main_process:
         saving.remove_checkpoints(out)
     if cfg.eval.enabled:
