@@ -44,6 +44,20 @@ def _parser(with_reference: bool = False) -> argparse.ArgumentParser:
     p = _Parser(prog="ddptune", description="Data-parallel LoRA/QLoRA/full fine-tuning for dialogue summarization.")
     p.add_argument("-V", "--version", action="store_true", help="print ddptune's version and exit")  # (answered in _main)
     sub = p.add_subparsers(dest="command", required=True)
+    _train_parser(sub, with_reference)
+    _eval_parser(sub)
+    _compare_parser(sub)
+    _scale_parser(sub)
+    _plan_parser(sub)
+    _export_parser(sub)
+    _predict_parser(sub)
+    _data_parser(sub)
+    sub.add_parser("env", help="devices, interconnect and versions for a bug report", add_help=False)
+    return p
+
+
+def _train_parser(sub, with_reference: bool) -> None:
+    """The arguments of `ddptune train`; with_reference: its --help lists every config key."""
     epilog = None
     if with_reference:  # `train --help` lists every config key
         from ddptune import configref
@@ -66,16 +80,28 @@ def _parser(with_reference: bool = False) -> argparse.ArgumentParser:
     t.add_argument("--master", default=None, metavar="HOST:PORT", help="node 0's address and a free port, reachable from every node")
     t.add_argument("--max-restarts", type=int, default=0,
                    help="restart the workers up to K times after one fails; they resume from the newest checkpoint")
+
+
+def _eval_parser(sub) -> None:
+    """The arguments of `ddptune eval`."""
     e = sub.add_parser("eval", help="generate summaries and score ROUGE")
     e.add_argument("target", help="a run folder (from train) or a YAML config")
     e.add_argument("overrides", nargs="*")
     e.add_argument("--nproc", type=int, default=None)
     e.add_argument("--base", action="store_true", help="the base model without adapter (zero-shot)")
     e.add_argument("--out", default=None, help="folder for predictions.jsonl and metrics.json")
+
+
+def _compare_parser(sub) -> None:
+    """The arguments of `ddptune compare`."""
     c = sub.add_parser("compare", help="ROUGE and loss of several runs side by side")
     c.add_argument("runs", nargs="+")
     c.add_argument("--json", default=None, help="also write the table's rows to this JSON file (replaced if it exists)")
     c.add_argument("--plot", default=None, metavar="PNG", help="draw the runs' training loss curves to this PNG (replaced if it exists)")
+
+
+def _scale_parser(sub) -> None:
+    """The arguments of `ddptune scale`."""
     s = sub.add_parser("scale", help="the same training at several process counts, and where the time goes")
     s.add_argument("config")
     s.add_argument("overrides", nargs="*")
@@ -86,6 +112,10 @@ def _parser(with_reference: bool = False) -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int, default=None, help="measured steps of the largest batch (default 30)")
     s.add_argument("--warmup", type=int, default=None, help="steps of the largest batch before the measured window (default 3)")
     s.add_argument("--bandwidth-sizes", default="1MB,4MB,16MB,64MB,256MB,1GB", help="all-reduce sizes to time, or none (no predictions)")
+
+
+def _plan_parser(sub) -> None:
+    """The arguments of `ddptune plan`."""
     m = sub.add_parser("plan", help="predict peak memory per GPU before loading anything, and how to run it")
     m.add_argument("config")
     m.add_argument("overrides", nargs="*")
@@ -93,6 +123,10 @@ def _parser(with_reference: bool = False) -> argparse.ArgumentParser:
     m.add_argument("--gpu-memory", type=float, default=None, metavar="GiB",
                    help="memory of one GPU (default: this machine's GPU; without one, an H200's 139.8 GiB)")
     m.add_argument("--json", default=None, help="also write the plan as JSON to this file (replaced if it exists)")
+
+
+def _export_parser(sub) -> None:
+    """The arguments of `ddptune export`."""
     x = sub.add_parser("export", help="a run's adapter as a portable folder, or merged into its base (--merge)")
     x.add_argument("run", help="a finished run folder (from train)")
     x.add_argument("out", help="the folder to write (new or empty)")
@@ -109,6 +143,10 @@ def _parser(with_reference: bool = False) -> argparse.ArgumentParser:
                    "llama-quantize or `ollama create -q`, whichever is on PATH")
     x.add_argument("--ollama", default=None, metavar="NAME",
                    help="also write an Ollama Modelfile (chat template, stop tokens, greedy) and print `ollama create NAME`")
+
+
+def _predict_parser(sub) -> None:
+    """The arguments of `ddptune predict`."""
     r = sub.add_parser("predict", help="summaries of new dialogues, or replies to conversations (JSON lines), with a "
                        "finished run's model")
     r.add_argument("run", help="a finished run folder (from train)")
@@ -129,15 +167,16 @@ def _parser(with_reference: bool = False) -> argparse.ArgumentParser:
                    "tokens (default: the model's generation config, else 50)")
     r.add_argument("--seed", type=int, default=0, help="with --temperature: the seed of the sampling (the same texts "
                    "for any --nproc)")
+
+
+def _data_parser(sub) -> None:
+    """The arguments of `ddptune data`."""
     dt = sub.add_parser("data", help="check and tokenize the data as a run would, and show what is trained")
     dt.add_argument("config")
     dt.add_argument("overrides", nargs="*")
     dt.add_argument("--show", type=int, default=2, metavar="N", help="examples of each source to print, trained tokens marked")
     dt.add_argument("--nproc", type=int, default=1, metavar="N", help="the process count the run will have (its global "
                     "batch, and so the samples it draws from each source; default 1); starts nothing")
-    sub.add_parser("env", help="devices, interconnect and versions for a bug report", add_help=False)
-    return p
-
 
 def main(argv: list[str] | None = None) -> int:
     """The command line (sys.argv without argv: the program itself, whose start its timings count from)."""
