@@ -16,8 +16,16 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "demo.yaml"
 
 
+@pytest.fixture
+def parsed_and_mapped_once():
+    """conftest's gguf_parsed_once with gguf's tensor-name map built once too: transformers' loader builds
+    it again for each of a model's modules, and the test below loads SmolLM2 from its GGUF file twice."""
+    with conftest.gguf_parsed_once(name_map=True) as readers:
+        yield readers
+
+
 def test_a_gguf_model_and_tokenizer_load_from_their_converted_folders_with_the_files_values(tmp_path, monkeypatch,
-                                                                                           parsed_once):
+                                                                                           parsed_and_mapped_once):
     monkeypatch.setenv("DDPTUNE_CACHE", str(tmp_path / "cache"))
     m = config.load(DEMO, []).model
     src = sources.resolve_source(m)
