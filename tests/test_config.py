@@ -7,7 +7,7 @@ import re
 import pytest
 
 from conftest import ROOT, SHARED_DATA, ddptune, field, words
-from ddptune import admission, batchplan, config, configref, data
+from ddptune import admission, batchplan, checks, config, configref, data
 from ddptune.config import ConfigError
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -92,14 +92,14 @@ def test_all_problems_are_reported_together():
 
 def test_packing_needs_an_attention_kernel_that_takes_sample_boundaries():
     cfg = config.from_dict({"train": {"packing": True}, "model": {"attn_implementation": "sdpa"}})
-    assert any(p.startswith("train.packing: needs model.attn_implementation in") for p in config.check_values(cfg))
+    assert any(p.startswith("train.packing: needs model.attn_implementation in") for p in checks.check_values(cfg))
     cfg = config.from_dict({"train": {"packing": True, "tokens_per_forward": 100}, "data": {"max_length": 512}})
-    assert "train.tokens_per_forward: 100 is shorter than data.max_length 512 (raise it)" in config.check_values(cfg)
+    assert "train.tokens_per_forward: 100 is shorter than data.max_length 512 (raise it)" in checks.check_values(cfg)
 
 
 def test_non_finite_numbers_are_refused():
     cfg = config.from_dict({"train": {"lr": float("inf"), "max_grad_norm": float("nan")}})
-    problems = config.check_values(cfg)
+    problems = checks.check_values(cfg)
     assert any(p.startswith("train.lr:") for p in problems) and any(p.startswith("train.max_grad_norm:") for p in problems)
 
 
@@ -182,7 +182,7 @@ def test_a_row_slice_written_without_quotes_is_the_slice_written(tmp_path, capsy
     path.write_text((ROOT / "configs" / "tiny.yaml").read_text().replace('train_rows: "0:400"', "train_rows: 1:30")
                     .replace('val_rows: "560:600"', "val_rows: 10:20"))
     cfg = config.load(path)
-    assert (cfg.data.train_rows, cfg.data.val_rows) == ("1:30", "10:20") and config.check_values(cfg) == []
+    assert (cfg.data.train_rows, cfg.data.val_rows) == ("1:30", "10:20") and checks.check_values(cfg) == []
     assert config.parse_rows(cfg.data.train_rows) == slice(1, 30)
     assert config.load(path, ["data.val_rows=5:59"]).data.val_rows == "5:59"
     listed = config.load(path, ["data.train=[{source: demo, rows: 1:30}, {source: demo, rows: 40:50, name: b}]",
@@ -213,7 +213,7 @@ def test_a_row_selection_follows_its_source_when_an_override_replaces_it():
     both = config.load(ROOT / "configs" / "demo.yaml", ["data.train=mine.jsonl", "data.val=val.jsonl"])
     assert (both.data.train_rows, both.data.val_rows) == (None, None)
     listed = config.load(ROOT / "configs" / "demo.yaml", ["data.train=[{source: a.jsonl}, {source: b.jsonl}]"])
-    assert listed.data.train_rows is None and config.check_values(listed) == []
+    assert listed.data.train_rows is None and checks.check_values(listed) == []
     # validation left on the file's demo while training on your data is named; not otherwise
     assert config.kept_validation(mine, ["data.train=mine.jsonl"]) is not None
     assert config.kept_validation(both, ["data.train=mine.jsonl", "data.val=val.jsonl"]) is None

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 import multiproc
 from conftest import ROOT, checkpoints_kept, field, metrics, words
-from ddptune import admission, batches, config, dist, train
+from ddptune import admission, batches, checks, config, dist, train
 from ddptune.config import ConfigError
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -146,14 +146,14 @@ def test_sharded_checkpoints_hold_data_only_and_resume_exactly(runs, tmp_path):
 
 
 def test_fsdp_refuses_what_it_does_not_cover():
-    problems = config.check_values(config.load(TINY, ["train.strategy=fsdp", "train.method=qlora", "eval.enabled=true"]))
+    problems = checks.check_values(config.load(TINY, ["train.strategy=fsdp", "train.method=qlora", "eval.enabled=true"]))
     assert len(problems) == 1 and field(problems[0]) == "eval.enabled" and "train.strategy=fsdp" in words(problems[0]), problems
-    assert config.check_values(config.load(TINY, ["train.strategy=fsdp", "train.method=qlora"])) == []  # tests/test_fsdp_qlora.py
+    assert checks.check_values(config.load(TINY, ["train.strategy=fsdp", "train.method=qlora"])) == []  # tests/test_fsdp_qlora.py
     with pytest.raises(ConfigError) as e:
         config.load(TINY, ["train.strategy=zero"])
     (line,) = e.value.problems
     assert field(line) == "train.strategy" and "'zero'" in words(line), line
-    assert config.check_values(config.load(TINY, ["train.strategy=fsdp", "train.method=full"])) == []
+    assert checks.check_values(config.load(TINY, ["train.strategy=fsdp", "train.method=full"])) == []
     policy = dist.fsdp_plugin(bf16=True).mixed_precision_policy  # bf16 compute, gradients reduced in fp32 as DDP's
     assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
 

@@ -17,7 +17,7 @@ PACKAGE = Path(ddptune.__file__).parent
 GROUND = {"yamlsafe", "launch", "checkpoint", "metrics", "report", "attention", "arch", "stops", "cache", "data.tokens"}
 COMMANDS = {"cli", "train", "evaluate", "predict", "export", "scale", "plan", "env", "datacmd"}
 MAX_MODULE, MAX_TRAIN, MAX_FUNCTION, MAX_CLASS = 600, 450, 60, 120
-LONG_ALLOWED = {("config", "check_values")}  # the config's value checks
+LONG_ALLOWED: set[tuple[str, str]] = set()  # (module, function) pairs allowed past MAX_FUNCTION: none
 RUN_NAMES = {"r", "run"}  # what train.py calls its run object (train.Run)
 
 

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from conftest import ROOT, checkpoints_kept, field, metrics
-from ddptune import config, step, train
+from ddptune import checks, config, step, train
 from ddptune.config import ConfigError
 from test_train import died_after
 
@@ -65,7 +65,7 @@ def test_warmup_stable_decay_logs_transformers_rates_and_resumes_on_them(tmp_pat
      "train.warmup_steps: 8 warm-up and 3 decay steps"),
 ])
 def test_a_schedule_that_cannot_run_is_refused(overrides, where):
-    problems = config.check_values(config.load(TINY, overrides))
+    problems = checks.check_values(config.load(TINY, overrides))
     assert len(problems) == 1 and problems[0].startswith(where)
 
 

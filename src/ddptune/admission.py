@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddptune import batchplan, config as config_lib, data as data_lib, memory, rundir
+from ddptune import batchplan, checks, data as data_lib, memory, rundir
 from ddptune import sources
 from ddptune.data import tokenized
 from ddptune.batchplan import BatchPlan
@@ -59,7 +59,7 @@ def validate(cfg: Config, world_size: int, resume: bool = False, overwrite: bool
     node other than the first of a multi-node job, which writes nothing) its output_dir. Where all of
     that holds, the data is prepared (tokenized.prepare, every row checked) when it and its tokenizer
     are here (hub data or a hub tokenizer: train.setup prepares it)."""
-    problems = config_lib.check_values(cfg)
+    problems = checks.check_values(cfg)
     if cfg.train.method == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
         problems.append("train.method: qlora needs bitsandbytes (pip install bitsandbytes) or use method=lora")
     if cfg.train.log_with != "none":

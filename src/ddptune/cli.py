@@ -26,7 +26,7 @@ import gc
 import os
 import sys
 
-from ddptune import config as config_lib, launch
+from ddptune import checks, config as config_lib, launch
 from ddptune.config import ConfigError
 
 
@@ -230,7 +230,7 @@ def _main(argv: list[str] | None, started: float) -> int:
             from ddptune import scaling
 
             scaling.parse_counts(args.nproc)
-            if problems := config_lib.check_values(config_lib.load(args.config, list(args.overrides))):
+            if problems := checks.check_values(config_lib.load(args.config, list(args.overrides))):
                 raise ConfigError(problems)
         import importlib
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ddptune import admission, batchplan, config as config_lib, data, report
+from ddptune import admission, batchplan, checks, config as config_lib, data, report
 from ddptune.data import store as store_lib, tokenized
 from ddptune.config import ConfigError, TrainConfig
 from ddptune.data.tokens import IGNORE
@@ -31,7 +31,7 @@ COLUMNS = [("split", "split"), ("name", "source"), ("format", "format"), ("rows"
 
 def main(args) -> int:
     cfg = config_lib.load(args.config, args.overrides)
-    problems = config_lib.check_values(cfg)
+    problems = checks.check_values(cfg)
     if args.show < 0:
         problems.append(f"--show: must be 0 or more (got {args.show})")
     plan = None

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from ddptune import config as config_lib, data, launch, report, rundir, sources, trained as trained_lib
+from ddptune import checks, config as config_lib, data, launch, report, rundir, sources, trained as trained_lib
 from ddptune.config import ConfigError
 
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")  # generation.ROUGE_KEYS (which needs torch to import)
@@ -31,7 +31,7 @@ def main(args) -> int:
                            "or a YAML config)"])
     else:
         cfg = config_lib.load(target, args.overrides)
-    problems = config_lib.check_values(cfg)
+    problems = checks.check_values(cfg)
     if cfg.data.val is None:
         problems.append("data.val: evaluation needs a validation set (e.g. data.val=demo data.val_rows=560:600)")
     if args.nproc is not None and args.nproc < 1:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import math
 
-from ddptune import config as config_lib, memory, report, rundir
+from ddptune import checks, config as config_lib, memory, report, rundir
 from ddptune.config import ConfigError
 
 
 def main(args) -> int:
     cfg = config_lib.load(args.config, args.overrides)
-    problems = config_lib.check_values(cfg)
+    problems = checks.check_values(cfg)
     if args.gpus < 1:
         problems.append(f"--gpus: must be at least 1 (got {args.gpus})")
     if args.gpu_memory is not None and not (math.isfinite(args.gpu_memory) and args.gpu_memory > 0):

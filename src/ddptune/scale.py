@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from ddptune import admission, comm, config as config_lib, launch, metrics, provenance, report, rundir, scaling, system
+from ddptune import admission, checks, comm, config as config_lib, launch, metrics, provenance, report, rundir, scaling, system
 from ddptune.config import ConfigError
 from ddptune.scaling import MODES, SAME_PER_DEVICE
 
@@ -115,7 +115,7 @@ def plan_lines(cfg, overrides: list[str], runs: dict, modes: list[str]) -> list[
 def plan_runs(args, cfg, out: Path, counts: list[int], modes: list[str], warmup: int, measured: int,
               cuda: bool) -> tuple[dict, dict]:
     """Every run's plan, folder and overrides, each validated before anything runs or any folder is made."""
-    problems = config_lib.check_values(cfg) + rundir.folder_problems("--out", out)
+    problems = checks.check_values(cfg) + rundir.folder_problems("--out", out)
     if out.is_dir() and any(out.iterdir()):
         problems.append(f"--out: {out} already holds files (choose another --out, or remove it)")
     if warmup < 0 or measured < 1:

@@ -25,7 +25,7 @@ import signal
 import sys
 from pathlib import Path
 
-from ddptune import admission, batchplan, config as config_lib, launch, lock, rundir
+from ddptune import admission, batchplan, checks, config as config_lib, launch, lock, rundir
 from ddptune.admission import Admission
 from ddptune.config import Config, ConfigError
 from ddptune.stops import Interrupted, NonFinite
@@ -38,7 +38,7 @@ def train(args, started: float, trainer) -> int:
     when the command began (launch.command_started); `trainer`: train.run. Bad input raises ConfigError."""
     cfg = config_lib.load(args.config, args.overrides)
     nproc = 1 if args.nproc is None else args.nproc
-    problems = config_lib.check_values(cfg)  # what needs nothing but the config: answered before torch is imported
+    problems = checks.check_values(cfg)  # what needs nothing but the config: answered before torch is imported
     if not launch.in_launched_process():
         if nproc < 1:
             problems.append(f"--nproc: must be at least 1 (got {nproc})")

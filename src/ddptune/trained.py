@@ -13,7 +13,7 @@ import math
 import re
 from pathlib import Path
 
-from ddptune import config as config_lib, rundir
+from ddptune import checks, config as config_lib, rundir
 from ddptune.config import Config, ConfigError
 
 
@@ -25,7 +25,7 @@ def trained_run(run_dir: Path, where: str, overrides: list[str] = ()) -> Config:
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError([f"{where}: {run_dir} has no config.yaml (give a run folder written by ddptune train)"])
     cfg = config_lib.load(run_dir / "config.yaml", overrides)
-    if problems := config_lib.check_values(cfg):
+    if problems := checks.check_values(cfg):
         raise ConfigError(problems)
     weights = rundir.trained_weights_dir(run_dir, cfg.train.method)
     if not weights.is_dir():
