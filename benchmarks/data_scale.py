@@ -333,8 +333,12 @@ def hold_worker(args) -> None:
     held, row = anon_bytes() - before, {"rank": acc.process_index, "examples": len(train)}
     if graphs:  # this checkout: what CUDA graphs are prepared from, for an epoch (Layout, 2 lengths)
         t, epoch = time.perf_counter(), -(-len(train) // stream.global_batch)
-        shared = {"gather": dist.gather} if "gather" in inspect.signature(graphs.Layout.of).parameters else {}  # as training
-        layout = graphs.Layout.of(stream, 0, epoch, 2, True, acc.process_index, epoch, **shared)
+        params = inspect.signature(graphs.Layout.of).parameters
+        shared = {"gather": dist.gather} if "gather" in params else {}  # as training
+        if "sizes" in params:  # the decider's padded lengths given: the layout surveys the run's steps alone
+            layout = graphs.Layout.of(stream, 0, epoch, (), True, acc.process_index, **shared)
+        else:
+            layout = graphs.Layout.of(stream, 0, epoch, 2, True, acc.process_index, epoch, **shared)
         row.update(layout_s=round(time.perf_counter() - t, 2), layout_steps=epoch, layout_lengths=list(layout.stream.graph_lengths))
         gc.collect()
         row["with_layout_anon_gib"] = round((anon_bytes() - before) / 2**30, 4)

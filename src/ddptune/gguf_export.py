@@ -1,11 +1,9 @@
 """A merged model as one GGUF file for llama.cpp and Ollama: weights, vocabulary, chat template.
 
-`write` streams a merged transformers model into one GGUF file through the `gguf` package, one
-tensor at a time (the host holds the model and one converted tensor, never a second copy), with
-what llama.cpp needs to run it as a chat model: the hyperparameters, the byte-level BPE vocabulary
-with its merges, token types and llama.cpp's name for its pre-tokenizer (recognised from the
-tokenizer's own pre-tokenizer, so that llama.cpp splits text as the run's tokenizer did), the
-bos/eos/end-of-turn ids and the chat template.
+`write` streams a merged transformers model into one GGUF file (the `gguf` package), a tensor at a time
+(never a second copy), with what llama.cpp needs to run it as a chat model: the hyperparameters, the
+byte-level BPE vocabulary with its merges, token types and llama.cpp's pre-tokenizer name (recognised
+from the tokenizer's own), the bos/eos/end-of-turn ids and the chat template.
 
 Architectures (`ARCHES`, one row per transformers model_type): the Llama family (SmolLM2, Llama 3.x,
 with the `rope_freqs` tensor for llama3 rope scaling; tied embeddings write no output tensor), Mistral
@@ -18,21 +16,17 @@ between transformers' model code and llama.cpp's is written into the tensors:
 - llama.cpp scales attention scores by 1/sqrt(head_dim) (by 1/sqrt(hidden/heads) at Gemma 27B's depth);
   a model whose own scale differs (Gemma's query_pre_attn_scalar) has the ratio folded into Q (its
   q_norm where it has one).
-- A mixture's experts (transformers' 3-D `gate_up_proj`) become llama.cpp's stacked `ffn_gate_exps`
-  and `ffn_up_exps` (its first and second halves).
+- A mixture's experts (3-D `gate_up_proj`) become llama.cpp's stacked `ffn_gate_exps` and `ffn_up_exps`.
 Phi-3's fused `qkv_proj` and `gate_up_proj` are llama.cpp's `attn_qkv` and `ffn_up` as they are.
-Sliding windows: Gemma's architectures record one window, and llama.cpp derives which layers slide
-(Gemma 2: 1 of every 2, Gemma 3: 5 of every 6), so a model is written where its `layer_types` are that
-pattern; the other architectures record none. Gemma 2's soft-caps are written. What a file cannot
+Sliding windows: Gemma's architectures record one window, and llama.cpp derives which layers slide (Gemma 2:
+1 of 2, Gemma 3: 5 of 6), so a model is written where its `layer_types` are that pattern; others record none. Gemma 2's soft-caps are written. What a file cannot
 record (another window pattern, a window or soft-caps elsewhere, experts not renormalized, a head
 apart from Gemma 2's embedding) is refused in one line by `model_problem`, from the config alone;
 export asks `problems` (that, the tokenizer's, the vocabulary's size) before any weight is loaded.
 
-Weights: bf16 and f16 as such, q8_0 through gguf's own quantizer (blocks of 32 with an f16 scale);
-1-D tensors (norms, biases, rope factors) and routers stay f32, as llama.cpp's converter keeps them.
-K-quants are llama.cpp's (`llama-quantize`) or Ollama's (`ollama create -q`): `quantize_command` finds one.
-`modelfile` writes Ollama's Modelfile: the chat template as a Go template, its stop tokens and
-greedy decoding, as `ddptune predict` generates.
+Weights: bf16 and f16 as such, q8_0 through gguf's quantizer; 1-D tensors and routers stay f32, as
+llama.cpp's converter keeps them. K-quants are `llama-quantize`'s or `ollama create -q`'s (`quantize_command`).
+`modelfile` writes Ollama's Modelfile: the chat template as a Go template, stop tokens, greedy decoding.
 """
 from __future__ import annotations
 

@@ -526,7 +526,7 @@ def cause(failures: dict) -> tuple:
     Among those, one that torchrun's own SIGTERM did not end."""
     first = min(f.timestamp for f in failures.values())
     pool = {r: f for r, f in failures.items() if f.timestamp - first <= SAME_FAILURE_S and not follows(f)} or failures
-    rank = min(pool, key=lambda r: (pool[r].timestamp, pool[r].exitcode == -signal.SIGTERM, r))
+    rank = min(pool, key=lambda k: (pool[k].timestamp, pool[k].exitcode == -signal.SIGTERM, k))
     return rank, failures[rank]
 
 
