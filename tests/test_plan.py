@@ -10,9 +10,21 @@ import re
 import pytest
 
 from conftest import ROOT, SHARED_DATA, field, words
-from ddptune import cli, config, memory, plan
+from ddptune import cli, config, memory, plan, speed
 
 CONFIG_8B = str(ROOT / "configs" / "samsum_qlora_llama31_8b.yaml")  # the tutorial's job
+
+
+def refusal(overrides: list[str], world: int, gib: float) -> list[str]:
+    """speed.memory_problems for the 8B config (with `overrides`) on `world` GPUs of `gib` GiB, from
+    the choices the decider makes there for SAMSum-sized steps."""
+    from test_speed import samsum_like
+
+    cfg = config.load(CONFIG_8B, overrides)
+    shape = memory.model_shape(cfg)
+    chosen = speed.decide(cfg=cfg, cuda=True, shape=shape, world=world, free_gib=gib, work=samsum_like(parts=world),
+                          matrix_tflops=989.0)
+    return speed.memory_problems(cfg, shape, world, chosen)
 
 
 def _plan_check():
@@ -140,10 +152,8 @@ def test_train_refuses_a_run_that_will_not_fit_in_one_line_before_loading(tmp_pa
     assert re.findall(r"\b(\d+) GPUs?\b", err) == ["1", "2"], err
     assert not out.exists() or not any(out.iterdir())
     # the plan is an estimate: a user who knows better can still try
-    cfg = config.load(CONFIG_8B, ["train.method=full"])
-    assert memory.memory_problems(cfg, 1, 80)
-    assert memory.memory_problems(config.load(CONFIG_8B,
-                                              ["train.method=full", "train.memory_check=false"]), 1, 80) == []
+    assert refusal(["train.method=full"], 1, 80)
+    assert refusal(["train.method=full", "train.memory_check=false"], 1, 80) == []
 
 
 def test_fsdp_auto_checkpointing_is_not_refused():
@@ -151,8 +161,8 @@ def test_fsdp_auto_checkpointing_is_not_refused():
     shape = memory.model_shape(config.load(CONFIG_8B, []))
     auto = config.load(CONFIG_8B, ["train.method=full", "train.strategy=fsdp", "train.gradient_checkpointing=auto"])
     assert memory.plan(auto, shape, gpus=2, gpu_gib=100)["options"][0]["fits"] is False
-    assert memory.memory_problems(auto, 2, 100) == []
-    assert memory.memory_problems(auto, 2, 60)  # with checkpointing on it still needs 80 GiB
+    assert refusal(["train.method=full", "train.strategy=fsdp", "train.gradient_checkpointing=auto"], 2, 100) == []
+    assert refusal(["train.method=full", "train.strategy=fsdp", "train.gradient_checkpointing=auto"], 2, 60)  # checkpointed: 80 GiB
 
 
 def test_70b_qlora_on_two_48_gib_gpus_is_sent_to_fsdp_qlora(capsys):
@@ -181,8 +191,7 @@ def test_70b_qlora_on_two_48_gib_gpus_is_sent_to_fsdp_qlora(capsys):
         assert fsdp[term] == pytest.approx(ddp[term] / (4 if term == "gradients" else 2))
     assert fsdp["activations"] == ddp["activations"] and fsdp["load_gib"] == pytest.approx(p["load_gib"])
     assert 37 < p["load_gib"] < 39 < fsdp["total"] < 48  # the whole 4-bit base loads onto each GPU first
-    assert memory.memory_problems(config.load(CONFIG_8B, ["model.source=preset:llama-3.1-70b", "train.strategy=fsdp",
-                                                          "train.gradient_checkpointing=true"]), 2, 48) == []
+    assert refusal(["model.source=preset:llama-3.1-70b", "train.strategy=fsdp", "train.gradient_checkpointing=true"], 2, 48) == []
     assert cli.main(["plan", CONFIG_8B, "model.source=preset:llama-3.1-70b", "--gpus", "2", "--gpu-memory", "48"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == ("recommendation: FSDP (full shard) over 2 GPUs with gradient "
                                                         "checkpointing (train.strategy=fsdp)")
@@ -270,9 +279,9 @@ def test_fsdp_is_refused_when_the_whole_model_cannot_load_onto_one_gpu():
     cfg = config.load(CONFIG_8B, ["train.method=full", "train.strategy=fsdp"])
     load = memory.load_gib(memory.model_shape(cfg), "full")
     assert 30 < load < 31  # 8.03 B fp32 weights and the CUDA context
-    (problem,) = memory.memory_problems(cfg, 8, 24)
+    (problem,) = refusal(["train.method=full", "train.strategy=fsdp"], 8, 24)
     assert problem.startswith("memory: train.strategy=fsdp: each process loads the whole model") and "30." in problem
-    assert memory.memory_problems(cfg, 2, memory.DEFAULT_GPU_GIB) == []
+    assert refusal(["train.method=full", "train.strategy=fsdp"], 2, memory.DEFAULT_GPU_GIB) == []
 
 
 def test_a_verdict_inside_the_plans_error_is_called_close():

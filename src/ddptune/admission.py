@@ -1,8 +1,8 @@
 """Whether a training run may start, and how: decided once, before its processes train.
 
 `admit` is a run's one admission: --resume read against output_dir (rundir.resume_mode: start,
-continue, or start again over its own files), every problem found (`validate`) and, with
---gpu-memory, whether the run fits; its `Admission` (resume, overwrite, batch plan) is what every
+continue, or start again over its own files) and every problem found (`validate`); its
+`Admission` (resume, overwrite, batch plan) is what every
 process of the run uses. start.py calls it in the process that talks to the user, before any process
 starts, or, under an external launcher, in rank 0 while the others wait (train.setup, `dist.on_main`).
 
@@ -19,7 +19,6 @@ import importlib.util
 import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from ddptune import batchplan, checks, data as data_lib, memory, rundir
 from ddptune import sources
@@ -36,15 +35,12 @@ class Admission:
     plan: BatchPlan
 
 
-def admit(cfg: Config, resume: str | None, overwrite: bool, world_size: int, output: bool = True,
-          gpu_memory: float | None = None) -> Admission:
+def admit(cfg: Config, resume: str | None, overwrite: bool, world_size: int, output: bool = True) -> Admission:
     """The run's admission for `world_size` processes: --resume (`resume`: None, "yes" or "auto") and
-    --overwrite read against output_dir, every problem of the run (`output`: see validate), and with
-    `gpu_memory` whether it fits GPUs of that many GiB. One ConfigError lists what is wrong."""
+    --overwrite read against output_dir, and every problem of the run (`output`: see validate). One
+    ConfigError lists what is wrong. (Whether it fits GPUs of a given size: plan.memory_problems.)"""
     resuming, overwrite = rundir.resume_mode(cfg, resume, overwrite)
     plan = validate(cfg, world_size, resume=resuming, overwrite=overwrite, output=output)
-    if gpu_memory is not None and (problems := memory.memory_problems(cfg, world_size, gpu_memory)):
-        raise ConfigError(problems)  # on CUDA train.setup checks the GPU's own free memory
     return Admission(resuming, overwrite, plan)
 
 
@@ -77,10 +73,13 @@ def validate(cfg: Config, world_size: int, resume: bool = False, overwrite: bool
     if not problems:  # the rest imports torch and transformers: only once everything above holds
         problems += code_problems(cfg)
     local = not any(s.source.startswith("hub:") for split in ("train", "val") for s in data_lib.sources(cfg.data, split))
-    if not problems and local and (tokenizer := local_tokenizer(cfg)) is not None:
-        problems += data_lib.template_problems(cfg.data, tokenizer)
-        if not problems:  # every row checked and tokenized, once: the run reads what this made
-            n_train = len(tokenized.load(tokenized.prepare(cfg.data, tokenizer, progress=sys.stderr.isatty()))[0])
+    if not problems and local:
+        from ddptune import model as model_lib  # (the model's code: only once the light checks have passed)
+
+        if (tokenizer := model_lib.local_tokenizer(cfg.model, cfg.data)) is not None:
+            problems += data_lib.template_problems(cfg.data, tokenizer)
+            if not problems:  # every row checked and tokenized, once: the run reads what this made
+                n_train = len(tokenized.load(tokenized.prepare(cfg.data, tokenizer, progress=sys.stderr.isatty()))[0])
     if plan and n_train is not None and not problems:
         problems += batchplan.rows_problems(n_train, plan)
     if problems:
@@ -118,14 +117,3 @@ def code_problems(cfg: Config) -> list[str]:
     from ddptune import model as model_lib
 
     return problems + model_lib.model_problems(cfg.model, cfg.lora, cfg.train.method, cfg.train.packing)
-
-
-def local_tokenizer(cfg: Config):
-    """The run's tokenizer where it can be read here (not a hub id, which the run fetches), else None."""
-    m = cfg.model
-    if not (Path(m.tokenizer).is_dir() if m.tokenizer else sources.resolve_source(m).kind != "hub"):
-        return None
-    from ddptune import model as model_lib  # (the model's code: only once the light checks have passed)
-
-    with model_lib.loading(m, "tokenizer"):
-        return model_lib.load_tokenizer(m, cfg.data)

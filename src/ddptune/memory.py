@@ -1,6 +1,6 @@
 """Peak memory per GPU, predicted from the model's shape before anything is loaded.
 
-Used by `ddptune plan`, the memory check before a run (`memory_problems`), and the speed decider's choices.
+Used by `ddptune plan`'s table and the speed decider (its choices, and its refusal of a run that will not fit).
 
 Six terms, in bytes per GPU (`estimate`):
 - weights: NF4 with double quantization for QLoRA's decoder matrices (`NF4_BYTES` a weight: 4 bits
@@ -445,32 +445,3 @@ def load_gib(s: Shape, method: str) -> float:
     else:
         held = s.params * (4 if method == "full" else 2)
     return held / GIB + CUDA_CONTEXT_GIB
-
-
-def memory_problems(cfg: Config, world_size: int, gpu_gib: float) -> list[str]:
-    """`ddptune plan`'s verdict for GPUs of `gpu_gib` GiB, as one line naming the way out when the run
-    will not fit; none when it fits as configured, when checkpointing is `auto` and turning it on is
-    enough (the speed decider turns it on), or when train.memory_check is off. Reads the model's config only; a hub model's that cannot be fetched is not checked."""
-    if not cfg.train.memory_check:
-        return []
-    try:
-        shape = model_shape(cfg)
-    except Exception:  # noqa: BLE001 - no config to size the model by: the load will say what is wrong
-        return []
-    if shape.experts:  # no estimate to check against (`ddptune plan` says so)
-        return []
-    if cfg.train.strategy == "fsdp" and (load := load_gib(shape, cfg.train.method)) > gpu_gib:
-        return [f"memory: train.strategy=fsdp: each process loads the whole model onto its GPU before sharding it, "
-                f"{load:.1f} GiB for {cfg.train.method} fine-tuning of {cfg.model.source}, more than {gpu_gib:.1f} GiB "
-                "(loading on the meta device is not supported yet: use GPUs with more memory"
-                + {"full": ", or train.method=lora", "lora": ", or train.method=qlora"}.get(cfg.train.method, "") + ")"]
-    p = plan(cfg, shape, world_size, gpu_gib)
-    need, chosen = p["options"][0]["total"], next((o for o in p["options"] if o["fits"]), None)
-    shards = world_size if cfg.train.strategy == "fsdp" else 1
-    if p["options"][0]["fits"] or (cfg.train.gradient_checkpointing == "auto" and chosen is not None
-                                   and chosen["gradient_checkpointing"] and chosen["shards"] == shards
-                                   and chosen["method"] == cfg.train.method):
-        return []  # as configured, or with the checkpointing that `auto` turns on (speed.decide)
-    fix = p["recommendation"] + (f" ({chosen['total']:.1f} GiB per GPU)" if chosen else "")
-    return [f"memory: {cfg.train.method} fine-tuning of {cfg.model.source} needs about {need:.1f} GiB per GPU, more than "
-            f"{gpu_gib:.1f} GiB; the way out: {fix} (`ddptune plan` shows each term; train.memory_check=false tries anyway)"]

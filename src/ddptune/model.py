@@ -81,6 +81,14 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
+def local_tokenizer(m: ModelConfig, d: DataConfig):
+    """The run's tokenizer where it can be read here (not a hub id, which the run fetches), else None."""
+    if not (Path(m.tokenizer).is_dir() if m.tokenizer else resolve_source(m).kind != "hub"):
+        return None
+    with loading(m, "tokenizer"):
+        return load_tokenizer(m, d)
+
+
 def load_tokenizer(m: ModelConfig, d: DataConfig | None = None):
     """The model's tokenizer, padding on the right; with `d`, its chat template as the data says (chat.use_template)."""
     src = resolve_source(m)

@@ -28,7 +28,9 @@ def main(args) -> int:
         shape = memory.model_shape(cfg)
     except Exception as e:  # noqa: BLE001 - no config.json, an unreadable GGUF header, an unknown architecture
         raise ConfigError([f"model.source: the model's config cannot be read ({type(e).__name__}: {' '.join(str(e).split())[:200]})"])
-    chosen, where = run_choices(cfg, shape, args.gpus, args.gpu_memory)
+    from ddptune import speed  # (torch: only once the config and the model's are read)
+
+    chosen, where = speed.run_choices(cfg, shape, args.gpus, args.gpu_memory)
     print(f"ddptune plan: the run's choices {where}" + "".join(f"\n  {line}" for line in chosen.lines()) if chosen else
           f"ddptune plan: {where}")
     if shape.experts:
@@ -41,38 +43,6 @@ def main(args) -> int:
     if args.json:
         report.write_json(args.json, {**result, "speed": chosen.as_dict() if chosen else None, "speed_where": where})
     return 0
-
-
-def run_choices(cfg, shape: memory.Shape, gpus: int, gpu_memory: float | None):
-    """(speed.decide's choices for the run, where they are for), as `ddptune train` makes them: on
-    this machine's device, or on GPUs of `gpu_memory` GiB; (None, why) where the run's data or
-    tokenizer is not here to sample its steps from (hub data, a hub tokenizer), or its batch does
-    not divide over `gpus`."""
-    import torch
-
-    from ddptune import admission, batchplan, comm, data as data_lib, metrics, speed, system
-    from ddptune.data import tokenized
-
-    if any(s.source.startswith("hub:") for s in data_lib.sources(cfg.data, "train")) or \
-            (tokenizer := admission.local_tokenizer(cfg)) is None:
-        return None, "the run's choices are made by `ddptune train` once it has the data and tokenizer from the hub"
-    try:
-        global_batch = batchplan.batch_plan(cfg.train, gpus).global_batch
-    except ConfigError as e:
-        return None, f"no run choices ({e.problems[0]})"
-    train_set, _ = tokenized.load(tokenized.prepare(cfg.data, tokenizer))
-    flops = metrics.FlopModel.of_shape(shape, cfg.train.method, cfg.lora.r, list(cfg.lora.target_modules))
-    stream = speed.stream_of(cfg, train_set, flops, gpus, global_batch)
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    if gpu_memory is not None:
-        cuda, free, where = True, gpu_memory, f"on GPUs of {gpu_memory:g} GiB"
-    else:
-        cuda, free = device.type == "cuda", system.free_gib(device, gpus)
-        where = (f"on this machine's {torch.cuda.get_device_name(device)}" if cuda else "on this machine's CPU") + (
-            f" ({free:.1f} GiB free a process)" if free is not None else "")
-    chosen = speed.decide(cfg=cfg, cuda=cuda, shape=shape, world=gpus, free_gib=free, work=speed.Work.of(stream),
-                          matrix_tflops=metrics.matrix_tflops(device), link=comm.link(device, gpus) if cuda else "")
-    return chosen, f"{where}, {gpus} process{'es' if gpus > 1 else ''}:"
 
 
 def local_gpu_gib() -> float | None:

@@ -110,6 +110,14 @@ class Work:
         return cls(rows, forwards / n, sum(t for t, _ in rows) / n, sum(t for _, t in rows) / n)
 
 
+    @classmethod
+    def assumed(cls, cfg: Config, world: int) -> "Work":
+        """Without the data to sample (on the hub until the run fetches it): a forward a step of the
+        config's largest (memory.forward_tokens), TARGET_SHARE of it loss targets, as plan's table assumes."""
+        tokens = memory.forward_tokens(cfg, world)
+        return cls(rows=[], forwards=1.0, tokens=float(tokens), targets=float(math.ceil(tokens * memory.TARGET_SHARE)))
+
+
 @dataclass(frozen=True, kw_only=True)
 class Speed:
     """The choices, each with its reason."""
@@ -222,6 +230,77 @@ def fastest(costed: list) -> tuple:
     enter: a trial of a few steps, an epoch and three epochs run one program."""
     quickest = min(c[2] for c in costed)
     return min((c for c in costed if c[2] <= quickest * (1 + TIE)), key=lambda c: (c[3], c[1]))
+
+
+def memory_problems(cfg: Config, shape: memory.Shape, world: int, chosen: Speed) -> list[str]:
+    """A GPU run's refusal, one line with the way out `ddptune plan` recommends, where even the least
+    memory of the options the decider costed (checkpointing on where `auto`) exceeds the free memory;
+    none where it fits, where train.memory_check is off, without a budget, or for a mixture (no
+    estimate: `ddptune plan` says so). FSDP first loads the whole model onto each GPU: that must fit too."""
+    t, free = cfg.train, chosen.estimate.get("free_gib")
+    if not t.memory_check or free is None or shape.experts:
+        return []
+    if t.strategy == "fsdp" and (load := memory.load_gib(shape, t.method)) > free:
+        return [f"memory: train.strategy=fsdp: each process loads the whole model onto its GPU before sharding it, "
+                f"{load:.1f} GiB for {t.method} fine-tuning of {cfg.model.source}, more than {free:.1f} GiB "
+                "(loading on the meta device is not supported yet: use GPUs with more memory"
+                + {"full": ", or train.method=lora", "lora": ", or train.method=qlora"}.get(t.method, "") + ")"]
+    need = min(o["memory_gib"] for o in chosen.estimate["options"])
+    if need <= free:
+        return []
+    p = memory.plan(cfg, shape, world, free)
+    way = next((o for o in p["options"] if o["fits"]), None)
+    fix = p["recommendation"] + (f" ({way['total']:.1f} GiB per GPU)" if way else "")
+    return [f"memory: {t.method} fine-tuning of {cfg.model.source} needs about {need:.1f} GiB per GPU, more than "
+            f"{free:.1f} GiB; the way out: {fix} (`ddptune plan` shows each term; train.memory_check=false tries anyway)"]
+
+
+def run_choices(cfg, shape: memory.Shape, gpus: int, gpu_memory: float | None, assume: bool = False):
+    """(speed.decide's choices for the run, where they are for), as `ddptune train` makes them: on
+    this machine's device, or on GPUs of `gpu_memory` GiB, from a sample of the steps; (None, why)
+    where the batch does not divide over `gpus`, or where the data or its tokenizer is on the hub
+    (with `assume`: from the config's largest forward, enough to say whether the run fits, not how
+    its steps pad)."""
+    import torch
+
+    from ddptune import batchplan, comm, model as model_lib, system
+    from ddptune.data import tokenized
+
+    try:
+        global_batch = batchplan.batch_plan(cfg.train, gpus).global_batch
+    except ConfigError as e:
+        return None, f"no run choices ({e.problems[0]})"
+    if any(s.source.startswith("hub:") for s in data.sources(cfg.data, "train")) or \
+            (tokenizer := model_lib.local_tokenizer(cfg.model, cfg.data)) is None:
+        if not assume:
+            return None, "the run's choices are made by `ddptune train` once it has the data and tokenizer from the hub"
+        work, sample = Work.assumed(cfg, gpus), " (the data is on the hub: the config's largest forward assumed)"
+    else:
+        train_set, _ = tokenized.load(tokenized.prepare(cfg.data, tokenizer))
+        flops = metrics.FlopModel.of_shape(shape, cfg.train.method, cfg.lora.r, list(cfg.lora.target_modules))
+        work, sample = Work.of(stream_of(cfg, train_set, flops, gpus, global_batch)), ""
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if gpu_memory is not None:
+        cuda, free, where = True, gpu_memory, f"on GPUs of {gpu_memory:g} GiB"
+    else:
+        cuda, free = device.type == "cuda", system.free_gib(device, gpus)
+        where = (f"on this machine's {torch.cuda.get_device_name(device)}" if cuda else "on this machine's CPU") + (
+            f" ({free:.1f} GiB free a process)" if free is not None else "")
+    chosen = decide(cfg=cfg, cuda=cuda, shape=shape, world=gpus, free_gib=free, work=work,
+                          matrix_tflops=metrics.matrix_tflops(device), link=comm.link(device, gpus) if cuda else "")
+    return chosen, f"{where}, {gpus} process{'es' if gpus > 1 else ''}{sample}:"
+
+
+def gpu_memory_problems(cfg: Config, world_size: int, gpu_memory: float) -> list[str]:
+    """Whether the run fits GPUs of `gpu_memory` GiB, as the speed decider would choose for them
+    (speed.memory_problems; hub data: its largest forward assumed); none where the model's config
+    cannot be read (loading will say why)."""
+    try:
+        shape = memory.model_shape(cfg)
+    except Exception:  # noqa: BLE001 - no config to size the model by: the load will say what is wrong
+        return []
+    chosen, _ = run_choices(cfg, shape, world_size, gpu_memory, assume=True)
+    return memory_problems(cfg, shape, world_size, chosen) if chosen else []
 
 
 def candidates(cfg: Config, cuda: bool, compiled: bool, force: dict, dynamic: str = "") -> list[Option]:

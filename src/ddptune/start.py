@@ -81,7 +81,12 @@ def _start(cfg: Config, args, nproc: int, started: float, trainer) -> int:
     # torch's launcher imports torch while the run is checked; it starts no process before the run is admitted
     with launch.standby(launches, preload=WORKER_MODULES) as standby:
         # once per node, here, before any process starts
-        admitted = admission.admit(cfg, args.resume, args.overwrite, world, output=first, gpu_memory=args.gpu_memory)
+        admitted = admission.admit(cfg, args.resume, args.overwrite, world, output=first)
+        if args.gpu_memory is not None:  # on CUDA train.setup checks the GPU's own free memory
+            from ddptune import speed  # (torch)
+
+            if problems := speed.gpu_memory_problems(cfg, world, args.gpu_memory):
+                raise ConfigError(problems)
         if note := config_lib.kept_validation(cfg, args.overrides):  # a valid run that validates on another source
             print(f"ddptune: note: {note}", file=sys.stderr)
         # held until the run ends; a second run or --resume is refused

@@ -101,7 +101,7 @@ def setup(cfg: Config, resume: bool = False, started: float | None = None, admit
     # admitted once, as start.py's launch path says (by the process that talks to the user); the others take its answer
     admitted = dist.on_main(acc, lambda: admit(world) if admit else admission.validated(cfg, resume, world))
     resume, plan = admitted.resume, admitted.plan
-    free = free_gib(cfg, acc)
+    free = system.free_gib(acc.device, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     out = Path(cfg.output_dir)
     if acc.is_main_process:
         rundir.mark(out)  # first: whatever happens next, this folder is a run that --overwrite may clear
@@ -121,8 +121,7 @@ def setup(cfg: Config, resume: bool = False, started: float | None = None, admit
     total = batchplan.total_steps(cfg.train, len(train_set), plan.global_batch)
     if problems := batchplan.profile_problems(cfg.train, total) + config_lib.schedule_problems(cfg.train, total):
         raise ConfigError(problems)
-    # the speed choices, once, before any weight is loaded: from the model's config, the device and a
-    # sample of the steps
+    # the speed choices, once, before any weight is loaded: from the model's config, the device, sampled steps
     with model_lib.loading(cfg.model, "model"):
         shape = memory.model_shape(cfg)
     flops = metrics.FlopModel.of_shape(shape, cfg.train.method, cfg.lora.r, list(cfg.lora.target_modules))
@@ -130,6 +129,8 @@ def setup(cfg: Config, resume: bool = False, started: float | None = None, admit
     chosen = dist.on_main(acc, lambda: speed_lib.decide(
         cfg=cfg, cuda=acc.device.type == "cuda", shape=shape, world=world, free_gib=free, work=speed_lib.Work.of(stream),
         matrix_tflops=metrics.matrix_tflops(acc.device), link=comm.link(acc.device, world), one_machine=dist.one_machine()))
+    if acc.device.type == "cuda" and (problems := speed_lib.memory_problems(cfg, shape, world, chosen)):
+        raise ConfigError(problems)  # before any weight is loaded: the way out, in one line
     t1 = time.perf_counter()
     # what loading downloads or writes is made once, by the first process, before the others read it;
     # otherwise every process loads at once
@@ -174,14 +175,6 @@ def prepare(cfg, plan, acc, out, tokenizer, train_set, val_set, model, stream, c
     return Run(cfg=cfg, plan=plan, accelerator=acc, out=out, tokenizer=tokenizer, train_set=train_set, val_set=val_set,
                model=model, loss_model=loss_model, optimizer=optimizer, scheduler=scheduler,
                level=fallback.Level(chosen, parts, None, stream), clock=clock, flops=flops, start=0, total_steps=total, side=side)
-
-
-def free_gib(cfg: Config, acc: Accelerator) -> float | None:
-    """The memory the run may use (system.free_gib), once `ddptune plan` says the run fits it."""
-    free = system.free_gib(acc.device, int(os.environ.get("LOCAL_WORLD_SIZE", acc.num_processes)))
-    if acc.device.type == "cuda" and (problems := dist.on_main(acc, lambda: memory.memory_problems(cfg, acc.num_processes, free))):
-        raise ConfigError(problems)
-    return free
 
 
 def build_model(cfg: Config, base, chosen: speed_lib.Speed, device: torch.device):
