@@ -303,6 +303,13 @@ def gpu_memory_problems(cfg: Config, world_size: int, gpu_memory: float) -> list
     return memory_problems(cfg, shape, world_size, chosen) if chosen else []
 
 
+def unrecordable(cfg: Config, cuda: bool, compiled: bool, dynamic: str = "") -> str | None:
+    """Why no step of this run can be recorded as CUDA graphs (None: it can): graph eligibility, once."""
+    t = cfg.train
+    return ("no CUDA device" if not cuda else dynamic if dynamic else "compiled layers are off" if not compiled else
+            "needs train.packing=true" if not t.packing else "needs train.strategy=ddp" if t.strategy != "ddp" else None)
+
+
 def candidates(cfg: Config, cuda: bool, compiled: bool, force: dict, dynamic: str = "") -> list[Option]:
     """Every combination the config (and DDPTUNE_SPEED) allows; none recorded where the layers' work
     changes with the data (`dynamic`, memory.dynamic_reason)."""
@@ -319,14 +326,13 @@ def candidates(cfg: Config, cuda: bool, compiled: bool, force: dict, dynamic: st
     dequant = [force["dequantize"]] if "dequantize" in force else [False, True] if (
         t.method == "qlora" and cuda and t.strategy == "ddp") else [False]
     scope = "step" if t.optimizer == "adamw" else "layers"  # only torch's fused AdamW can be recorded
-    recordable = cuda and compiled and t.packing and t.strategy == "ddp" and not dynamic
+    blocked = unrecordable(cfg, cuda, compiled, dynamic)
     if "graphs" in force:
-        if force["graphs"] != "off" and not recordable:
-            raise ConfigError([f"{FORCE_ENV}: graphs={force['graphs']} needs a CUDA device, compiled layers, "
-                               "train.packing=true and train.strategy=ddp (or graphs=off)"])
+        if force["graphs"] != "off" and blocked:
+            raise ConfigError([f"{FORCE_ENV}: graphs={force['graphs']} cannot be recorded here: {blocked} (or graphs=off)"])
         scopes = [force["graphs"]]
     else:
-        scopes = [scope] if recordable and t.cuda_graphs is True else ["off", scope] if recordable and t.cuda_graphs == "auto" else ["off"]
+        scopes = ["off"] if blocked or t.cuda_graphs is False else [scope] if t.cuda_graphs is True else ["off", scope]
     counts = [force["lengths"]] if "lengths" in force else list(GRAPH_COUNTS)
     out = []
     for c, d, g in itertools.product(ckpt, dequant, scopes):
@@ -458,9 +464,7 @@ def graphs_reason(cfg: Config, cuda: bool, compiled: bool, choice: Option, best:
     t = cfg.train
     if "graphs" in force:
         return choice.graphs + (f", {choice.lengths} padded length(s)" if choice.lengths else "") + _forced("graphs", force)
-    why_not = ("no CUDA device" if not cuda else dynamic if dynamic else "compiled layers are off" if not compiled else
-               "needs train.packing=true" if not t.packing else "needs train.strategy=ddp" if t.strategy != "ddp" else
-               "train.cuda_graphs=false" if t.cuda_graphs is False else None)
+    why_not = unrecordable(cfg, cuda, compiled, dynamic) or ("train.cuda_graphs=false" if t.cuda_graphs is False else None)
     if why_not:
         return f"off ({why_not})"
     what = {"step": "the whole step", "layers": "each layer (an 8-bit optimizer cannot be recorded)"}
