@@ -490,7 +490,8 @@ def test_the_table_is_large_and_its_ids_unique():
 
 
 @pytest.mark.parametrize("argv, expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_input_gives_one_line_exit_2_and_changes_nothing(argv, expected, tmp_path, capsys, tripwires):
+def test_bad_input_gives_one_line_exit_2_and_changes_nothing(argv, expected, tmp_path, capsys, tripwires, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # relative defaults (output_dir, scale's --out) land here, not in a checkout's runs/
     paths = make_world(tmp_path)
     before = snapshot(tmp_path)
     code = cli.main([a.format(**paths) for a in argv])
