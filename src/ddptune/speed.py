@@ -256,7 +256,7 @@ def memory_problems(cfg: Config, shape: memory.Shape, world: int, chosen: Speed)
 
 
 def run_choices(cfg, shape: memory.Shape, gpus: int, gpu_memory: float | None, assume: bool = False):
-    """(speed.decide's choices for the run, where they are for), as `ddptune train` makes them: on
+    """(`decide`'s choices for the run, where they are for), as `ddptune train` makes them: on
     this machine's device, or on GPUs of `gpu_memory` GiB, from a sample of the steps; (None, why)
     where the batch does not divide over `gpus`, or where the data or its tokenizer is on the hub
     (with `assume`: from the config's largest forward, enough to say whether the run fits, not how
@@ -287,7 +287,7 @@ def run_choices(cfg, shape: memory.Shape, gpus: int, gpu_memory: float | None, a
         where = (f"on this machine's {torch.cuda.get_device_name(device)}" if cuda else "on this machine's CPU") + (
             f" ({free:.1f} GiB free a process)" if free is not None else "")
     chosen = decide(cfg=cfg, cuda=cuda, shape=shape, world=gpus, free_gib=free, work=work,
-                          matrix_tflops=metrics.matrix_tflops(device), link=comm.link(device, gpus) if cuda else "")
+                    matrix_tflops=metrics.matrix_tflops(device), link=comm.link(device, gpus) if cuda else "")
     return chosen, f"{where}, {gpus} process{'es' if gpus > 1 else ''}{sample}:"
 
 
