@@ -135,11 +135,16 @@ measured_busy_cores = launch.busy_cores  # the real measurement, for the tests o
 
 @pytest.fixture(scope="session", autouse=True)
 def _threads_as_torch_sets_them():
-    """In-process runs take every core, as torch does, whatever else this machine runs meanwhile:
+    """In-process runs take a fixed share of the cores, whatever else this machine runs meanwhile:
     tests compare runs bit for bit, and a thread count that followed the load between two runs
-    would change the order of their sums."""
+    would change the order of their sums. The share is the cores over the test workers
+    (multiproc.xdist_workers): with more threads than cores, spinning OpenMP threads wait on each
+    other (a 3-step tiny run trained in 4.4 s with 2 threads beside another worker on 2 cores, 1.2 s with 1)."""
+    import multiproc
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(launch, "busy_cores", lambda seconds=0.2: 0.0)
+        mp.setattr(launch, "busy_cores", lambda seconds=0.2: float(cores - max(1, cores // multiproc.xdist_workers())))
         yield
 
 

@@ -39,10 +39,15 @@ def _worker(fn, rank: int, world: int, port: int, env: dict, args: tuple, result
         results.put((rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}", None))
 
 
+def xdist_workers() -> int:
+    """pytest-xdist's worker processes, each running tests at once (`make test` runs 2); 1 without it."""
+    return max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
 def threads(nproc: int) -> int:
-    """BLAS threads per process: the cores shared out, or N processes fight over them (spinning
-    OpenMP threads slowed 2-process steps here from 0.05 s to 4 s)."""
-    return max(1, (os.cpu_count() or 1) // nproc)
+    """BLAS threads per process: this test worker's share of the cores (`xdist_workers`) shared out, or
+    N processes fight over them (spinning OpenMP threads slowed 2-process steps here from 0.05 s to 4 s)."""
+    return max(1, (os.cpu_count() or 1) // xdist_workers() // nproc)
 
 
 def context():
