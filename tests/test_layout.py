@@ -170,15 +170,15 @@ def test_every_name_is_reached_at_its_home_never_passed_on():
     imports a name it does not use, and no code (tests too) reaches a name through a module that borrowed it."""
     trees = {p: ast.parse(p.read_text()) for p in [*modules(), *sorted(Path(__file__).parent.glob("*.py"))]}
     nodes = {p: list(ast.walk(tree)) for p, tree in trees.items()}
-    lent = {name_of(p): borrowed(trees[p]) for p in modules()}
-    unused = {name: left for p in modules() if (left := sorted(set(lent[name := name_of(p)]) - {
+    taken = {name_of(p): borrowed(trees[p]) for p in modules()}
+    unused = {name: left for p in modules() if (left := sorted(set(taken[name := name_of(p)]) - {
         n.id for n in nodes[p] if isinstance(n, ast.Name)}))}
     passed_on = []
     for p, found in nodes.items():
         aliases = {a.asname or a.name: ".".join([*n.module.split(".")[1:], a.name]) for n in found
                    if isinstance(n, ast.ImportFrom) and n.module and n.module.split(".")[0] == "ddptune" for a in n.names}
         passed_on += [f"{p.name}:{n.lineno}: {n.value.id}.{n.attr}" for n in found if isinstance(n, ast.Attribute)
-                      and isinstance(n.value, ast.Name) and n.attr in lent.get(aliases.get(n.value.id), {})]
+                      and isinstance(n.value, ast.Name) and n.attr in taken.get(aliases.get(n.value.id), {})]
     assert (unused, passed_on) == ({}, [])
 
 

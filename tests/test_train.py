@@ -369,7 +369,8 @@ def train_tiny_padded(overrides: list[str], scope: str = "off") -> dict:
     the graphs themselves are off, but the padded lengths, the pad samples and their accounting are the same
     (`scope="step"`: the run is to record the whole step too)."""
     r = train.setup(config.load(TINY, overrides))
-    r.level = dataclasses.replace(r.level, speed=dataclasses.replace(r.level.speed, lengths=2, graphs=scope))
+    sizes = tuple(speed_lib.padded(speed_lib.Work.of(r.level.stream), 2)[3])  # the 2 lengths the decider would pad to
+    r.level = dataclasses.replace(r.level, speed=dataclasses.replace(r.level.speed, lengths=2, sizes=sizes, graphs=scope))
     train.prepare_graphs(r)
     try:
         return train.finish(r, *train.fit(r))[0]
