@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 import multiproc
 from conftest import metrics
-from ddptune import arch as arch_lib, batches, config, loss as loss_lib, model as model_lib, train
+from ddptune import arch as arch_lib, batches, card, config, loss as loss_lib, model as model_lib, train
 from ddptune.attention import register_attention
 from ddptune.config import LoraConfig
 
@@ -323,14 +323,14 @@ def test_layers_whose_work_changes_with_the_data_are_neither_compiled_nor_record
     # the MLP width a token meets, what FLOPs and MFU count: a mixture's 2 experts a token, each of its width
     assert shape.intermediate == {"qwen3-moe": 2 * 32, "gpt-oss": 2 * 128}.get(name, 128)
     cfg = config.load(CONFIG_8B, ["train.method=lora"])
-    chosen = speed.decide(cfg=cfg, cuda=True, shape=shape, world=1, free_gib=80.0, work=samsum_like(), matrix_tflops=750.0,
+    chosen = speed.decide(cfg=cfg, cuda=True, shape=shape, world=1, free_gib=80.0, work=samsum_like(), card=card.REFERENCE,
                           link="")
     assert chosen.compiled == (not dynamic)
     if dynamic:
         assert chosen.graphs == "off" and all(o["graphs"] == "off" for o in chosen.estimate["options"])
         assert chosen.reasons["compiled layers"].startswith("off") and chosen.reasons["CUDA graphs"].startswith("off")
     forced = speed.decide(cfg=config.load(CONFIG_8B, ["train.method=lora", "train.compile=true"]), cuda=True, shape=shape,
-                          world=1, free_gib=80.0, work=samsum_like(), matrix_tflops=750.0, link="")
+                          world=1, free_gib=80.0, work=samsum_like(), card=card.REFERENCE, link="")
     assert forced.compiled  # the user's word stands
 
 

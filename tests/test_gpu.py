@@ -38,6 +38,24 @@ def test_flash_varlen_matches_per_sample_sdpa():
         assert (a.float() - b.float()).abs().max() / b.float().abs().max() < 2e-2
 
 
+@cuda
+def test_the_card_is_measured_once_and_its_cached_figures_read_back(tmp_path, monkeypatch):
+    """card.of measures the GPU's five figures (each within a factor of 20 of the reference card's: a
+    datacenter card of this decade), writes them under $DDPTUNE_CACHE/cards, and the next call reads
+    them back unmeasured; a damaged file is measured again and rewritten."""
+    from ddptune import card
+
+    monkeypatch.setenv("DDPTUNE_CACHE", str(tmp_path))
+    first = card.of(torch.device("cuda", 0))
+    assert first.source == "measured" and first.name == torch.cuda.get_device_name(0)
+    assert all(0.05 < f < 20 for f in first.factors().values()) and 50 < first.matrix_tflops < 5000
+    (path,) = (tmp_path / "cards").iterdir()
+    assert card.of(torch.device("cuda", 0)) == first  # read back: the same figures, to the last digit
+    path.write_text('{"format": 1, "name": "truncated')
+    again = card.of(torch.device("cuda", 0))
+    assert again.source == "measured" and json.loads(path.read_text())["kernel_s"] == again.kernel_s
+
+
 def packed_and_separate(weights_dtype: torch.dtype, context) -> tuple:
     """The tiny preset's loss on one packed row of three samples, and the sum of their losses alone
     (each through SDPA with transformers' mask), under `context`; and the model."""

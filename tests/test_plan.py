@@ -10,7 +10,7 @@ import re
 import pytest
 
 from conftest import ROOT, SHARED_DATA, field, words
-from ddptune import cli, config, memory, plan, speed
+from ddptune import card, cli, config, memory, plan, speed
 
 CONFIG_8B = str(ROOT / "configs" / "samsum_qlora_llama31_8b.yaml")  # the tutorial's job
 
@@ -23,7 +23,7 @@ def refusal(overrides: list[str], world: int, gib: float) -> list[str]:
     cfg = config.load(CONFIG_8B, overrides)
     shape = memory.model_shape(cfg)
     chosen = speed.decide(cfg=cfg, cuda=True, shape=shape, world=world, free_gib=gib, work=samsum_like(parts=world),
-                          matrix_tflops=989.0)
+                          card=dataclasses.replace(card.REFERENCE, matrix_tflops=989.0))
     return speed.memory_problems(cfg, shape, world, chosen)
 
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from conftest import ROOT, SHARED_DATA, field, words
-from ddptune import batches, batchplan, config, memory, metrics, model as model_lib, speed
+from ddptune import batches, batchplan, card, config, memory, metrics, model as model_lib, speed
 from ddptune.config import ConfigError
 
 CONFIG_8B = ROOT / "configs" / "samsum_qlora_llama31_8b.yaml"
@@ -31,7 +31,7 @@ def samsum_like(parts: int = 1, seed: int = 0) -> speed.Work:
 def decide(overrides: list[str], free: float | None, work: speed.Work, preset: str = "llama-3.1-8b", world: int = 1,
            link: str = "", cuda: bool = True) -> speed.Speed:
     cfg = config.load(CONFIG_8B, [f"model.source=preset:{preset}", *overrides])
-    return speed.decide(cfg=cfg, cuda=cuda, shape=shape(preset), world=world, free_gib=free, work=work, matrix_tflops=750.0,
+    return speed.decide(cfg=cfg, cuda=cuda, shape=shape(preset), world=world, free_gib=free, work=work, card=card.REFERENCE,
                         link=link)
 
 
@@ -44,6 +44,41 @@ def test_the_8b_qlora_job_on_an_h200_runs_without_checkpointing_on_a_dequantized
     assert 0.18 < plain["step_s"] < 0.28 and 40 < plain["memory_gib"] < 60
     assert set(chosen.reasons) == {"compiled layers", "gradient checkpointing", "4-bit base", "CUDA graphs",
                                    "DDP gradient buckets", "combined kernels"}
+
+
+def test_the_cards_own_figures_time_each_option_and_can_change_the_choice():
+    """The card's measured figures scale the constants fitted on the reference card: a host that
+    issues work 3x slower makes the 8B step the host issues 3x longer, so recording the step wins; a
+    card that dequantizes at half the bandwidth adds the difference to every 4-bit option; the
+    reference's own figures change nothing."""
+    cfg = config.load(CONFIG_8B, [])
+    options = lambda c: {(o["checkpointing"], o["dequantize"], o["graphs"], o["lengths"]): o  # noqa: E731
+                         for o in c.estimate["options"]}
+    made = lambda figures: speed.decide(cfg=cfg, cuda=True, shape=shape("llama-3.1-8b"), world=1, free_gib=139.3,  # noqa: E731
+                                        work=samsum_like(), card=dataclasses.replace(card.REFERENCE, source="measured", **figures))
+    ref, same = made({}), made({"name": "another card"})
+    assert ref.graphs == "off" and ref.estimate["card"]["factors"] == same.estimate["card"]["factors"] == {
+        "kernel": 1.0, "dequant": 1.0, "host": 1.0, "host_4bit": 1.0}
+    assert options(same) == options(ref)
+    slow_host = made({"host_op_s": 3 * card.REFERENCE.host_op_s})
+    assert slow_host.graphs == "step" and slow_host.estimate["card"]["factors"]["host"] == pytest.approx(3.0)
+    key = (False, True, "off", 0)
+    host_s = 32 * speed.HOST_S_PER_LAYER  # one forward a step, each of 32 layers issued by the host
+    assert options(ref)[key]["step_s"] >= host_s and options(slow_host)[key]["step_s"] == pytest.approx(3 * host_s)
+    slow_dequant = made({"dequant_bytes_s": card.REFERENCE.dequant_bytes_s / 2})
+    for k, o in options(slow_dequant).items():
+        extra = 2 * shape("llama-3.1-8b").matrix_params * 2.5 / speed.DEQUANT_BYTES_S  # two passes, 2.5 bytes a weight
+        if k[0] or k[1] or k[2] != "step":  # two passes; a dequantized base has nothing to dequantize; unrecorded steps are the host's
+            continue
+        assert o["step_s"] == pytest.approx(options(ref)[k]["step_s"] + extra, rel=1e-6), k
+
+
+def test_a_card_is_measured_once_and_a_cpu_takes_the_reference():
+    import torch
+
+    assert speed.for_device(cfg=config.load(CONFIG_8B, []), shape=shape("llama-3.1-8b"), work=samsum_like(), world=1,
+                            device=torch.device("cpu"), free_gib=None).estimate["card"] is None
+    assert card.of(torch.device("cpu")) is card.REFERENCE
 
 
 def test_kernels_are_combined_only_where_the_host_launches_them(monkeypatch):
@@ -129,7 +164,7 @@ def test_each_config_runs_one_program_at_every_length_and_process_count(name, by
         flops = metrics.FlopModel.of_shape(shape(preset), cfg.train.method, cfg.lora.r, list(cfg.lora.target_modules))
         stream = speed.stream_of(cfg, train_set, flops, world, batchplan.batch_plan(cfg.train, world).global_batch)
         chosen = speed.decide(cfg=cfg, cuda=True, shape=shape(preset), world=world, free_gib=79.1, work=speed.Work.of(stream),
-                              matrix_tflops=989.0, link="NVLink")
+                              card=dataclasses.replace(card.REFERENCE, matrix_tflops=989.0), link="NVLink")
         programs[key], buckets[key] = _program(chosen), chosen.bucket_mb
     assert programs["trial"] == programs["epoch"] == programs["three"], programs
     assert programs["n2"][:-1] == programs["trial"][:-1]  # memory apart: DDP's gradient buckets

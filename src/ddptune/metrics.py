@@ -26,8 +26,6 @@ import torch
 WARMUP_STEPS = 2  # steps left out of steady-state speed figures (compilation, allocator, kernel selection)
 # MFU's denominator: the datasheet's dense bf16 rate (TFLOP/s); DDPTUNE_PEAK_TFLOPS overrides it.
 DATASHEET_TFLOPS = {"NVIDIA H200": 989.0, "NVIDIA H100 80GB HBM3": 989.0, "NVIDIA A100-SXM4-80GB": 312.0}
-# the bf16 matrix rate measured on random data (8192^3 GEMMs): what the speed decider's model scales
-MEASURED_TFLOPS = {"NVIDIA H200": 750.0, "NVIDIA H100 80GB HBM3": 750.0}
 
 
 def per_weight_flops(method: str, checkpointing: bool = False) -> int:
@@ -99,13 +97,6 @@ def peak_tflops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     return DATASHEET_TFLOPS.get(torch.cuda.get_device_name(device))
-
-
-def matrix_tflops(device: torch.device) -> float | None:
-    """The GPU's measured bf16 matrix rate (MEASURED_TFLOPS), else its datasheet rate; None on CPU."""
-    if device.type != "cuda":
-        return None
-    return MEASURED_TFLOPS.get(torch.cuda.get_device_name(device)) or DATASHEET_TFLOPS.get(torch.cuda.get_device_name(device))
 
 
 def peak_memory_gib(device: torch.device) -> float | None:

@@ -19,7 +19,9 @@ a trial of 30 steps, an epoch and three epochs run one program, and so does each
 the same batch a process (buckets and shards apart). Nothing else in ddptune makes these choices. Each choice
 comes with its reason (the run's banner, summary.json's `speed`).
 
-The time model, per process and step (constants measured on an H200, 16-core host, torch 2.11):
+The time model, per process and step. Its constants were fitted on an H200 (16-core host, torch 2.11)
+and hold on an H100 (the 8B step below: 0.222 s estimated, 0.221 s measured); on any card each is
+scaled by what `card.py` measures there against the H100's figures (`card.Card.factors`):
 - GPU: FLOPs / (`RATE_SHARE` x the GPU's matrix rate), but never under one kernel's latency
   (`KERNEL_S`) times the step's kernels (`KERNELS_PER_LAYER` a layer and forward); a 4-bit base
   adds its dequantization, `DEQUANT_BYTES_S` a pass (two passes, three with checkpointing).
@@ -60,12 +62,12 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from ddptune import batches, data, memory, metrics
+from ddptune import batches, card as card_lib, data, memory, metrics
 from ddptune.config import Config, ConfigError
 
 DDP_WARMUP = 11               # eager DDP steps before a whole-step capture (PyTorch's notes on DDP under whole-network capture)
 MARGIN = 0.10                 # free memory kept spare: the plan has been up to 8 % under measured peaks
-RATE_SHARE = 0.58             # of the matrix rate a fine-tuning step's GEMMs reach (8B: 455 of 780 TFLOP/s)
+RATE_SHARE = 0.56             # of the card's 8192^3 GEMM rate a fine-tuning step's GEMMs reach (8B: 435 of 776 TFLOP/s)
 FALLBACK_TFLOPS = 300.0       # a GPU whose matrix rate is not known
 KERNEL_S = 5.5e-6             # a small kernel's time on the GPU, launch to launch
 KERNELS_PER_LAYER = 157       # kernels of one decoder layer's forward and backward (LoRA, compiled)
@@ -180,6 +182,11 @@ def _value(kind, raw: str):
     return value if math.isfinite(value) and value > 0 else None
 
 
+def flops_of(cfg: Config, shape: memory.Shape) -> metrics.FlopModel:
+    """The FLOP model of the config's model before it is loaded: what each sample costs."""
+    return metrics.FlopModel.of_shape(shape, cfg.train.method, cfg.lora.r, list(cfg.lora.target_modules))
+
+
 def stream_of(cfg: Config, train_set, flops: metrics.FlopModel, world: int, global_batch: int) -> batches.Stream:
     """The run's steps over `world` processes: the training examples, each costed by the FLOPs it takes."""
     t = cfg.train
@@ -194,14 +201,17 @@ def stream_of(cfg: Config, train_set, flops: metrics.FlopModel, world: int, glob
 
 
 def decide(cfg: Config, cuda: bool, shape: memory.Shape, world: int, free_gib: float | None, work: Work,
-           matrix_tflops: float | None = None, link: str = "", one_machine: bool = True) -> Speed:
-    """The fastest allowed combination that fits `free_gib` (None: no fixed budget, CPU), with reasons."""
+           card: card_lib.Card | None = None, link: str = "", one_machine: bool = True) -> Speed:
+    """The fastest allowed combination that fits `free_gib` (None: no fixed budget, CPU), with reasons;
+    on CUDA timed for `card` (None: the reference card's figures)."""
     t, force = cfg.train, forced()
     compiled = force.get("compile", t.compile is True or (t.compile == "auto" and cuda and not shape.dynamic))
     options = candidates(cfg, cuda, compiled, force, shape.dynamic)
-    rate = (matrix_tflops or FALLBACK_TFLOPS) * 1e12 * RATE_SHARE
-    costed = [(o, memory_gib(cfg, shape, world, o, work, compiled, not cuda), *time_s(cfg, shape, o, work, rate, compiled))
-              for o in options]
+    card = card or card_lib.REFERENCE
+    rate = (card.matrix_tflops if cuda else FALLBACK_TFLOPS) * 1e12 * RATE_SHARE
+    factors = card.factors() if cuda else card_lib.REFERENCE.factors()
+    costed = [(o, memory_gib(cfg, shape, world, o, work, compiled, not cuda),
+               *time_s(cfg, shape, o, work, rate, compiled, factors)) for o in options]
     budget = None if free_gib is None else free_gib * (1 - MARGIN)
     fitting = [c for c in costed if budget is None or c[1] <= budget]
     best = fastest(fitting) if fitting else min(costed, key=lambda c: c[1])
@@ -217,11 +227,21 @@ def decide(cfg: Config, cuda: bool, shape: memory.Shape, world: int, free_gib: f
     combo = force.get("combo", compiled and cuda and choice.graphs == "off")
     reasons["combined kernels"] = combo_reason(combo, compiled, cuda, force)
     estimate = {"step_s": best[2], "setup_s": best[3], "memory_gib": best[1], "free_gib": free_gib,
+                "card": {"name": card.name, "source": card.source, "factors": factors} if cuda else None,
                 "options": [{**dataclasses.asdict(o), "memory_gib": m, "step_s": s, "setup_s": u}
                                                  for o, m, s, u in costed]}
     sizes = tuple(padded(work, choice.lengths)[3]) if choice.graphs != "off" else ()
     return Speed(compiled=compiled, graphs=choice.graphs, lengths=choice.lengths, sizes=sizes, checkpointing=choice.checkpointing,
                  dequantize=choice.dequantize, bucket_mb=bucket_mb, combo=combo, reasons=reasons, forced=force, estimate=estimate)
+
+
+def for_device(*, cfg: Config, shape: memory.Shape, work: Work, world: int, device, free_gib: float | None,
+                link: str = "", one_machine: bool = True) -> Speed:
+    """`decide` for a run on `device` (a torch.device): a CUDA card's figures measured once and cached
+    (card.of), the reference's on a CPU. `ddptune train` and `ddptune plan` both decide here."""
+    cuda = device.type == "cuda"
+    return decide(cfg=cfg, cuda=cuda, shape=shape, world=world, free_gib=free_gib, work=work,
+                  card=card_lib.of(device) if cuda else None, link=link, one_machine=one_machine)
 
 
 def fastest(costed: list) -> tuple:
@@ -277,17 +297,19 @@ def run_choices(cfg, shape: memory.Shape, gpus: int, gpu_memory: float | None, a
         work, sample = Work.assumed(cfg, gpus), " (the data is on the hub: the config's largest forward assumed)"
     else:
         train_set, _ = tokenized.load(tokenized.prepare(cfg.data, tokenizer))
-        flops = metrics.FlopModel.of_shape(shape, cfg.train.method, cfg.lora.r, list(cfg.lora.target_modules))
-        work, sample = Work.of(stream_of(cfg, train_set, flops, gpus, global_batch)), ""
+        work, sample = Work.of(stream_of(cfg, train_set, flops_of(cfg, shape), gpus, global_batch)), ""
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if gpu_memory is not None:
-        cuda, free, where = True, gpu_memory, f"on GPUs of {gpu_memory:g} GiB"
+        cuda, free, where = True, gpu_memory, f"on GPUs of {gpu_memory:g} GiB, timed as the reference {card_lib.REFERENCE.name}"
     else:
         cuda, free = device.type == "cuda", system.free_gib(device, gpus)
         where = (f"on this machine's {torch.cuda.get_device_name(device)}" if cuda else "on this machine's CPU") + (
             f" ({free:.1f} GiB free a process)" if free is not None else "")
-    chosen = decide(cfg=cfg, cuda=cuda, shape=shape, world=gpus, free_gib=free, work=work,
-                    matrix_tflops=metrics.matrix_tflops(device), link=comm.link(device, gpus) if cuda else "")
+    if gpu_memory is not None:  # GPUs not here: the reference card's figures
+        chosen = decide(cfg=cfg, cuda=True, shape=shape, world=gpus, free_gib=free, work=work)
+    else:
+        chosen = for_device(cfg=cfg, shape=shape, work=work, world=gpus, device=device, free_gib=free,
+                            link=comm.link(device, gpus) if cuda else "")
     return chosen, f"{where}, {gpus} process{'es' if gpus > 1 else ''}{sample}:"
 
 
@@ -366,9 +388,11 @@ def memory_gib(cfg: Config, shape: memory.Shape, world: int, o: Option, work: Wo
 
 
 def time_s(cfg: Config, shape: memory.Shape, o: Option, work: Work, rate: float,
-           compiled: bool = True) -> tuple[float, float]:
+           compiled: bool = True, factors: dict | None = None) -> tuple[float, float]:
     """(seconds a step, seconds of set-up: compiling and recording) of option `o`, with layers
-    `compiled` or not: the model of the module docstring."""
+    `compiled` or not: the model of the module docstring, its constants scaled by the card's `factors`
+    (card.Card.factors; set-up, the host compiling, is not scaled)."""
+    f = factors or card_lib.REFERENCE.factors()
     t = cfg.train
     passes = 3 if o.checkpointing else 2  # forward, backward, and the forward checkpointing repeats
     per_weight = 2 * passes + (2 if t.method == "full" else 0)
@@ -377,16 +401,16 @@ def time_s(cfg: Config, shape: memory.Shape, o: Option, work: Work, rate: float,
     trained = 0 if t.method == "full" else shape.lora_params(cfg.lora.r, list(cfg.lora.target_modules))
     flops = per_weight * (shape.matrix_params * tokens + head * work.targets) + 6 * trained * tokens
     launches = shape.layers * max(work.forwards, 1) * passes / 2
-    gpu = max(flops / rate, KERNEL_S * KERNELS_PER_LAYER * launches)
+    gpu = max(flops / rate, KERNEL_S * f["kernel"] * KERNELS_PER_LAYER * launches)
     four_bit = t.method == "qlora" and not o.dequantize
     if four_bit:
-        gpu += passes * shape.matrix_params * 2.5 / DEQUANT_BYTES_S
+        gpu += passes * shape.matrix_params * 2.5 / DEQUANT_BYTES_S * f["dequant"]
     if o.graphs == "off":
-        host = launches * HOST_S_PER_LAYER
+        host = launches * HOST_S_PER_LAYER * f["host"]
         if four_bit:
-            host += len(memory.PROJECTIONS) * launches * 2 * HOST_S_PER_4BIT_MATMUL
+            host += len(memory.PROJECTIONS) * launches * 2 * HOST_S_PER_4BIT_MATMUL * f["host_4bit"]
     else:
-        host = launches * HOST_S_PER_LAYER_GRAPHED if o.graphs == "layers" else 0.0
+        host = launches * HOST_S_PER_LAYER_GRAPHED * f["host"] if o.graphs == "layers" else 0.0
     step = max(gpu, host)
     if o.graphs != "off":
         setup = o.lengths * LENGTH_S + (DDP_WARMUP * gpu if o.graphs == "step" else 0.0)

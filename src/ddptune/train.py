@@ -124,11 +124,11 @@ def setup(cfg: Config, resume: bool = False, started: float | None = None, admit
     # the speed choices, once, before any weight is loaded: from the model's config, the device, sampled steps
     with model_lib.loading(cfg.model, "model"):
         shape = memory.model_shape(cfg)
-    flops = metrics.FlopModel.of_shape(shape, cfg.train.method, cfg.lora.r, list(cfg.lora.target_modules))
+    flops = speed_lib.flops_of(cfg, shape)
     stream = speed_lib.stream_of(cfg, train_set, flops, world, plan.global_batch)
-    chosen = dist.on_main(acc, lambda: speed_lib.decide(
-        cfg=cfg, cuda=acc.device.type == "cuda", shape=shape, world=world, free_gib=free, work=speed_lib.Work.of(stream),
-        matrix_tflops=metrics.matrix_tflops(acc.device), link=comm.link(acc.device, world), one_machine=dist.one_machine()))
+    chosen = dist.on_main(acc, lambda: speed_lib.for_device(
+        cfg=cfg, shape=shape, work=speed_lib.Work.of(stream), world=world, device=acc.device, free_gib=free,
+        link=comm.link(acc.device, world), one_machine=dist.one_machine()))
     if acc.device.type == "cuda" and (problems := speed_lib.memory_problems(cfg, shape, world, chosen)):
         raise ConfigError(problems)  # before any weight is loaded: the way out, in one line
     t1 = time.perf_counter()
