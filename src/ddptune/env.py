@@ -1,11 +1,12 @@
-"""`ddptune env`: describe this machine for a bug report (versions, GPUs, interconnect, bandwidth)."""
+"""`ddptune env`: describe this machine for a bug report (versions, GPUs, the card's figures, interconnect, bandwidth)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from ddptune import comm, report, system
+from ddptune import card as card_lib, comm, report, system
 
 
 def format_report(info: dict[str, Any]) -> str:
@@ -24,6 +25,13 @@ def format_report(info: dict[str, Any]) -> str:
     ]
     lines += [f"  - GPU {g['index']}: {g['name']}, {g['memory_GiB']} GiB, "
               f"compute capability {g['compute_capability']}" for g in gpus]
+    if info.get("card"):  # what the speed decider times GPU 0's steps by (card.py)
+        c = info["card"]
+        lines += [f"- card figures ({c['source']}): {c['matrix_tflops']:.0f} TFLOP/s bf16, a kernel {c['kernel_s'] * 1e6:.2f} µs, "
+                  + (f"{c['dequant_bytes_s'] / 1e12:.2f} TB/s dequantizing 4-bit, " if c["dequant_bytes_s"] else "")
+                  + f"{c['host_op_s'] * 1e6:.1f} µs to issue an op"
+                  + (f", {c['host_4bit_s'] * 1e6:.1f} µs a 4-bit matmul call" if c["host_4bit_s"] else "")
+                  + "; against the reference " + ", ".join(f"{k} x{v:.2f}" for k, v in c["factors"].items())]
     lines += ["- packages: " + ", ".join(f"{k} {v}" for k, v in info["packages"].items())]
     env_vars = info["env_vars"]
     lines += ["- env: " + (", ".join(f"{k}={v}" for k, v in env_vars.items()) or "(none set)")]
@@ -51,6 +59,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON here")
     args = p.parse_args(argv)
     info = system.collect(bandwidth=args.bandwidth, nproc=args.nproc)
+    if info["gpus"]:
+        import torch
+
+        measured = card_lib.of(torch.device("cuda", 0))
+        info["card"] = {**dataclasses.asdict(measured), "factors": measured.factors()}
     print(format_report(info), flush=True)
     if args.json:
         report.write_json(args.json, info)
