@@ -10,7 +10,7 @@ import re
 import pytest
 
 from conftest import ROOT, SHARED_DATA, field, words
-from ddptune import card, cli, config, memory, plan, speed
+from ddptune import card, cli, config, memory, plan, speed, ways
 
 CONFIG_8B = str(ROOT / "configs" / "samsum_qlora_llama31_8b.yaml")  # the tutorial's job
 
@@ -67,29 +67,29 @@ def test_8b_full_fine_tuning_just_fits_one_h200_and_an_80_gib_gpu_is_sent_to_fsd
     plan says it fits, inside its own error of the GPU's size. An 80 GiB GPU cannot: FSDP over 2."""
     cfg = config.load(CONFIG_8B, ["train.method=full", "train.optimizer=adamw", "train.gradient_checkpointing=true"])
     shape = memory.model_shape(cfg)
-    p = memory.plan(cfg, shape, gpus=1, gpu_gib=memory.DEFAULT_GPU_GIB)
+    p = ways.plan(cfg, shape, gpus=1, gpu_gib=memory.DEFAULT_GPU_GIB)
     assert p["verdict"] == "ddp" and p["options"][0]["fits"]
     assert sum(p["options"][0][k] for k in ("weights", "gradients", "optimizer")) * memory.GIB > 16 * shape.params
     assert -memory.PLAN_UNDER < p["margin"] < 0  # fits, but closer to the GPU's size than plan's measured error
-    p = memory.plan(cfg, shape, gpus=1, gpu_gib=80)
+    p = ways.plan(cfg, shape, gpus=1, gpu_gib=80)
     n = p["fsdp_gpus_needed"]
     assert p["verdict"] == "does_not_fit" and n == 2 and p["options"][-1]["fits"] and p["options"][-1]["shards"] == n
     assert p["recommendation"].startswith("does not fit on 1 GPU") and f"FSDP (full shard) over {n} GPUs" in p["recommendation"]
     # with those GPUs given, FSDP over them is the recommendation itself
-    assert memory.plan(cfg, shape, gpus=n, gpu_gib=80)["verdict"] == "fsdp"
+    assert ways.plan(cfg, shape, gpus=n, gpu_gib=80)["verdict"] == "fsdp"
 
 
 def test_tiny_runs_ddp_as_is_and_checkpointing_is_recommended_when_activations_do_not_fit():
     tiny = config.load(ROOT / "configs" / "tiny.yaml")
-    assert memory.plan(tiny, memory.model_shape(tiny))["verdict"] == "ddp"
+    assert ways.plan(tiny, memory.model_shape(tiny))["verdict"] == "ddp"
     cfg = config.load(CONFIG_8B, ["train.gradient_checkpointing=false"])
-    p = memory.plan(cfg, memory.model_shape(cfg), gpus=1, gpu_gib=40)
+    p = ways.plan(cfg, memory.model_shape(cfg), gpus=1, gpu_gib=40)
     assert p["verdict"] == "ddp_checkpointing"
     off, on = p["options"]
     assert off["activations"] > 5 * on["activations"] and off["weights"] == on["weights"]
     # forced on, the recorded CUDA graphs' pool is counted: a share of the activations
     graphs = config.load(CONFIG_8B, ["train.cuda_graphs=true", "train.gradient_checkpointing=false"])
-    with_graphs = memory.plan(graphs, memory.model_shape(graphs), gpus=1, gpu_gib=400)["options"][0]
+    with_graphs = ways.plan(graphs, memory.model_shape(graphs), gpus=1, gpu_gib=400)["options"][0]
     assert with_graphs["graphs"] == pytest.approx(memory.GRAPH_POOL * with_graphs["activations"])
     assert off["graphs"] == 0
 
@@ -160,7 +160,7 @@ def test_fsdp_auto_checkpointing_is_not_refused():
     # FSDP with checkpointing `auto`: turning it on is the way out the run takes itself, not a refusal
     shape = memory.model_shape(config.load(CONFIG_8B, []))
     auto = config.load(CONFIG_8B, ["train.method=full", "train.strategy=fsdp", "train.gradient_checkpointing=auto"])
-    assert memory.plan(auto, shape, gpus=2, gpu_gib=100)["options"][0]["fits"] is False
+    assert ways.plan(auto, shape, gpus=2, gpu_gib=100)["options"][0]["fits"] is False
     assert refusal(["train.method=full", "train.strategy=fsdp", "train.gradient_checkpointing=auto"], 2, 100) == []
     assert refusal(["train.method=full", "train.strategy=fsdp", "train.gradient_checkpointing=auto"], 2, 60)  # checkpointed: 80 GiB
 
@@ -175,7 +175,7 @@ def test_70b_qlora_on_two_48_gib_gpus_is_sent_to_fsdp_qlora(capsys):
     shape = memory.model_shape(cfg)
     assert (shape.layers, shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, shape.vocab, shape.tied) == \
         (80, 8192, 28672, 64, 8, 128256, False)
-    p = memory.plan(cfg, shape, gpus=2, gpu_gib=48)
+    p = ways.plan(cfg, shape, gpus=2, gpu_gib=48)
     assert (p["verdict"], p["recommended_method"]) == ("fsdp", "qlora")
     assert [(o["method"], o["fsdp"], o["gradient_checkpointing"], o["fits"]) for o in p["options"]] == [
         ("qlora", False, False, False), ("qlora", False, True, False),  # DDP-QLoRA
@@ -196,7 +196,7 @@ def test_70b_qlora_on_two_48_gib_gpus_is_sent_to_fsdp_qlora(capsys):
     assert capsys.readouterr().out.splitlines()[-1] == ("recommendation: FSDP (full shard) over 2 GPUs with gradient "
                                                         "checkpointing (train.strategy=fsdp)")
     # asked for LoRA on the bf16 base, which fits neither way: FSDP-QLoRA again, the method named
-    lora = memory.plan(config.load(CONFIG_8B, ["model.source=preset:llama-3.1-70b", "train.method=lora"]), shape, 2, 48)
+    lora = ways.plan(config.load(CONFIG_8B, ["model.source=preset:llama-3.1-70b", "train.method=lora"]), shape, 2, 48)
     assert (lora["verdict"], lora["recommended_method"]) == ("fsdp", "qlora")
     assert "train.method=qlora" in lora["recommendation"] and "train.strategy=fsdp" in lora["recommendation"]
     assert [o["fits"] for o in lora["options"]].index(True) == len(lora["options"]) - 1
@@ -210,17 +210,17 @@ def test_where_a_pair_of_24_gib_gpus_stops_being_enough():
     45 layers (40.6 B) fit, 46 do not load."""
     cfg = config.load(CONFIG_8B, ["model.source=preset:llama-3.1-70b"])
     shape = memory.model_shape(cfg)
-    p = memory.plan(cfg, shape, gpus=2, gpu_gib=24)
+    p = ways.plan(cfg, shape, gpus=2, gpu_gib=24)
     assert p["verdict"] == "does_not_fit" and p["fsdp_gpus_needed"] is None and "38.0 GiB for qlora" in p["recommendation"]
-    assert memory.plan(cfg, shape, 2, 45.75)["verdict"] == "fsdp" and memory.plan(cfg, shape, 2, 45.5)["verdict"] == "does_not_fit"
+    assert ways.plan(cfg, shape, 2, 45.75)["verdict"] == "fsdp" and ways.plan(cfg, shape, 2, 45.5)["verdict"] == "does_not_fit"
     cut = lambda n: dataclasses.replace(shape, layers=n)  # noqa: E731
-    assert memory.plan(cfg, cut(23), 2, 24)["verdict"] == "fsdp"
-    assert memory.plan(cfg, cut(24), 2, 24)["fsdp_gpus_needed"] == 3
-    assert memory.plan(cfg, cut(19), 1, 24)["verdict"] == "ddp_checkpointing"
-    assert memory.plan(cfg, cut(20), 1, 24)["verdict"] == "does_not_fit"
+    assert ways.plan(cfg, cut(23), 2, 24)["verdict"] == "fsdp"
+    assert ways.plan(cfg, cut(24), 2, 24)["fsdp_gpus_needed"] == 3
+    assert ways.plan(cfg, cut(19), 1, 24)["verdict"] == "ddp_checkpointing"
+    assert ways.plan(cfg, cut(20), 1, 24)["verdict"] == "does_not_fit"
     short = config.load(CONFIG_8B, ["model.source=preset:llama-3.1-70b", "train.tokens_per_forward=2048"])
-    assert memory.plan(short, cut(45), 2, 24)["verdict"] == "fsdp"
-    assert memory.load_gib(cut(46), "qlora") > 24 and memory.plan(short, cut(46), 2, 24)["fsdp_gpus_needed"] is None
+    assert ways.plan(short, cut(45), 2, 24)["verdict"] == "fsdp"
+    assert memory.load_gib(cut(46), "qlora") > 24 and ways.plan(short, cut(46), 2, 24)["fsdp_gpus_needed"] is None
 
 
 def test_qlora_prefers_lora_on_the_bf16_base_sharded_to_its_own_base_sharded():
@@ -228,9 +228,9 @@ def test_qlora_prefers_lora_on_the_bf16_base_sharded_to_its_own_base_sharded():
     (the exact weights, nothing dequantized in every pass), though FSDP-QLoRA would fit as well."""
     cfg = config.load(CONFIG_8B, ["model.source=preset:llama-3.2-1b"])
     shape = memory.model_shape(cfg)
-    assert memory.plan(cfg, shape, 8, 100)["verdict"] == "ddp"
+    assert ways.plan(cfg, shape, 8, 100)["verdict"] == "ddp"
     need = memory.estimate(shape, memory.job_of(cfg, 8, checkpointing=True))["total"] / memory.GIB  # DDP-QLoRA's least
-    p = memory.plan(cfg, shape, 8, need - 0.05)
+    p = ways.plan(cfg, shape, 8, need - 0.05)
     assert (p["verdict"], p["recommended_method"]) == ("fsdp", "lora")
     assert p["recommendation"].startswith("LoRA on the bf16 base (train.method=lora), FSDP (full shard) over 8 GPUs")
     four_bit = memory.estimate(shape, memory.job_of(cfg, 8, checkpointing=True, shards=8))["total"] / memory.GIB
@@ -252,8 +252,8 @@ def test_fsdp_over_one_process_counts_its_gathered_copies():
 def test_qlora_with_room_is_told_its_base_fits_dequantized_and_that_costs_lora_s_weights():
     cfg = config.load(CONFIG_8B, [])
     shape = memory.model_shape(cfg)
-    roomy, tight = memory.plan(cfg, shape, gpus=2, gpu_gib=139.8), memory.plan(cfg, shape, gpus=2, gpu_gib=20)
-    lora = memory.plan(config.load(CONFIG_8B, ["train.method=lora"]), shape, gpus=2, gpu_gib=139.8)["options"][0]
+    roomy, tight = ways.plan(cfg, shape, gpus=2, gpu_gib=139.8), ways.plan(cfg, shape, gpus=2, gpu_gib=20)
+    lora = ways.plan(config.load(CONFIG_8B, ["train.method=lora"]), shape, gpus=2, gpu_gib=139.8)["options"][0]
     # LoRA's bf16 weights: the 4-bit codes are freed once the base is dequantized
     assert roomy["dequantized_base_gib"] == pytest.approx(lora["total"], rel=1e-6)
     assert roomy["dequantized_base_gib"] > roomy["options"][0]["total"] + 9 and "faster: the base fits dequantized" in plan.table(roomy)
@@ -287,11 +287,11 @@ def test_fsdp_is_refused_when_the_whole_model_cannot_load_onto_one_gpu():
 def test_a_verdict_inside_the_plans_error_is_called_close():
     cfg = config.load(CONFIG_8B, ["train.method=full", "train.gradient_checkpointing=true"])
     shape = memory.model_shape(cfg)
-    tight = memory.plan(cfg, shape, 1, memory.DEFAULT_GPU_GIB)  # 137.7 GiB on 139.8 (a run held it at 119.8 allocated)
+    tight = ways.plan(cfg, shape, 1, memory.DEFAULT_GPU_GIB)  # 137.7 GiB on 139.8 (a run held it at 119.8 allocated)
     assert tight["margin"] == pytest.approx(137.71 / memory.DEFAULT_GPU_GIB - 1, abs=1e-3)
     assert plan.table(tight).splitlines()[-1].startswith("close: as configured it leaves 1% of the GPU free")
-    assert plan.table(memory.plan(cfg, shape, 1, 130)).splitlines()[-1].startswith("close: as configured it needs 6% more than the GPU holds")
-    far = memory.plan(config.load(CONFIG_8B, ["train.gradient_checkpointing=true"]), shape, 1, memory.DEFAULT_GPU_GIB)
+    assert plan.table(ways.plan(cfg, shape, 1, 130)).splitlines()[-1].startswith("close: as configured it needs 6% more than the GPU holds")
+    far = ways.plan(config.load(CONFIG_8B, ["train.gradient_checkpointing=true"]), shape, 1, memory.DEFAULT_GPU_GIB)
     assert not plan.table(far).splitlines()[-1].startswith("close:")
 
 
@@ -299,12 +299,12 @@ def test_a_verdict_inside_the_plans_error_is_called_close():
 def test_a_gpu_smaller_than_the_cuda_context_is_blamed_on_the_context(gib, capsys):
     """Below the CUDA context every GPU count is too small, whatever the activations: the line says so."""
     tiny = config.load(ROOT / "configs" / "tiny.yaml")
-    p = memory.plan(tiny, memory.model_shape(tiny), gpus=1, gpu_gib=gib)
+    p = ways.plan(tiny, memory.model_shape(tiny), gpus=1, gpu_gib=gib)
     assert p["verdict"] == "does_not_fit" and p["options"][0]["activations"] < 0.05
     assert p["recommendation"] == (f"does not fit on 1 GPU of {gib:g} GiB: the CUDA context alone takes "
                                    f"{memory.CUDA_CONTEXT_GIB} GiB of each GPU (use GPUs with more memory)")
     assert "activations" not in p["recommendation"]
-    just_above = memory.plan(tiny, memory.model_shape(tiny), gpus=1, gpu_gib=2 * memory.CUDA_CONTEXT_GIB)
+    just_above = ways.plan(tiny, memory.model_shape(tiny), gpus=1, gpu_gib=2 * memory.CUDA_CONTEXT_GIB)
     assert just_above["verdict"] == "ddp"
     assert cli.main(["plan", str(ROOT / "configs" / "tiny.yaml"), "--gpu-memory", str(gib)]) == 0
     assert "the CUDA context alone takes" in capsys.readouterr().out
@@ -316,7 +316,7 @@ def test_modules_trained_whole_count_in_the_plan_once_per_matrix():
     cfg = config.load(CONFIG_8B)
     shape = memory.model_shape(cfg)
     saved = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, modules_to_save=["lm_head", "embed_tokens"]))
-    plain, both = memory.plan(cfg, shape, gpus=1), memory.plan(saved, shape, gpus=1)
+    plain, both = ways.plan(cfg, shape, gpus=1), ways.plan(saved, shape, gpus=1)
     matrix = shape.vocab * shape.hidden
     assert both["trained_params"] - plain["trained_params"] == 2 * matrix  # Llama 3.1: head and embeddings apart
     extra = sum(both["options"][0][k] - plain["options"][0][k] for k in ("adapters", "gradients", "optimizer")) * memory.GIB

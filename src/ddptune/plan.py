@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from ddptune import checks, config as config_lib, memory, report, rundir
+from ddptune import checks, config as config_lib, memory, report, rundir, ways
 from ddptune.config import ConfigError
 
 
@@ -38,7 +38,7 @@ def main(args) -> int:
               "estimate does not model: no estimate (the run measures its own peak; `ddptune train` then says it)")
         result = {"model": cfg.model.source, "estimate": None, "experts": shape.experts}
     else:
-        result = memory.plan(cfg, shape, args.gpus, args.gpu_memory or local_gpu_gib() or memory.DEFAULT_GPU_GIB)
+        result = ways.plan(cfg, shape, args.gpus, args.gpu_memory or local_gpu_gib() or memory.DEFAULT_GPU_GIB)
         print(table(result))
     if args.json:
         report.write_json(args.json, {**result, "speed": chosen.as_dict() if chosen else None, "speed_where": where})

@@ -62,7 +62,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from ddptune import batches, card as card_lib, data, memory, metrics
+from ddptune import batches, card as card_lib, data, memory, metrics, ways
 from ddptune.config import Config, ConfigError
 
 DDP_WARMUP = 11               # eager DDP steps before a whole-step capture (PyTorch's notes on DDP under whole-network capture)
@@ -268,7 +268,7 @@ def memory_problems(cfg: Config, shape: memory.Shape, world: int, chosen: Speed)
     need = min(o["memory_gib"] for o in chosen.estimate["options"])
     if need <= free:
         return []
-    p = memory.plan(cfg, shape, world, free)
+    p = ways.plan(cfg, shape, world, free)
     way = next((o for o in p["options"] if o["fits"]), None)
     fix = p["recommendation"] + (f" ({way['total']:.1f} GiB per GPU)" if way else "")
     return [f"memory: {t.method} fine-tuning of {cfg.model.source} needs about {need:.1f} GiB per GPU, more than "
