@@ -336,7 +336,7 @@ def test_what_a_fork_server_imports_asks_nothing_of_cuda(tmp_path):
     import subprocess
     import sys
 
-    from ddptune import evaluate, start
+    from ddptune import evaluate
 
     watch = ("is_available", "device_count", "init", "current_device", "get_device_capability", "get_device_properties",
              "get_device_name", "is_bf16_supported", "mem_get_info", "_lazy_init")
@@ -344,7 +344,7 @@ def test_what_a_fork_server_imports_asks_nothing_of_cuda(tmp_path):
         "import importlib, sys, torch", "called = []",
         f"for name in {watch!r}:",
         "    setattr(torch.cuda, name, lambda *a, _n=name, **k: called.append(_n))",
-        f"for module in {tuple(dict.fromkeys(start.WORKER_MODULES + evaluate.WORKER_MODULES))!r}:",
+        f"for module in {tuple(dict.fromkeys(launch.TRAIN_MODULES + evaluate.WORKER_MODULES))!r}:",
         "    importlib.import_module(module)",
         "print(len(sys.modules), called)"])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))

@@ -15,7 +15,7 @@ from ddptune import checks, config as config_lib, data, launch, report, rundir, 
 from ddptune.config import ConfigError
 
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")  # generation.ROUGE_KEYS (which needs torch to import)
-WORKER_MODULES = ("ddptune.cli", "ddptune.dist", "ddptune.generation", "ddptune.model")  # start.WORKER_MODULES, for eval
+WORKER_MODULES = ("ddptune.cli", "ddptune.dist", "ddptune.generation", "ddptune.model")  # launch.TRAIN_MODULES, for eval
 
 
 def main(args) -> int:

@@ -35,6 +35,7 @@ VALIDATED = "DDPTUNE_VALIDATED"  # set by `torchrun` below: the parent process h
 RUN = "DDPTUNE_RUN"  # set by `torchrun` for training: its output_dir, what a killed worker's line reports on
 STARTED = "DDPTUNE_STARTED"  # set by `torchrun` for training: when the launching command began (time.time() seconds)
 SPAWNED = "DDPTUNE_SPAWNED"  # set by `torchrun`: when it gave torch's launcher its command (time.time() seconds)
+TRAIN_MODULES = ("ddptune.cli", "ddptune.train")  # what a training worker imports: its fork server imports them first
 FORK_SERVER = "DDPTUNE_FORK_SERVER"  # set by `serve` for the fork server alone (ddptune.forked)
 THREADS_WHY = "DDPTUNE_THREADS_WHY"  # set by `torchrun` where it chose OMP_NUM_THREADS: why, in words (none: the user set it)
 FOLLOWS = "ddptune_follows"  # in a worker's error file (`tell_launcher`): its line tells of a failed collective

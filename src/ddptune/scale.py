@@ -72,7 +72,8 @@ def main(args) -> int:
         run["command"] = shlex.join(child)
         print(f"ddptune scale: {run['nproc']} process(es), {run['steps']} steps: {shlex.join(child[1:])}", flush=True)
         before = system.cpu_times()
-        rc = launch.torchrun(run["nproc"], child, env=child_env)
+        with launch.standby(preload=launch.TRAIN_MODULES) as waiting:  # its workers fork ready-imported
+            rc = launch.torchrun(run["nproc"], child, env=child_env, standby=waiting)
         run["host_cpu"] = system.cpu_share(before, system.cpu_times())  # a busy or stolen host explains lost compute
         if rc != 0:
             print(f"ddptune scale: the run with {run['nproc']} process(es) failed (exit {rc}); see {run['dir']}", file=sys.stderr)

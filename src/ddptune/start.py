@@ -30,9 +30,6 @@ from ddptune.admission import Admission
 from ddptune.config import Config, ConfigError
 from ddptune.stops import Interrupted, NonFinite
 
-WORKER_MODULES = ("ddptune.cli", "ddptune.train")  # what a worker of --nproc imports: its fork server imports them meanwhile
-
-
 def train(args, started: float, trainer) -> int:
     """`ddptune train ARGS` in this process, whichever way it was launched; the exit code. `started`:
     when the command began (launch.command_started); `trainer`: train.run. Bad input raises ConfigError."""
@@ -79,7 +76,7 @@ def _start(cfg: Config, args, nproc: int, started: float, trainer) -> int:
     first = args.node_rank == 0  # node 0 holds rank 0, which writes: it alone checks and locks output_dir
     world = nproc * args.nnodes
     # torch's launcher imports torch while the run is checked; it starts no process before the run is admitted
-    with launch.standby(launches, preload=WORKER_MODULES) as standby:
+    with launch.standby(launches, preload=launch.TRAIN_MODULES) as standby:
         # once per node, here, before any process starts
         admitted = admission.admit(cfg, args.resume, args.overwrite, world, output=first)
         if args.gpu_memory is not None:  # on CUDA train.setup checks the GPU's own free memory
