@@ -328,7 +328,9 @@ def test_layers_whose_work_changes_with_the_data_are_neither_compiled_nor_record
     assert chosen.compiled == (not dynamic)
     if dynamic:
         assert chosen.graphs == "off" and all(o["graphs"] == "off" for o in chosen.estimate["options"])
-        assert chosen.reasons["compiled layers"].startswith("off") and chosen.reasons["CUDA graphs"].startswith("off")
+        why = {"why": shape.dynamic}  # the reasons' codes, each with the cause memory.dynamic_reason names
+        assert [chosen.reasons[k].as_dict() for k in ("compiled layers", "CUDA graphs")] == [
+            {"code": "dynamic_layers", **why}, {"code": "unrecordable", **why}]
     forced = speed.decide(cfg=config.load(CONFIG_8B, ["train.method=lora", "train.compile=true"]), cuda=True, shape=shape,
                           world=1, free_gib=80.0, work=samsum_like(), card=card.REFERENCE, link="")
     assert forced.compiled  # the user's word stands

@@ -11,6 +11,7 @@ import pytest
 
 from conftest import ROOT
 from ddptune import speed
+from ddptune.reasons import Reason
 
 _spec = importlib.util.spec_from_file_location("scaling_report", ROOT / "benchmarks" / "scaling_report.py")
 report = importlib.util.module_from_spec(_spec)
@@ -64,8 +65,9 @@ def test_repeats_give_each_ones_figures_their_range_the_speed_choices_and_the_re
     for k, graphs in enumerate(("off", "step")):
         folder = tmp_path / f"runs{k}" / f"{mode}-n2"
         folder.mkdir(parents=True)
+        why = Reason(code="forced", numbers={"graphs": graphs, "lengths": 1})
         choice = speed.Speed(compiled=True, graphs=graphs, lengths=1, sizes=(1024,), checkpointing=False, dequantize=True,
-                             bucket_mb=256.0, reasons={"CUDA graphs": graphs})
+                             bucket_mb=256.0, reasons={"CUDA graphs": why})
         (folder / "summary.json").write_text(json.dumps({"speed": choice.as_dict()}))
         runs.append(str(folder.parent))
     recipe = {"median_step_time_s": 3.3, "samples_per_step": 16, "steps": 30, "warmup_steps_excluded": 5,

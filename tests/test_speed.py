@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 
 import pytest
 
 from conftest import ROOT, SHARED_DATA, field, words
-from ddptune import batches, batchplan, card, config, memory, metrics, model as model_lib, speed
+from ddptune import batches, batchplan, card, config, memory, metrics, model as model_lib, reasons, speed
 from ddptune.config import ConfigError
 
 CONFIG_8B = ROOT / "configs" / "samsum_qlora_llama31_8b.yaml"
@@ -44,6 +45,33 @@ def test_the_8b_qlora_job_on_an_h200_runs_without_checkpointing_on_a_dequantized
     assert 0.18 < plain["step_s"] < 0.28 and 40 < plain["memory_gib"] < 60
     assert set(chosen.reasons) == {"compiled layers", "gradient checkpointing", "4-bit base", "CUDA graphs",
                                    "DDP gradient buckets", "combined kernels"}
+
+
+def test_each_reason_is_a_code_with_the_numbers_its_line_shows_and_the_record_words_the_same_lines():
+    """The 8B QLoRA job's reasons: a code each, with the estimates of the options it compares; the
+    record (summary.json's `speed`) holds codes and numbers, no words, and words the banner's lines again."""
+    chosen = decide([], 139.3, samsum_like())
+    options = {(o["checkpointing"], o["dequantize"], o["graphs"], o["lengths"]): o for o in chosen.estimate["options"]}
+    mine, four_bit = options[(False, True, "off", 0)], options[(False, False, "off", 0)]
+    recorded = [o for o in options.values() if o["graphs"] != "off" and o["memory_gib"] <= 139.3 * (1 - speed.MARGIN)]
+    assert {name: r.as_dict() for name, r in chosen.reasons.items()} == {
+        "compiled layers": {"code": "cuda"},
+        "gradient checkpointing": {"code": "fits_without", "free_gib": 139.3,
+                                   "memory_gib": min(o["memory_gib"] for o in options.values() if not o["checkpointing"])},
+        "4-bit base": {"code": "dequantized_faster", "step_s": mine["step_s"], "other_step_s": four_bit["step_s"],
+                       "memory_gib": mine["memory_gib"]},
+        "CUDA graphs": {"code": "graphs_not_faster", "step_s": chosen.estimate["step_s"],
+                        "other_step_s": min(o["step_s"] for o in recorded)},
+        "DDP gradient buckets": {"code": "one_process"},
+        "combined kernels": {"code": "launched_one_by_one"}}
+    assert chosen.lines() == [reasons.render(name, r) for name, r in chosen.reasons.items()]
+    for run in (chosen, chosen.unrecorded("recording the step failed")):
+        record = json.loads(json.dumps(run.as_dict()))["reasons"]
+        again = {name: reasons.Reason(code=r.pop("code"), numbers=r) for name, r in record.items()}
+        assert again == run.reasons and [reasons.render(name, r) for name, r in again.items()] == run.lines()
+        assert not any(line.split(": ", 1)[1] in json.dumps(record) for line in run.lines())  # no words in the record
+    assert chosen.unrecorded("x").reasons["CUDA graphs"].as_dict() == {"code": "recording_failed", "why": "x"}
+    assert reasons.FORCED_BY == speed.FORCE_ENV  # the words a forced choice names
 
 
 def test_the_cards_own_figures_time_each_option_and_can_change_the_choice():
@@ -111,7 +139,8 @@ def test_a_small_model_records_the_whole_step_at_one_length():
     assert chosen.estimate["setup_s"] == pytest.approx(speed.LENGTH_S, abs=1.0)
     assert chosen.sizes[0] % batches.GRAPH_PAD == 0 and chosen.sizes[0] >= max(t for t, _ in samsum_like().rows)
     never = decide(["train.method=lora", "train.cuda_graphs=false"], 139.3, samsum_like(), preset="smollm2-135m")
-    assert never.graphs == "off" and never.sizes == () and "train.cuda_graphs=false" in never.reasons["CUDA graphs"]
+    assert never.graphs == "off" and never.sizes == ()
+    assert never.reasons["CUDA graphs"] == reasons.Reason(code="set_by_config", numbers={"graphs": "off", "lengths": 0, "setting": "false"})
     layers = decide(["train.method=lora", "train.optimizer=adamw_8bit"], 139.3, samsum_like(), preset="smollm2-135m")
     assert layers.graphs == "layers"  # an 8-bit optimizer's update cannot be recorded
 
@@ -228,7 +257,7 @@ def test_fsdp_qlora_keeps_its_base_4_bit_and_checkpoints_where_the_sharded_run_n
     work = samsum_like(parts=2)
     big = decide(["train.strategy=fsdp"], 47.0, work, preset="llama-3.1-70b", world=2)
     assert (big.checkpointing, big.dequantize, big.graphs) == (True, False, "off")
-    assert big.reasons["4-bit base"].startswith("4-bit (train.strategy=fsdp shards the 4-bit base")
+    assert big.reasons["4-bit base"].code == "fsdp_shards_4bit"
     assert {o["dequantize"] for o in big.estimate["options"]} == {False}
     assert 24 < big.estimate["memory_gib"] < 47 * (1 - speed.MARGIN)
     assert min(o["memory_gib"] for o in big.estimate["options"] if not o["checkpointing"]) > 47

@@ -391,6 +391,8 @@ def test_a_step_that_cannot_be_recorded_runs_its_layers_one_by_one_with_the_same
     monkeypatch.setattr(graphs, "StepGraphs", unrecordable)
     fell = train_tiny_padded([f"output_dir={tmp_path / 'fell'}", *args], scope="step")
     assert fell["cuda_graphs"] == "off" and fell["speed"]["graphs"] == "off"
+    assert fell["speed"]["reasons"]["CUDA graphs"] == {"code": "recording_failed", "why": "recording the step failed "
+                                                       "(operation not permitted when stream is capturing)"}
     assert len(fell["padded_lengths"]) == 2 and fell["padded_lengths"] == padded["padded_lengths"]
     assert losses(tmp_path / "fell") == pytest.approx(losses(tmp_path / "padded"), abs=1e-6)
 
@@ -494,6 +496,8 @@ def test_a_compile_that_fails_falls_back_to_eager_layers_with_the_same_losses(tm
     monkeypatch.setattr(model_lib, "compile_layers", compile_with_broken_backend)
     fell, _ = train.run(config.load(TINY, [f"output_dir={tmp_path / 'fell'}", "train.compile=true", *FALLBACK_ARGS]))
     assert (fell["compiled"], fell["speed"]["compiled"]) == (False, False)
+    assert [fell["speed"]["reasons"][k]["code"] for k in ("compiled layers", "CUDA graphs", "combined kernels")] == [
+        "compile_failed", "eager_layers", "eager_layers"]
     assert losses(tmp_path / "fell") == pytest.approx(eager_losses, abs=1e-6)
 
 
@@ -515,4 +519,5 @@ def test_combined_kernels_that_fail_to_compile_fall_back_to_compiled_layers_with
     fell, _ = train.run(config.load(TINY, [f"output_dir={tmp_path / 'fell'}", "train.compile=true", *FALLBACK_ARGS]))
     assert built == [True, False]
     assert (fell["compiled"], fell["speed"]["combo"], fell["speed"]["compiled"]) == (True, False, True)
+    assert fell["speed"]["reasons"]["combined kernels"]["code"] == "combo_failed"
     assert losses(tmp_path / "fell") == pytest.approx(eager_losses, abs=1e-6)

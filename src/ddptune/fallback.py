@@ -17,6 +17,7 @@ import torch
 from ddptune import dist, model as model_lib
 from ddptune.batches import Stream
 from ddptune.graphs import StepGraphs
+from ddptune.reasons import Reason
 from ddptune.speed import Speed
 from ddptune.step import Parts
 
@@ -44,7 +45,7 @@ def uncombined(level: Level, model: torch.nn.Module, why: str, say: Callable[[st
     """The level below `level` where combined kernels fail to compile: the layers compiled again without them."""
     _reset(level.parts, model)
     model_lib.compile_layers(model)
-    reasons = {**level.speed.reasons, "combined kernels": f"off ({why}: compiled layers without them)"}
+    reasons = {**level.speed.reasons, "combined kernels": Reason(code="combo_failed", numbers={"why": why})}
     say(f"ddptune: {why}: compiling the layers without combined kernels")
     return dataclasses.replace(level, speed=dataclasses.replace(level.speed, combo=False, reasons=reasons))
 
@@ -52,8 +53,9 @@ def uncombined(level: Level, model: torch.nn.Module, why: str, say: Callable[[st
 def to_eager(level: Level, model: torch.nn.Module, why: str, say: Callable[[str], None]) -> Level:
     """The level below every compiled one: the layers run uncompiled from here on, with no graphs and no padded lengths."""
     _reset(level.parts, model)
-    reasons = {**level.speed.reasons, "compiled layers": f"off ({why}: fell back to eager layers)",
-               "CUDA graphs": "off (eager layers)", "combined kernels": "off (eager layers)"}
+    eager = Reason(code="eager_layers")
+    reasons = {**level.speed.reasons, "compiled layers": Reason(code="compile_failed", numbers={"why": why}),
+               "CUDA graphs": eager, "combined kernels": eager}
     speed = dataclasses.replace(level.speed, compiled=False, graphs="off", lengths=0, combo=False, reasons=reasons)
     say(f"ddptune: {why}: falling back to eager layers")
     return Level(speed, dataclasses.replace(level.parts, layer_graphs=False), None, level.stream.with_lengths([]))

@@ -17,7 +17,7 @@ model below; of those whose memory fits the free GPU memory with `MARGIN` to spa
 wins, and of steps within `TIE` of it the least set-up (`fastest`). How long the run is does not enter:
 a trial of 30 steps, an epoch and three epochs run one program, and so does each process count with
 the same batch a process (buckets and shards apart). Nothing else in ddptune makes these choices. Each choice
-comes with its reason (the run's banner, summary.json's `speed`).
+comes with its reason, a code and its numbers (summary.json's `speed`), worded by `reasons.render` (the run's banner).
 
 The time model, per process and step. Its constants were fitted on an H200 (16-core host, torch 2.11)
 and hold on an H100 (the 8B step below: 0.222 s estimated, 0.221 s measured); on any card each is
@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 
 from ddptune import batches, card as card_lib, data, memory, metrics, ways
 from ddptune.config import Config, ConfigError
+from ddptune.reasons import Reason, render
 
 DDP_WARMUP = 11               # eager DDP steps before a whole-step capture (PyTorch's notes on DDP under whole-network capture)
 MARGIN = 0.10                 # free memory kept spare: the plan has been up to 8 % under measured peaks
@@ -122,7 +123,7 @@ class Work:
 
 @dataclass(frozen=True, kw_only=True)
 class Speed:
-    """The choices, each with its reason."""
+    """The choices, each with its reason (a code and its numbers, rendered to words by `reasons.render`)."""
     compiled: bool
     graphs: str                    # off | layers | step
     lengths: int                   # padded lengths with graphs, else 0
@@ -131,19 +132,20 @@ class Speed:
     dequantize: bool
     bucket_mb: float | None        # None: torch's default
     combo: bool = False            # compiled layers combine independent kernels into one launch
-    reasons: dict[str, str] = field(default_factory=dict)
+    reasons: dict[str, Reason] = field(default_factory=dict)
     forced: dict = field(default_factory=dict)
     estimate: dict = field(default_factory=dict)
 
     def lines(self) -> list[str]:
-        return [f"{name}: {reason}" for name, reason in self.reasons.items()]
+        return [render(name, reason) for name, reason in self.reasons.items()]
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The record (summary.json's `speed`, the plan's JSON): each reason as its code and numbers, no words."""
+        return {**dataclasses.asdict(self), "reasons": {name: r.as_dict() for name, r in self.reasons.items()}}
 
     def unrecorded(self, why: str) -> "Speed":
         """These choices once recording the whole step failed: compiled layers at the padded lengths, no graphs."""
-        reasons = {**self.reasons, "CUDA graphs": f"off ({why}: compiled layers launched one by one)"}
+        reasons = {**self.reasons, "CUDA graphs": Reason(code="recording_failed", numbers={"why": why})}
         return dataclasses.replace(self, graphs="off", reasons=reasons)
 
 
@@ -420,103 +422,100 @@ def time_s(cfg: Config, shape: memory.Shape, o: Option, work: Work, rate: float,
 
 
 # ---------------------------------------------------------------------------------------------
-# Reasons: one line each
+# Reasons: a code and the numbers its line shows (reasons.render words them)
 
 
-def _forced(key: str, force: dict) -> str:
-    return f" ({FORCE_ENV})" if key in force else ""
+def _forced(**chosen) -> Reason:
+    """A choice DDPTUNE_SPEED forced: the reason holds what it chose."""
+    return Reason(code="forced", numbers=chosen)
 
 
-def compile_reason(setting, compiled: bool, cuda: bool, forced_: bool, dynamic: str = "") -> str:
+def compile_reason(setting, compiled: bool, cuda: bool, forced_: bool, dynamic: str = "") -> Reason:
     if forced_:
-        return ("on" if compiled else "off") + f" ({FORCE_ENV})"
+        return _forced(on=compiled)
     if setting != "auto":
-        return ("on" if compiled else "off") + f" (train.compile={str(setting).lower()})"
+        return Reason(code="set_by_config", numbers={"on": compiled, "setting": str(setting).lower()})
     if dynamic and cuda:
-        return f"off ({dynamic}: compiled, they would break into pieces and compile again; train.compile=true compiles)"
-    return "on (CUDA)" if cuda else "off (CPU: compiling costs more than a short run saves; train.compile=true compiles)"
+        return Reason(code="dynamic_layers", numbers={"why": dynamic})
+    return Reason(code="cuda" if cuda else "cpu")
 
 
-def combo_reason(combo: bool, compiled: bool, cuda: bool, force: dict) -> str:
+def combo_reason(combo: bool, compiled: bool, cuda: bool, force: dict) -> Reason:
     if "combo" in force:
-        return ("on" if combo else "off") + _forced("combo", force)
-    if combo:
-        return "on (layers launched one by one: Inductor launches independent kernels together, fewer launches a step)"
-    return "off (" + ("compiled layers are off" if not compiled else "no CUDA device" if not cuda else
-                      "the step is recorded: its launches cost the host nothing") + ")"
+        return _forced(on=combo)
+    return Reason(code="launched_one_by_one" if combo else "not_compiled" if not compiled else
+                  "no_cuda" if not cuda else "step_recorded")
 
 
-def checkpoint_reason(setting, choice: Option, costed: list, free_gib: float | None, force: dict) -> str:
-    on = "on" if choice.checkpointing else "off"
+def checkpoint_reason(setting, choice: Option, costed: list, free_gib: float | None, force: dict) -> Reason:
     if "checkpointing" in force:
-        return on + _forced("checkpointing", force)
+        return _forced(on=choice.checkpointing)
     if setting != "auto":
-        return f"{on} (train.gradient_checkpointing={str(setting).lower()})"
+        return Reason(code="set_by_config", numbers={"on": choice.checkpointing, "setting": str(setting).lower()})
     if free_gib is None:
-        return "off (no memory budget known)"
-    without = min((m for o, m, _, _ in costed if not o.checkpointing), default=None)
-    if choice.checkpointing and without is not None:
-        return f"on (without it the run needs about {without:.1f} GiB, more than {1 - MARGIN:.0%} of the {free_gib:.1f} GiB free)"
-    return f"off (about {without:.1f} GiB of the {free_gib:.1f} GiB free)" if without is not None else on
+        return Reason(code="no_budget")
+    without = min(m for o, m, _, _ in costed if not o.checkpointing)  # `auto` costs every option without it
+    numbers = {"memory_gib": without, "free_gib": free_gib}
+    if choice.checkpointing:
+        return Reason(code="does_not_fit_without", numbers={**numbers, "share": 1 - MARGIN})
+    return Reason(code="fits_without", numbers=numbers)
 
 
 def dequantize_reason(choice: Option, costed: list, budget: float | None, force: dict, strategy: str = "ddp",
-                      cuda: bool = True) -> str:
+                      cuda: bool = True) -> Reason:
     if "dequantize" in force:
-        return ("kept dequantized in bf16" if choice.dequantize else "4-bit") + _forced("dequantize", force)
+        return _forced(dequantized=choice.dequantize)
     if strategy == "fsdp":
-        return "4-bit (train.strategy=fsdp shards the 4-bit base: dequantized, every process would first hold it whole in bf16)"
+        return Reason(code="fsdp_shards_4bit")
     if not cuda:
-        return "4-bit (CPU: the base stays as it loaded)"
+        return Reason(code="cpu_base_as_loaded")
     same = [c for c in costed if c[0].checkpointing == choice.checkpointing and c[0].graphs == choice.graphs
             and c[0].lengths == choice.lengths]
     other = next((c for c in same if c[0].dequantize != choice.dequantize), None)
     mine = next(c for c in same if c[0] == choice)
+    steps = {"step_s": mine[2], "other_step_s": other[2] if other else None}
     if choice.dequantize:
-        vs = f" against {other[2]:.3g} s with the 4-bit one" if other else ""
-        return (f"kept dequantized in bf16 (no dequantizing in every pass: an estimated {mine[2]:.3g} s a step{vs}; "
-                f"about {mine[1]:.1f} GiB)")
+        return Reason(code="dequantized_faster", numbers={**steps, "memory_gib": mine[1]})
     if other is None:
-        return "4-bit (a dequantized base is not tried with checkpointing and CUDA graphs together: measured slower)"
+        return Reason(code="not_tried_with_both")
     if budget is not None and other[1] > budget:
-        return f"4-bit (dequantized it would need about {other[1]:.1f} GiB, more than {budget:.1f} GiB)"
-    return f"4-bit (an estimated {mine[2]:.3g} s a step against {other[2]:.3g} s dequantized)"
+        return Reason(code="dequantized_does_not_fit", numbers={"memory_gib": other[1], "budget_gib": budget})
+    return Reason(code="four_bit_faster", numbers=steps)
 
 
 def graphs_reason(cfg: Config, cuda: bool, compiled: bool, choice: Option, best: tuple, fitting: list,
-                  force: dict, dynamic: str = "") -> str:
-    t = cfg.train
+                  force: dict, dynamic: str = "") -> Reason:
+    chosen = {"graphs": choice.graphs, "lengths": choice.lengths}
     if "graphs" in force:
-        return choice.graphs + (f", {choice.lengths} padded length(s)" if choice.lengths else "") + _forced("graphs", force)
-    why_not = unrecordable(cfg, cuda, compiled, dynamic) or ("train.cuda_graphs=false" if t.cuda_graphs is False else None)
+        return _forced(**chosen)
+    why_not = unrecordable(cfg, cuda, compiled, dynamic)
     if why_not:
-        return f"off ({why_not})"
-    what = {"step": "the whole step", "layers": "each layer (an 8-bit optimizer cannot be recorded)"}
-    off = [c for c in fitting if c[0].graphs == "off"]
-    on = [c for c in fitting if c[0].graphs != "off"]
+        return Reason(code="unrecordable", numbers={"why": why_not})
+    if cfg.train.cuda_graphs is False:
+        return Reason(code="set_by_config", numbers={**chosen, "setting": "false"})
+    off = [c[2] for c in fitting if c[0].graphs == "off"]
+    on = [c[2] for c in fitting if c[0].graphs != "off"]
     if choice.graphs != "off":
-        vs = f" against {min(c[2] for c in off):.3g} s without" if off else ""
-        return (f"{what[choice.graphs]}, {choice.lengths} padded length{'s' if choice.lengths > 1 else ''} (an estimated "
-                f"{best[2]:.3g} s a step{vs}; about {best[3]:.0f} s to compile and record before the first step)")
+        return Reason(code="graphs_faster" if off else "graphs_only_option",
+                      numbers={**chosen, "step_s": best[2], "other_step_s": min(off, default=None), "setup_s": best[3]})
     if not on:
-        return "off (with them the run would not fit the free memory)"
-    return f"off (an estimated {best[2]:.3g} s a step without them against {min(c[2] for c in on):.3g} s with them)"
+        return Reason(code="graphs_do_not_fit")
+    return Reason(code="graphs_not_faster", numbers={"step_s": best[2], "other_step_s": min(on)})
 
 
 def bucket(cfg: Config, shape: memory.Shape, world: int, cuda: bool, link: str, one_machine: bool,
-           force: dict) -> tuple[float | None, str]:
+           force: dict) -> tuple[float | None, Reason]:
     """DDP's bucket size in MiB (None: torch's default) and why."""
     if "bucket_mb" in force:
-        return force["bucket_mb"], f"{force['bucket_mb']:g} MiB ({FORCE_ENV})"
+        return force["bucket_mb"], _forced(bucket_mb=force["bucket_mb"])
     if cfg.train.strategy != "ddp":
-        return None, "none (FSDP reduce-scatters each layer's gradients)"
+        return None, Reason(code="fsdp_reduce_scatters")
     if world == 1:
-        return None, "none (one process: nothing to all-reduce)"
+        return None, Reason(code="one_process")
     trained = shape.params if cfg.train.method == "full" else \
         shape.lora_params(cfg.lora.r, list(cfg.lora.target_modules)) + shape.saved_params(cfg.lora.modules_to_save)
     mib = trained * 4 / 2**20
     if cuda and one_machine and link == "NVLink" and cfg.train.method != "full":
         size = math.ceil(mib) + 1
-        return size, f"one of {size} MiB after the backward (NVLink: one all-reduce of {mib:.0f} MiB of gradients)"
-    return None, "torch's 25 MiB buckets, all-reduced while the backward runs" + (
-        "" if cuda else " (CPU processes)")
+        return size, Reason(code="nvlink_one_bucket", numbers={"bucket_mb": size, "gradients_mib": mib})
+    return None, Reason(code="overlapping_buckets" if cuda else "cpu_processes")
