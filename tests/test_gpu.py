@@ -265,6 +265,8 @@ def test_the_decider_records_one_length_for_a_small_model_and_explains_each_choi
     assert summary["padded_lengths"][0] == speed["sizes"][0] and len(speed["sizes"]) == 1  # (and a longer row's, where met)
     assert set(speed["reasons"]) >= {"compiled layers", "gradient checkpointing", "CUDA graphs", "DDP gradient buckets"}
     assert speed["estimate"]["free_gib"] > 1 and speed["estimate"]["memory_gib"] < speed["estimate"]["free_gib"]
+    assert speed["estimate"]["card"]["source"] == "measured"  # timed with this card's own figures (card.of)
+    assert speed["reasons"]["CUDA graphs"]["code"] in ("graphs_faster", "graphs_only_option")
 
 
 def fail_every_step_recording(monkeypatch):
