@@ -156,6 +156,24 @@ def test_train_refuses_a_run_that_will_not_fit_in_one_line_before_loading(tmp_pa
     assert refusal(["train.method=full", "train.memory_check=false"], 1, 80) == []
 
 
+def test_the_choices_say_whether_the_job_fits_and_the_refusal_follows_them():
+    """`Speed.fits` (the least memory of the options costed within the free memory) is the one answer the
+    admission reads: refused exactly where it is False; a mixture has no estimate (None) and is not refused."""
+    from test_speed import samsum_like
+
+    for overrides, world, gib, fits in ((["train.method=full"], 1, 80, False), (["train.method=full"], 1, 200, True),
+                                         ([], 1, 12, True), ([], 1, 10, False), (["train.method=lora"], 2, 18, False)):
+        cfg = config.load(CONFIG_8B, overrides)
+        shape = memory.model_shape(cfg)
+        chosen = speed.decide(cfg=cfg, cuda=True, shape=shape, world=world, free_gib=gib, work=samsum_like(parts=world))
+        assert chosen.fits is fits and fits == (min(o["memory_gib"] for o in chosen.estimate["options"]) <= gib)
+        assert (speed.memory_problems(cfg, shape, world, chosen) == []) is fits, (overrides, gib)
+        assert (speed.memory_problems(cfg, shape, world, dataclasses.replace(chosen, fits=not fits)) == []) is (not fits)
+    moe = dataclasses.replace(memory.model_shape(config.load(CONFIG_8B, [])), experts=8)
+    chosen = speed.decide(cfg=config.load(CONFIG_8B, []), cuda=True, shape=moe, world=1, free_gib=1.0, work=samsum_like())
+    assert chosen.fits is None and speed.memory_problems(config.load(CONFIG_8B, []), moe, 1, chosen) == []
+
+
 def test_fsdp_auto_checkpointing_is_not_refused():
     # FSDP with checkpointing `auto`: turning it on is the way out the run takes itself, not a refusal
     shape = memory.model_shape(config.load(CONFIG_8B, []))

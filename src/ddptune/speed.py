@@ -132,6 +132,8 @@ class Speed:
     dequantize: bool
     bucket_mb: float | None        # None: torch's default
     combo: bool = False            # compiled layers combine independent kernels into one launch
+    fits: bool | None = True       # the least memory of the options costed is within the free memory (None: a
+                                   # mixture, no estimate); what the admission asks (memory_problems)
     reasons: dict[str, Reason] = field(default_factory=dict)
     forced: dict = field(default_factory=dict)
     estimate: dict = field(default_factory=dict)
@@ -233,8 +235,10 @@ def decide(cfg: Config, cuda: bool, shape: memory.Shape, world: int, free_gib: f
                 "options": [{**dataclasses.asdict(o), "memory_gib": m, "step_s": s, "setup_s": u}
                                                  for o, m, s, u in costed]}
     sizes = tuple(padded(work, choice.lengths)[3]) if choice.graphs != "off" else ()
+    fits = None if shape.experts else free_gib is None or min(c[1] for c in costed) <= free_gib
     return Speed(compiled=compiled, graphs=choice.graphs, lengths=choice.lengths, sizes=sizes, checkpointing=choice.checkpointing,
-                 dequantize=choice.dequantize, bucket_mb=bucket_mb, combo=combo, reasons=reasons, forced=force, estimate=estimate)
+                 dequantize=choice.dequantize, bucket_mb=bucket_mb, combo=combo, fits=fits, reasons=reasons, forced=force,
+                 estimate=estimate)
 
 
 def for_device(*, cfg: Config, shape: memory.Shape, work: Work, world: int, device, free_gib: float | None,
@@ -267,9 +271,9 @@ def memory_problems(cfg: Config, shape: memory.Shape, world: int, chosen: Speed)
                 f"{load:.1f} GiB for {t.method} fine-tuning of {cfg.model.source}, more than {free:.1f} GiB "
                 "(loading on the meta device is not supported yet: use GPUs with more memory"
                 + {"full": ", or train.method=lora", "lora": ", or train.method=qlora"}.get(t.method, "") + ")"]
-    need = min(o["memory_gib"] for o in chosen.estimate["options"])
-    if need <= free:
+    if chosen.fits:
         return []
+    need = min(o["memory_gib"] for o in chosen.estimate["options"])
     p = ways.plan(cfg, shape, world, free)
     way = next((o for o in p["options"] if o["fits"]), None)
     fix = p["recommendation"] + (f" ({way['total']:.1f} GiB per GPU)" if way else "")
