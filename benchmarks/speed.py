@@ -32,6 +32,16 @@ Every ddptune run is the shipped config's program: the speed decider's choices d
 many steps a run takes, so --steps of a run time the program of the whole epoch. Several `env:` values for one variable
 are joined with commas: `--run plain=env:DDPTUNE_SPEED=graphs=off,env:DDPTUNE_SPEED=combo=false`.
 
+`families` trains small random models of several architectures at one shape (Llama, Gemma 3, Qwen3-MoE,
+GPT-OSS; a mixture's experts a token times each expert's width equal the dense MLP's width, so a token meets the
+same matrix work), each built from its transformers config class with SmolLM2's tokenizer and trained by
+`ddptune train configs/demo.yaml` with only the data, the model, the steps and evaluation overridden: the speed
+decider chooses as it would for a user, and the banner's choices are recorded. MFU is ddptune's over the
+datasheet's dense bf16 rate:
+
+    python benchmarks/speed.py families --tokenizer .tok/smollm2 --data .devdata/samsum_validation.json \
+        --name h100_families_small --steps 60
+
 `recipe` runs the tutorial's recipe alone, the way the comparison above runs it: HF Trainer + Accelerate +
 PEFT (QLoRA through bitsandbytes), gradient checkpointing, dynamic padding (DataCollatorForSeq2Seq), no
 packing; none of ddptune's training code runs (only ddptune.provenance, which names the commit). It
@@ -469,12 +479,86 @@ def epoch(result: dict, runs: list[str], references: list[str], steps: int = EPO
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# `families`: small random models of several architectures, one shape, side by side
+
+FAMILY_SHAPE = dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                    max_position_embeddings=4096, tie_word_embeddings=False)
+DENSE = 2816
+FAMILIES = {  # transformers' config class, and the family's own keys beside FAMILY_SHAPE
+    "llama": ("LlamaConfig", {"intermediate_size": DENSE}),
+    "gemma3": ("Gemma3TextConfig", {"intermediate_size": DENSE, "sliding_window": 512, "query_pre_attn_scalar": 64}),
+    "qwen3-moe": ("Qwen3MoeConfig", {"intermediate_size": DENSE, "num_experts": 8, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": DENSE // 2}),
+    "gpt-oss": ("GptOssConfig", {"intermediate_size": DENSE // 2, "num_local_experts": 8, "num_experts_per_tok": 2,
+                                 "sliding_window": 128, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+}
+
+
+def build_family(name: str, tokenizer: str, folder: Path) -> None:
+    """Family `name`'s model at FAMILY_SHAPE, random bf16 weights, saved to `folder` with the tokenizer."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    cls, extra = FAMILIES[name]
+    cfg = getattr(transformers, cls)(**FAMILY_SHAPE, **extra, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(folder)
+    tok.save_pretrained(folder)
+
+
+def families(argv: list[str]) -> int:
+    """`families ...` (the module docstring): each family's model trained by `ddptune train configs/demo.yaml`
+    with only the data, the model, the steps and evaluation overridden; the banner's choices recorded."""
+    import torch
+
+    p = argparse.ArgumentParser(prog="speed.py families")
+    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--name", required=True)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--families", default=",".join(FAMILIES))
+    p.add_argument("--work", default="/tmp/families")
+    p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
+    a = p.parse_args(argv)
+    work, out = Path(a.work), {"command": sys.argv, "date": time.strftime("%Y-%m-%d"),
+                               "commit": provenance.commit(), "device": torch.cuda.get_device_name(0), "runs": {}}
+    for name in a.families.split(","):
+        folder = work / f"{name}-model"
+        if not (folder / "config.json").exists():
+            build_family(name, a.tokenizer, folder)
+        args = [sys.executable, "-m", "ddptune", "train", str(ROOT / "configs" / "demo.yaml"), f"model.source={folder}",
+                f"data.train={a.data}", "data.train_rows=null", "data.val=null", "eval.enabled=false",
+                f"train.max_steps={a.steps}", f"output_dir={work / name}", "--overwrite"]
+        began = time.perf_counter()
+        proc = subprocess.run(args, capture_output=True, text=True)
+        run = {"args": args[3:], "rc": proc.returncode, "wall_s": time.perf_counter() - began,
+               "banner": [line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if line.startswith("ddptune: ")]}
+        if proc.returncode == 0:
+            summary = json.loads((work / name / "summary.json").read_text())
+            run.update({k: summary.get(k) for k in ("tokens_per_s_per_gpu", "mfu", "median_step_time_s", "compiled",
+                                                     "cuda_graphs", "final_loss", "peak_memory_gib", "mfu_denominator_tflops")})
+        else:
+            run["stderr_tail"] = proc.stderr[-2000:]
+        out["runs"][name] = run
+        print(name, {k: v for k, v in run.items() if k not in ("banner", "args", "stderr_tail")}, flush=True)
+        Path(a.results).mkdir(parents=True, exist_ok=True)
+        (Path(a.results) / f"{a.name}.json").write_text(json.dumps(out, indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """The command line (module docstring): `recipe ...` runs the recipe alone, anything else the comparison."""
+    """The command line (module docstring): `recipe ...` runs the recipe alone, `families ...` the families side
+    by side, anything else the comparison."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["recipe"]:
         recipe(argv[1:])
         return 0
+    if argv[:1] == ["families"]:
+        return families(argv[1:])
     p = argparse.ArgumentParser()
     p.add_argument("--name", required=True)
     p.add_argument("--preset", default="llama-3.1-8b")
