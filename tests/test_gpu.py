@@ -46,7 +46,9 @@ def test_the_card_is_measured_once_and_its_cached_figures_read_back(tmp_path, mo
     from ddptune import card
 
     monkeypatch.setenv("DDPTUNE_CACHE", str(tmp_path))
+    reserved = torch.cuda.memory_reserved(0)
     first = card.of(torch.device("cuda", 0))
+    assert torch.cuda.memory_reserved(0) - reserved < 64 * 2**20  # its ~400 MiB went back to the GPU (cuBLAS keeps a workspace)
     assert first.source == "measured" and first.name == torch.cuda.get_device_name(0)
     assert all(0.05 < f < 20 for f in first.factors().values()) and 50 < first.matrix_tflops < 5000
     (path,) = (tmp_path / "cards").iterdir()
