@@ -42,10 +42,6 @@ class Card:
         return {"kernel": ratio(self.kernel_s, ref.kernel_s), "dequant": ratio(ref.dequant_bytes_s, self.dequant_bytes_s),
                 "host": ratio(self.host_op_s, ref.host_op_s), "host_4bit": ratio(self.host_4bit_s, ref.host_4bit_s)}
 
-    def said(self) -> str:
-        """The card in a few words, for the banner and the plan."""
-        return f"{self.name} ({self.source}: {self.matrix_tflops:.0f} TFLOP/s bf16, a kernel {self.kernel_s * 1e6:.1f} µs)"
-
 
 # `measure` on an H100 80GB HBM3 (Xeon host, torch 2.11, CUDA 12), the median of three: 752-779 TFLOP/s,
 # a kernel 0.99-1.00 µs, 1.21-1.23 TB/s dequantizing, 6.4-9.7 µs an eager op, 27-28 µs a 4-bit matmul call

@@ -244,7 +244,8 @@ def decide(cfg: Config, cuda: bool, shape: memory.Shape, world: int, free_gib: f
 def for_device(*, cfg: Config, shape: memory.Shape, work: Work, world: int, device, free_gib: float | None,
                 link: str = "", one_machine: bool = True) -> Speed:
     """`decide` for a run on `device` (a torch.device): a CUDA card's figures measured once and cached
-    (card.of), the reference's on a CPU. `ddptune train` and `ddptune plan` both decide here."""
+    (card.of), the reference's on a CPU. `ddptune train` and `ddptune plan` both decide here (`plan
+    --gpu-memory`, for GPUs that need not be this machine's, calls `decide` with the reference card's figures)."""
     cuda = device.type == "cuda"
     return decide(cfg=cfg, cuda=cuda, shape=shape, world=world, free_gib=free_gib, work=work,
                   card=card_lib.of(device) if cuda else None, link=link, one_machine=one_machine)
