@@ -34,8 +34,8 @@ def main(args) -> int:
     print(f"ddptune plan: the run's choices {where}" + "".join(f"\n  {line}" for line in chosen.lines()) if chosen else
           f"ddptune plan: {where}")
     if chosen and chosen.fits is not None and (free := chosen.estimate.get("free_gib")) is not None:
-        least = min(o["memory_gib"] for o in chosen.estimate["options"])
-        print(f"  fits: {'yes' if chosen.fits else 'no'} (the least memory of the options costed, {least:.1f} GiB, "
+        print(f"  fits: {'yes' if chosen.fits else 'no'} (the least memory of the options costed, "
+              f"{chosen.estimate['least_gib']:.1f} GiB, "
               f"against {free:.1f} GiB free)")
     if shape.experts:
         print(f"ddptune plan: {cfg.model.source} is a mixture of {shape.experts} experts a layer, which the memory "

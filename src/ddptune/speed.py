@@ -230,12 +230,13 @@ def decide(cfg: Config, cuda: bool, shape: memory.Shape, world: int, free_gib: f
     reasons["DDP gradient buckets"] = bucket_why
     combo = force.get("combo", compiled and cuda and choice.graphs == "off")
     reasons["combined kernels"] = combo_reason(combo, compiled, cuda, force)
-    estimate = {"step_s": best[2], "setup_s": best[3], "memory_gib": best[1], "free_gib": free_gib,
+    least = min(c[1] for c in costed)  # the least memory any option takes: whether the job fits at all
+    estimate = {"step_s": best[2], "setup_s": best[3], "memory_gib": best[1], "free_gib": free_gib, "least_gib": least,
                 "card": {"name": card.name, "source": card.source, "factors": factors} if cuda else None,
                 "options": [{**dataclasses.asdict(o), "memory_gib": m, "step_s": s, "setup_s": u}
                                                  for o, m, s, u in costed]}
     sizes = tuple(padded(work, choice.lengths)[3]) if choice.graphs != "off" else ()
-    fits = None if shape.experts else free_gib is None or min(c[1] for c in costed) <= free_gib
+    fits = None if shape.experts else free_gib is None or least <= free_gib
     return Speed(compiled=compiled, graphs=choice.graphs, lengths=choice.lengths, sizes=sizes, checkpointing=choice.checkpointing,
                  dequantize=choice.dequantize, bucket_mb=bucket_mb, combo=combo, fits=fits, reasons=reasons, forced=force,
                  estimate=estimate)
@@ -274,7 +275,7 @@ def memory_problems(cfg: Config, shape: memory.Shape, world: int, chosen: Speed)
                 + {"full": ", or train.method=lora", "lora": ", or train.method=qlora"}.get(t.method, "") + ")"]
     if chosen.fits:
         return []
-    need = min(o["memory_gib"] for o in chosen.estimate["options"])
+    need = chosen.estimate["least_gib"]
     p = ways.plan(cfg, shape, world, free)
     way = next((o for o in p["options"] if o["fits"]), None)
     fix = p["recommendation"] + (f" ({way['total']:.1f} GiB per GPU)" if way else "")

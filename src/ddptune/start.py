@@ -30,6 +30,7 @@ from ddptune.admission import Admission
 from ddptune.config import Config, ConfigError
 from ddptune.stops import Interrupted, NonFinite
 
+
 def train(args, started: float, trainer) -> int:
     """`ddptune train ARGS` in this process, whichever way it was launched; the exit code. `started`:
     when the command began (launch.command_started); `trainer`: train.run. Bad input raises ConfigError."""
